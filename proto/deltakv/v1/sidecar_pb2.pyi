@@ -1,0 +1,174 @@
+from deltakv.v1 import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SidecarRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIDECAR_ROLE_UNSPECIFIED: _ClassVar[SidecarRole]
+    SIDECAR_ROLE_PREFILL: _ClassVar[SidecarRole]
+    SIDECAR_ROLE_DECODE: _ClassVar[SidecarRole]
+SIDECAR_ROLE_UNSPECIFIED: SidecarRole
+SIDECAR_ROLE_PREFILL: SidecarRole
+SIDECAR_ROLE_DECODE: SidecarRole
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("endpoint", "role", "pool_shm_name", "pool_bytes", "page_bytes", "pid")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    POOL_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    endpoint: _kv_pb2.EndpointInfo
+    role: SidecarRole
+    pool_shm_name: str
+    pool_bytes: int
+    page_bytes: int
+    pid: int
+    def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ConnectPeerRequest(_message.Message):
+    __slots__ = ("peer",)
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    peer: _kv_pb2.EndpointInfo
+    def __init__(self, peer: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ...) -> None: ...
+
+class ConnectPeerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "max_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("matched_len", "page_indices")
+    MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    matched_len: int
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, matched_len: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("request_id", "num_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("page_indices",)
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "page_indices")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("page_indices", "cached_len")
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    cached_len: int
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "quarantine_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    quarantine_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., quarantine_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("freed", "quarantined")
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    quarantined: int
+    def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
+
+class WritePagesRequest(_message.Message):
+    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len")
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    transfer_info: _kv_pb2.TransferInfo
+    src_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    lease_remaining_ms: int
+    prefill_cached_len: int
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ...) -> None: ...
+
+class WritePagesResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: _kv_pb2.TransferStats
+    def __init__(self, stats: _Optional[_Union[_kv_pb2.TransferStats, _Mapping]] = ...) -> None: ...
+
+class AbortWriteRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class AbortWriteResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class PageChecksumsRequest(_message.Message):
+    __slots__ = ("page_indices",)
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PageChecksumsResponse(_message.Message):
+    __slots__ = ("crc32",)
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SidecarStats(_message.Message):
+    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_OK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    pool: _kv_pb2.PoolStats
+    live_requests: int
+    rooms_in_flight: int
+    transfers_ok: int
+    transfers_failed: int
+    bytes_written: int
+    pages_written: int
+    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ...) -> None: ...

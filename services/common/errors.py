@@ -1,0 +1,148 @@
+"""Typed deltakv errors and their gRPC status codes — the one place the mapping lives.
+
+Every module raises a subclass of :class:`DeltaKVError`; servers convert it with
+:func:`abort_with` / :func:`status_of` and clients turn an ``grpc.RpcError`` back into the
+typed error with :func:`from_rpc_error`. Codes follow DESIGN.md §6:
+
+==========================  =====================  ==========================================
+exception                   gRPC code              when
+==========================  =====================  ==========================================
+InvalidArgument             INVALID_ARGUMENT       bad input (shape, range, alignment, ...)
+AlreadyExists               ALREADY_EXISTS         duplicate room in flight
+FailedPrecondition          FAILED_PRECONDITION    layout mismatch, unknown/dead endpoint
+ResourceExhausted           RESOURCE_EXHAUSTED     not enough pages even after eviction
+Unavailable                 UNAVAILABLE            peer unreachable, engine failure, draining
+DeadlineExceeded            DEADLINE_EXCEEDED      a bound (lease, deadline) ran out
+Aborted                     ABORTED                transfer superseded or fenced by an abort
+DataLoss                    DATA_LOSS              checksum mismatch
+NotFound                    NOT_FOUND              unknown lock / request / room
+Internal                    INTERNAL               a bug: never expected
+==========================  =====================  ==========================================
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class DeltaKVError(Exception):
+    """Base of all typed deltakv errors; ``code`` is the gRPC status it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(DeltaKVError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class AlreadyExists(DeltaKVError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(DeltaKVError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class LayoutMismatch(FailedPrecondition):
+    """Two KV layouts differ in a field that must match; the message names field and values."""
+
+    def __init__(self, field: str, local: object, remote: object) -> None:
+        super().__init__(
+            f"KV layout mismatch on {field!r}: local={local!r} remote={remote!r}",
+            field=field,
+            local=local,
+            remote=remote,
+        )
+        self.field = field
+        self.local = local
+        self.remote = remote
+
+
+class UnknownEndpoint(FailedPrecondition):
+    """A TransferInfo names an endpoint (incarnation) that does not exist (any more)."""
+
+
+class ResourceExhausted(DeltaKVError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(DeltaKVError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class TransferFailed(Unavailable):
+    """The transfer engine reported an error on a batch; the room failed."""
+
+
+class DeadlineExceeded(DeltaKVError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Aborted(DeltaKVError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DataLoss(DeltaKVError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class NotFound(DeltaKVError, KeyError):
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class Internal(DeltaKVError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[DeltaKVError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.CANCELLED: Aborted,
+}
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """gRPC (code, details) for any exception; non-deltakv exceptions are INTERNAL."""
+    if isinstance(exc, DeltaKVError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code(), exc.details() or ""  # propagate a peer's status unchanged
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def from_rpc_error(err: grpc.RpcError) -> DeltaKVError:
+    """Typed error for a failed RPC (client side). Unknown codes become Unavailable/Internal."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    cls = _BY_CODE.get(code, Internal)
+    return cls(details)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Abort an aio RPC with the status mapped from `exc` (raises, never returns)."""
+    code, details = status_of(exc)
+    await context.abort(code, details)
+
+
+def abort_sync(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Abort a sync RPC with the status mapped from `exc` (raises, never returns)."""
+    code, details = status_of(exc)
+    context.abort(code, details)
