@@ -22,8 +22,8 @@ def generate(out_dir: Path) -> list[Path]:
 
     Returns the generated files. Raises RuntimeError if protoc fails.
     """
-    from grpc_tools import protoc  # dev dependency (grpcio-tools)
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency (grpcio-tools)
 
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "deltakv/v1").glob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
