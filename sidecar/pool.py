@@ -1,0 +1,342 @@
+"""The KV pool in POSIX shared memory (DESIGN §2, §5).
+
+The sidecar **owns** the pool: :meth:`SharedKVPool.create` makes a zero-filled segment of
+``layout.pool_bytes`` bytes under ``/dev/shm`` and maps it. Workers and same-host transport
+peers **attach** to it by name (:meth:`SharedKVPool.attach`) and see the very same memory:
+no copy is ever made, a write through one mapping is visible through every other.
+
+Why not :mod:`multiprocessing.shared_memory`: before Python 3.13 every attaching process
+registers the segment with its ``resource_tracker``, which unlinks it when that process exits
+(CPython issue 82300) — a worker exiting would destroy the sidecar's pool. Opening the
+``/dev/shm`` file and mapping it with :mod:`mmap` avoids the tracker entirely; only the owner
+ever unlinks, and only the segment it created (checked by inode, so a stale owner cannot unlink
+its restarted successor's segment of the same name).
+
+Cleanup: the owner unlinks on :meth:`SharedKVPool.close`; :func:`install_cleanup_handlers`
+also closes it at interpreter exit and on SIGTERM/SIGINT. A segment left behind by a
+SIGKILLed sidecar is reclaimed when the restarted sidecar calls ``create`` with the same
+name, or by :func:`reclaim_stale_segments`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import mmap
+import os
+import re
+import signal
+import sys
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from types import FrameType
+
+import torch
+
+from services.common.errors import InvalidArgument, UnknownEndpoint
+from sidecar.layout import KVLayout
+
+#: Where Linux keeps POSIX shared-memory objects (``shm_open`` names map to files here).
+SHM_DIR = "/dev/shm"
+
+#: Prefix of generated segment names; :func:`reclaim_stale_segments` defaults to it.
+DEFAULT_PREFIX = "deltakv-"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidArgument(
+            f"invalid shared-memory segment name {name!r}: use 1-200 characters from "
+            "[A-Za-z0-9._-], not starting with '.' or '-', no leading '/'"
+        )
+    return name
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+class SharedKVPool:
+    """One KV pool of ``layout.num_pages`` pages in a POSIX shared-memory segment.
+
+    Attributes:
+        name: segment name (no leading ``/``); peers attach with it.
+        layout: the pool geometry.
+        owner: True in the process that created the segment (the sidecar); only the owner
+            unlinks it.
+        tensor: zero-copy view of the whole segment, shape ``layout.pool_shape`` =
+            ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, dtype
+            ``layout.torch_dtype``, C-contiguous; page ``p`` is ``tensor[p]``.
+        nbytes: ``layout.pool_bytes``.
+
+    Memory ownership: the mapping lives until :meth:`close`. Tensors derived from
+    :attr:`tensor` or :meth:`as_bytes` by callers keep the mapping alive (the unmap is then
+    deferred until the last of them is garbage-collected), so a late ``close`` never leaves a
+    dangling view; drop your views before closing to release memory promptly. Not thread-safe
+    for concurrent ``close``; reads and writes through the tensor are plain memory accesses.
+    """
+
+    def __init__(self, name: str, layout: KVLayout, mm: mmap.mmap, owner: bool,
+                 inode: tuple[int, int]) -> None:
+        # Use create()/attach(); this only wires an already-sized mapping.
+        self.name = name
+        self.layout = layout
+        self.owner = owner
+        self.nbytes = layout.pool_bytes
+        self._mmap: mmap.mmap | None = mm
+        self._inode = inode
+        self._closed = False
+        self._lock = threading.Lock()
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=self.nbytes)
+        self._bytes = flat.view(layout.num_pages, layout.page_bytes)
+        self.tensor = flat.view(layout.torch_dtype).view(layout.pool_shape)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(cls, layout: KVLayout, name: str | None = None) -> SharedKVPool:
+        """Create (owner side, the sidecar) a zero-filled segment of ``layout.pool_bytes``
+        bytes and map it.
+
+        ``name`` defaults to ``f"deltakv-{uuid}"``. If a segment with that name already exists
+        (a crashed sidecar's leftover) it is reclaimed: unlinked and created afresh, so its old
+        contents are never seen. Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad
+        name or layout, and ``OSError`` if ``/dev/shm`` is full or not writable (the caller
+        cannot fix that by retrying; it is a deployment error).
+        """
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+        name = _check_name(name if name is not None else f"{DEFAULT_PREFIX}{uuid.uuid4().hex}")
+        path = _path(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # reclaim a leftover of the same name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # ftruncate of a fresh tmpfs file yields zero pages without touching them.
+            os.ftruncate(fd, layout.pool_bytes)
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
+        return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino))
+
+    @classmethod
+    def attach(cls, name: str, layout: KVLayout) -> SharedKVPool:
+        """Map an existing segment (non-owner: a worker or an shm transport peer).
+
+        Never unlinks it, whatever happens to this process. Raises :class:`UnknownEndpoint`
+        (FAILED_PRECONDITION) if no segment has that name, :class:`InvalidArgument`
+        (INVALID_ARGUMENT) if the name is malformed or the segment's size differs from
+        ``layout.pool_bytes`` (a different geometry).
+        """
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+        path = _path(_check_name(name))
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise UnknownEndpoint(f"shared-memory KV pool {name!r} does not exist "
+                                  f"(sidecar not started, or restarted under a new name)",
+                                  name=name) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size != layout.pool_bytes:
+                raise InvalidArgument(
+                    f"shared-memory KV pool {name!r} has {st.st_size} bytes, layout expects "
+                    f"{layout.pool_bytes} ({layout.num_pages} pages x {layout.page_bytes} B)",
+                    name=name, size=st.st_size, expected=layout.pool_bytes)
+            mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino))
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def data_ptr(self) -> int:
+        """Virtual address of page 0 in this process (engines register ``[ptr, ptr+nbytes)``)."""
+        self._check_open()
+        return self.tensor.data_ptr()
+
+    def as_bytes(self) -> torch.Tensor:
+        """uint8 view ``[num_pages, page_bytes]`` of the same memory (no copy); row ``p`` is
+        page ``p``'s bytes."""
+        self._check_open()
+        return self._bytes
+
+    def page_crc32(self, pages: Sequence[int]) -> list[int]:
+        """``zlib.crc32`` of each listed page's ``page_bytes`` bytes, in the given order.
+
+        Raises :class:`InvalidArgument` (INVALID_ARGUMENT) if a page index is not an int in
+        ``[0, num_pages)``.
+        """
+        self._check_open()
+        checked = self._check_pages(pages)
+        view = self._bytes
+        return [zlib.crc32(view[p].numpy()) for p in checked]
+
+    def _check_pages(self, pages: Iterable[int]) -> list[int]:
+        out = []
+        for p in pages:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.layout.num_pages:
+                raise InvalidArgument(
+                    f"page index {p!r} out of range [0, {self.layout.num_pages}) of pool "
+                    f"{self.name!r}")
+            out.append(p)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument(f"KV pool {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ teardown
+
+    def unlink(self) -> None:
+        """Remove the segment's name (owner or not; the memory stays mapped until every
+        process unmaps it). Only unlinks the segment this pool mapped: if the name now belongs
+        to a newer segment (a restarted owner), it is left alone. Idempotent."""
+        path = _path(self.name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        """Unmap (idempotent); the owner also unlinks the segment.
+
+        If callers still hold tensors over the pool, the unmap is deferred until they are
+        garbage-collected (no crash, no dangling pointer).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            mm, self._mmap = self._mmap, None
+            # Drop our own exports of the buffer first so mmap.close() can succeed.
+            del self.tensor, self._bytes
+        if self.owner:
+            self.unlink()
+        # torch.frombuffer keeps a reference to the mmap object but no buffer export, so
+        # mm.close() would unmap under a caller's live tensor (segfault on next access).
+        # Unmap now only if nobody else references it (2 = our local + getrefcount's
+        # argument); otherwise the last tensor's storage unmaps it when it is freed.
+        if mm is not None and sys.getrefcount(mm) <= 2:
+            mm.close()
+
+    def __enter__(self) -> SharedKVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"SharedKVPool(name={self.name!r}, owner={self.owner}, pages="
+                f"{self.layout.num_pages}, page_bytes={self.layout.page_bytes}, {state})")
+
+
+def install_cleanup_handlers(
+    pool: SharedKVPool,
+    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+) -> Callable[[], None]:
+    """Make sure the owner's segment is unlinked when this process ends.
+
+    Registers :meth:`SharedKVPool.close` with :mod:`atexit` (normal exit, ``sys.exit``,
+    an uncaught exception) and installs handlers for ``signals`` that close the pool, then
+    hand the signal to the handler that was there before (or, for the default action,
+    re-deliver it so the process dies with the usual status). SIGKILL cannot be caught: a
+    restarted sidecar reclaims that leftover in :meth:`SharedKVPool.create`.
+
+    Must be called from the main thread (Python only installs signal handlers there);
+    raises :class:`InvalidArgument` otherwise. A server that installs its own SIGTERM
+    handler afterwards (e.g. asyncio's ``add_signal_handler`` for a graceful drain) replaces
+    ours; it must then call ``pool.close()`` in its shutdown path — atexit still covers the
+    final exit. Returns a function that removes the handlers again (tests, embedding).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise InvalidArgument("install_cleanup_handlers must be called from the main thread")
+    atexit.register(pool.close)
+    previous: dict[int, object] = {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        pool.close()
+        prev = previous.get(signum, signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        # SIG_IGN: the process keeps running, as it would have without us.
+
+    for sig in signals:
+        previous[sig] = signal.getsignal(sig)
+        signal.signal(sig, handler)
+
+    def uninstall() -> None:
+        atexit.unregister(pool.close)
+        for sig, prev in previous.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+    return uninstall
+
+
+def _mapped_shm_paths() -> set[str]:
+    """Paths under /dev/shm that some process on this host (that we may inspect) maps."""
+    mapped: set[str] = set()
+    prefix = SHM_DIR + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    idx = line.find(prefix)
+                    if idx >= 0:
+                        mapped.add(line[idx:].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:
+            continue  # process gone, or not ours to read
+    return mapped
+
+
+def reclaim_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink segments whose name starts with ``prefix`` and that no process maps any more
+    (leftovers of SIGKILLed sidecars). Returns the names removed.
+
+    A segment mapped by a live process is never touched. Segments mapped only by processes
+    whose ``/proc/<pid>/maps`` we cannot read are indistinguishable from stale ones, so use a
+    prefix private to this deployment. Raises :class:`InvalidArgument` for an empty or
+    malformed prefix (an empty prefix would sweep every segment on the host).
+    """
+    if not prefix:
+        raise InvalidArgument("reclaim_stale_segments needs a non-empty prefix")
+    _check_name(prefix)
+    candidates = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    if not candidates:
+        return []
+    mapped = _mapped_shm_paths()
+    removed = []
+    for name in candidates:
+        if _path(name) in mapped:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(name))
+            removed.append(name)
+    return removed
