@@ -1,0 +1,378 @@
+"""Async client of the public ``DecodeService`` (``proto/deltakv/v1/decode.proto``).
+
+Shared by ``deltakv chat``, ``deltakv bench multiturn``, ``deltakv demo``, ``deltakv generate
+--target`` and the e2e tests. Every call is bounded: connecting (:meth:`DecodeClient.wait_ready`)
+and each RPC carry a non-zero deadline. A failed RPC surfaces as a typed
+:class:`~services.common.errors.DeltaKVError` (via :func:`~services.common.errors.from_rpc_error`),
+never as a raw ``grpc.RpcError``.
+
+TTFT here follows the glossary: from the moment the client sends the request to the moment the
+first generated token reaches the client (``client_ttft_ms``). The server's own measurement is
+``Usage.ttft_ms``.
+
+Usage::
+
+    async with DecodeClient("127.0.0.1:50051") as client:
+        await client.wait_ready()
+        result = await client.generate(token_ids=[1, 2, 3], max_new_tokens=16)
+        print(result.text, result.usage.cached_tokens, result.usage.transferred_bytes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
+from services.common.errors import (
+    DeadlineExceeded,
+    DeltaKVError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    from_rpc_error,
+)
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# A CPU-only cluster (2 cores) can take tens of seconds for a long prompt; generous but bounded.
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Per-request accounting reported by the decode service in the stream's last message.
+
+    Token counts are in tokens, byte counts in bytes, times in milliseconds (measured at the
+    decode service). ``cached_tokens`` is the ``decode_prefix_len`` decode sent to prefill, a
+    multiple of ``page_size``.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    transferred_pages: int = 0
+    transferred_bytes: int = 0
+    page_size: int = 0
+    page_bytes: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    finish_reason: str = ""
+    prefill_cached_tokens: int = 0
+    request_id: str = ""
+    total_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, msg: decode_pb2.Usage) -> Usage:
+        """Copy a ``deltakv.v1.Usage`` message field by field (names are identical)."""
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+    def delta_pages(self) -> int:
+        """Pages the handoff had to move: ``ceil(prompt/page_size) - cached/page_size``.
+
+        Raises :class:`InvalidArgument` if ``page_size`` is not positive.
+        """
+        return delta_pages(self.prompt_tokens, self.cached_tokens, self.page_size)
+
+    def min_bytes(self) -> int:
+        """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes)."""
+        return self.delta_pages() * self.page_bytes
+
+
+def delta_pages(prompt_tokens: int, cached_tokens: int, page_size: int) -> int:
+    """Delta pages of a prompt of ``prompt_tokens`` tokens whose first ``cached_tokens`` tokens
+    decode already holds (DESIGN.md §1): ``ceil(prompt/page_size) - cached/page_size``.
+
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a non-positive ``page_size``, negative
+    counts, or ``cached_tokens > prompt_tokens``. A ``cached_tokens`` that is not page-aligned is
+    rounded down, which can only make the minimum larger, never hide bytes.
+    """
+    if page_size <= 0:
+        raise InvalidArgument(f"page_size must be positive, got {page_size}")
+    if prompt_tokens < 0 or cached_tokens < 0:
+        raise InvalidArgument(
+            f"token counts must be >= 0, got prompt={prompt_tokens} cached={cached_tokens}")
+    if cached_tokens > prompt_tokens:
+        raise InvalidArgument(
+            f"cached_tokens={cached_tokens} exceeds prompt_tokens={prompt_tokens}")
+    return -(-prompt_tokens // page_size) - cached_tokens // page_size
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Newly generated tokens: ``token_ids`` (ids, in order) and their incremental ``text``."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass
+class GenerateResult:
+    """A finished generation.
+
+    ``token_ids``: every generated token id (the first one sampled by prefill included), in
+    order. ``text``: their concatenated streamed text. ``usage``: the server's accounting.
+    ``client_ttft_ms`` / ``client_total_ms``: milliseconds from sending the request to the first
+    token / the usage message, measured at the client.
+    """
+
+    token_ids: list[int]
+    text: str
+    usage: Usage
+    client_ttft_ms: float
+    client_total_ms: float
+
+
+@dataclass
+class GenerateStream:
+    """One in-flight ``Generate`` call: async-iterate it for :class:`Chunk`\\ s; after the
+    iteration ends, :attr:`usage` holds the server's :class:`Usage`.
+
+    Iteration raises a typed :class:`DeltaKVError` if the RPC fails (mapped from its gRPC
+    status), :class:`DeadlineExceeded` past the call's deadline, and :class:`Internal` if the
+    stream ends without a usage message (a server bug). Leaving ``async with`` early, or
+    :meth:`cancel`, cancels the RPC so the server releases the request's pages.
+    """
+
+    _call: grpc.aio.UnaryStreamCall
+    request_id: str
+    _t0: float
+    usage: Usage | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    client_ttft_ms: float | None = None
+    client_total_ms: float | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Chunk]:
+        try:
+            async for msg in self._call:
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    ids = tuple(msg.chunk.token_ids)
+                    if ids and self.client_ttft_ms is None:
+                        self.client_ttft_ms = (time.perf_counter() - self._t0) * 1e3
+                    self.token_ids.extend(ids)
+                    self.text_parts.append(msg.chunk.text)
+                    yield Chunk(ids, msg.chunk.text)
+                elif kind == "usage":
+                    self.usage = Usage.from_proto(msg.usage)
+                    self.client_total_ms = (time.perf_counter() - self._t0) * 1e3
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        except asyncio.CancelledError:
+            self._call.cancel()
+            raise
+        if self.usage is None:
+            raise Internal(f"request {self.request_id}: Generate stream ended without a Usage "
+                           "message")
+
+    def cancel(self) -> None:
+        """Cancel the RPC (idempotent); the server sees CANCELLED and frees the request."""
+        self._call.cancel()
+
+    async def __aenter__(self) -> GenerateStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._call.done():
+            self._call.cancel()
+
+    async def result(self) -> GenerateResult:
+        """Drain the remaining stream and return the :class:`GenerateResult` (errors as above)."""
+        async for _ in self:
+            pass
+        assert self.usage is not None  # _iterate raised otherwise
+        total = self.client_total_ms if self.client_total_ms is not None else 0.0
+        return GenerateResult(
+            token_ids=list(self.token_ids),
+            text="".join(self.text_parts),
+            usage=self.usage,
+            client_ttft_ms=self.client_ttft_ms if self.client_ttft_ms is not None else total,
+            client_total_ms=total,
+        )
+
+
+def build_request(
+    *,
+    text: str | None = None,
+    chat: Sequence[tuple[str, str]] | Sequence[dict[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    disable_decode_prefix_reuse: bool = False,
+    request_id: str = "",
+) -> decode_pb2.GenerateRequest:
+    """Build a ``GenerateRequest`` with exactly one input.
+
+    ``text``: raw text (no chat template). ``chat``: messages as ``(role, content)`` pairs or
+    ``{"role", "content"}`` dicts; roles are system/user/assistant. ``token_ids``: prompt ids.
+    ``max_new_tokens`` counts generated tokens including prefill's first one (0 = server
+    default). ``temperature`` 0 is greedy.
+
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) unless exactly one input is given and
+    non-empty, for an unknown chat role, negative ids, or out-of-range sampling values.
+    """
+    given = [name for name, v in (("text", text), ("chat", chat), ("token_ids", token_ids))
+             if v is not None]
+    if len(given) != 1:
+        raise InvalidArgument(f"give exactly one of text, chat, token_ids (got {given or 'none'})")
+    if max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0 or top_k < 0 or not 0.0 <= top_p <= 1.0:
+        raise InvalidArgument(
+            f"bad sampling: temperature={temperature} top_k={top_k} top_p={top_p}")
+    if seed is not None and seed < 0:
+        raise InvalidArgument(f"seed must be >= 0, got {seed}")
+    sampling = kv_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                     max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    req = decode_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex[:16],
+        sampling=sampling,
+        disable_decode_prefix_reuse=disable_decode_prefix_reuse,
+    )
+    if text is not None:
+        if not text:
+            raise InvalidArgument("text prompt is empty")
+        req.text = text
+    elif chat is not None:
+        if not chat:
+            raise InvalidArgument("chat has no messages")
+        for msg in chat:
+            role, content = (msg["role"], msg["content"]) if isinstance(msg, dict) else msg
+            if role not in CHAT_ROLES:
+                raise InvalidArgument(f"unknown chat role {role!r}; use one of {CHAT_ROLES}")
+            req.chat.messages.add(role=role, content=content)
+    else:
+        assert token_ids is not None
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidArgument("token_ids prompt is empty")
+        if min(ids) < 0 or max(ids) >= 2**32:
+            raise InvalidArgument("token ids must be in [0, 2**32)")
+        req.token_ids.ids.extend(ids)
+    return req
+
+
+class DecodeClient:
+    """Async client of one decode service at ``target`` (``HOST:PORT`` or ``unix:PATH``).
+
+    ``timeout_s`` is the default deadline of each RPC (seconds, > 0); a generation that runs
+    past it fails with :class:`DeadlineExceeded`. The gRPC channel is created lazily inside the
+    running event loop and closed by :meth:`close` / ``async with``; the client owns it.
+    Raises :class:`InvalidArgument` for an empty target or a non-positive timeout.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not target:
+            raise InvalidArgument("target must be HOST:PORT or unix:PATH, got an empty string")
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self.target = target
+        self.timeout_s = float(timeout_s)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: decode_pb2_grpc.DecodeServiceStub | None = None
+
+    def _get_stub(self) -> decode_pb2_grpc.DecodeServiceStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target)
+            self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
+        return self._stub
+
+    async def __aenter__(self) -> DecodeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; in-flight calls are cancelled. Idempotent."""
+        if self._channel is not None:
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close()
+
+    async def wait_ready(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        """Wait until the channel to the decode service is connected (seconds, bounded).
+
+        Raises :class:`Unavailable` (UNAVAILABLE) if it is not reachable within ``timeout_s``.
+        """
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self._get_stub()
+        assert self._channel is not None
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(
+                f"decode service at {self.target} not reachable within {timeout_s:g} s") from exc
+
+    def stream(self, *, timeout_s: float | None = None, **request: object) -> GenerateStream:
+        """Start a ``Generate`` call and return its :class:`GenerateStream` (not yet awaited).
+
+        ``request``: keyword arguments of :func:`build_request` (exactly one of ``text``,
+        ``chat``, ``token_ids``, plus sampling options). ``timeout_s`` overrides the client's
+        deadline for this call. Raises :class:`InvalidArgument` at once for bad input; RPC
+        errors surface while iterating.
+        """
+        req = build_request(**request)  # type: ignore[arg-type]
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        if not deadline > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {deadline}")
+        t0 = time.perf_counter()
+        call = self._get_stub().Generate(req, timeout=deadline)
+        return GenerateStream(_call=call, request_id=req.request_id, _t0=t0)
+
+    async def generate(self, *, timeout_s: float | None = None,
+                       **request: object) -> GenerateResult:
+        """Run one generation to the end and return its :class:`GenerateResult`.
+
+        Arguments as :meth:`stream`. Raises the typed error of the RPC's status (e.g.
+        :class:`~services.common.errors.ResourceExhausted` for RESOURCE_EXHAUSTED,
+        :class:`Unavailable` for UNAVAILABLE, :class:`DeadlineExceeded` past the deadline).
+        """
+        async with self.stream(timeout_s=timeout_s, **request) as s:
+            return await s.result()
+
+    async def get_stats(self, timeout_s: float = 10.0) -> decode_pb2.DecodeStats:
+        """The decode service's ``DecodeStats`` (pool page counts, request counters, bytes).
+
+        Raises the typed error of the RPC's status; :class:`DeadlineExceeded` after
+        ``timeout_s`` seconds.
+        """
+        try:
+            return await self._get_stub().GetStats(decode_pb2.GetStatsRequest(),
+                                                   timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+
+
+__all__ = [
+    "CHAT_ROLES",
+    "DEFAULT_TARGET",
+    "DEFAULT_TIMEOUT_S",
+    "Chunk",
+    "DeadlineExceeded",
+    "DecodeClient",
+    "DeltaKVError",
+    "GenerateResult",
+    "GenerateStream",
+    "Usage",
+    "build_request",
+    "delta_pages",
+]
