@@ -1,0 +1,79 @@
+"""An asyncio gRPC server with the standard health and reflection services, and graceful stop.
+
+Shared by the prefill and decode services. Health starts NOT_SERVING for every registered
+service and flips to SERVING when the caller says it is ready (after the sidecar, the model and
+the peer handshake are up); :meth:`AioServer.drain` flips it back before stopping so load
+balancers stop routing first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Keepalive so a silently dead peer is noticed in seconds, not at the TCP timeout.
+DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+
+
+class AioServer:
+    """One ``grpc.aio`` server bound to ``address`` (``host:port``; port 0 picks a free one).
+
+    ``service_names`` are the fully-qualified names registered by ``add_servicers`` (used for
+    health and reflection). ``interceptors`` are passed to the server (e.g. tracing).
+    """
+
+    def __init__(self, address: str, service_names: Iterable[str],
+                 add_servicers: Callable[[grpc.aio.Server], None],
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(interceptors=list(interceptors), options=DEFAULT_OPTIONS)
+        add_servicers(self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC server to {address}")
+        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+
+    async def start(self) -> None:
+        """Start serving; health reports NOT_SERVING until :meth:`set_serving`."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool = True) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING if serving
+                            else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def _set_all(self, status: int) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def drain(self, grace_s: float) -> None:
+        """NOT_SERVING, then stop accepting and give in-flight RPCs ``grace_s`` seconds."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """Set ``stop`` on SIGTERM or SIGINT (graceful shutdown of an asyncio service)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

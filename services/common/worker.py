@@ -1,0 +1,85 @@
+"""Start-up shared by the prefill and decode workers: their sidecar, its pool, the model.
+
+A worker (prefill or decode service) never owns KV memory: it asks its sidecar to ``Describe``
+itself, maps the sidecar's pool zero-copy, loads the model and checks that the model's KV
+geometry is exactly the pool's (a mismatch would silently corrupt attention).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.errors import FailedPrecondition
+from sidecar.client import SidecarClient
+from sidecar.layout import KVLayout
+
+if TYPE_CHECKING:
+    from deltakv.v1 import sidecar_pb2
+    from services.model.loader import LoadedModel
+    from services.model.runner import ModelRunner
+    from sidecar.pool import SharedKVPool
+
+
+@dataclass
+class Worker:
+    """What a service holds after start-up. ``pool`` is a mapping of the sidecar's memory:
+    the sidecar owns and frees it; :meth:`close` only unmaps."""
+
+    sidecar: SidecarClient
+    describe: sidecar_pb2.DescribeResponse
+    layout: KVLayout
+    pool: SharedKVPool
+    model: LoadedModel
+    runner: ModelRunner
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
+
+    async def close(self) -> None:
+        await self.sidecar.close()
+        self.pool.close()
+
+
+def check_model_matches_pool(model: LoadedModel, layout: KVLayout) -> None:
+    """FAILED_PRECONDITION naming the field if the model's KV geometry differs from the pool's."""
+    expected = model.kv_layout(layout.page_size, layout.num_pages, layout.dtype)
+    layout.check_compatible(expected)
+
+
+async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
+                       log=None) -> Worker:
+    """Connect to the sidecar (bounded wait), map its pool, load the model, build the runner.
+
+    Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
+    FailedPrecondition if the model does not fit the pool's layout.
+    """
+    from services.model.loader import load_model
+    from services.model.runner import ModelRunner
+
+    sidecar = SidecarClient(sidecar_socket)
+    await sidecar.wait_ready(timeout_s=ready_timeout_s)
+    describe = await sidecar.describe()
+    layout = KVLayout.from_proto(describe.endpoint.layout)
+    # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
+    model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
+    try:
+        check_model_matches_pool(model, layout)
+    except FailedPrecondition as exc:
+        await sidecar.close()
+        raise FailedPrecondition(
+            f"model {model_name!r} does not match the sidecar's KV pool: {exc}") from exc
+    pool = sidecar.map_pool(describe)
+    runner = ModelRunner(model, pool.tensor)
+    if log is not None:
+        log.info("worker ready", model=model_name, page_size=layout.page_size,
+                 num_pages=layout.num_pages, page_bytes=layout.page_bytes,
+                 endpoint_id=describe.endpoint.endpoint_id, backend=describe.endpoint.backend)
+    return Worker(sidecar=sidecar, describe=describe, layout=layout, pool=pool, model=model,
+                  runner=runner)

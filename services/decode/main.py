@@ -1,0 +1,127 @@
+"""``deltakv serve decode``: the public decode service of one worker (GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 50051
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.decode.servicer import DecodeConfig
+
+    d = DecodeConfig()
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
+    parser.add_argument("--sidecar-socket", required=True,
+                        help="Unix socket of this worker's sidecar (role decode)")
+    parser.add_argument("--prefill-target", required=True,
+                        help="prefill service address, HOST:PORT or a gRPC target (dns:///...)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 = free)")
+    parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+                        help="sequences per decode step (continuous batching)")
+    parser.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    parser.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    parser.add_argument("--prefill-timeout-ms", type=int, default=d.prefill_timeout_ms,
+                        help="deadline of the Prefill RPC (compute + transfer)")
+    parser.add_argument("--lease-ms", type=int, default=d.lease_ms,
+                        help="transfer lease: no write lands after receipt + lease")
+    parser.add_argument("--quarantine-grace-ms", type=int, default=d.quarantine_grace_ms)
+    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms)
+    parser.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
+                        help="how long a request may wait for free pages")
+    parser.add_argument("--connect-timeout-s", type=float, default=60.0,
+                        help="bound on reaching the sidecar and the prefill handshake at start")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    return asyncio.run(_serve(args))
+
+
+async def handshake(channel, endpoint, timeout_s: float, log) -> None:
+    """Pair with prefill: retry while it is unreachable (bounded by ``timeout_s``); a layout
+    mismatch (FAILED_PRECONDITION) is final and raised at once."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
+    from services.common.errors import Unavailable, from_rpc_error
+
+    stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            reply = await stub.Handshake(prefill_pb2.HandshakeRequest(decode_endpoint=endpoint),
+                                         timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
+            log.info("paired with prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
+                     model=reply.model)
+            return
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise err from None
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"prefill not reachable within {timeout_s:.0f} s: "
+                                  f"{exc.details()}") from None
+            await asyncio.sleep(0.2)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from deltakv.v1 import decode_pb2, decode_pb2_grpc
+    from services.common.aio_server import DEFAULT_OPTIONS, AioServer, install_stop_signals
+    from services.common.errors import DeltaKVError
+    from services.common.logging import configure_logging
+    from services.common.worker import start_worker
+    from services.decode.servicer import DecodeConfig, DecodeServicer
+
+    log = configure_logging("decode", args.log_level, args.log_format)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    config = DecodeConfig(
+        max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
+        quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
+        admission_timeout_s=args.admission_timeout_s)
+    try:
+        worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
+    except DeltaKVError as exc:
+        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
+        return 2
+    channel = grpc.aio.insecure_channel(args.prefill_target, options=DEFAULT_OPTIONS)
+    try:
+        await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
+    except DeltaKVError as exc:
+        log.error("refusing to pair with prefill", reason=str(exc), code=exc.code.name)
+        await channel.close()
+        await worker.close()
+        return 3
+    servicer = DecodeServicer(worker, channel, config)
+    servicer.start()
+    name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+    server = AioServer(f"{args.host}:{args.port}", [name],
+                       lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+    await server.start()
+    await server.set_serving(True)
+    log.info("decode serving", address=server.address, prefill=args.prefill_target)
+    await stop.wait()
+    log.info("decode draining", grace_s=args.drain_timeout_s)
+    await server.drain(args.drain_timeout_s)
+    await servicer.stop()
+    await channel.close()
+    await worker.close()
+    log.info("decode stopped")
+    return 0

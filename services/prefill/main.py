@@ -1,0 +1,62 @@
+"""``deltakv serve prefill``: the internal prefill service of one worker (GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 50061
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
+    parser.add_argument("--sidecar-socket", required=True,
+                        help="Unix socket of this worker's sidecar (role prefill)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 = free)")
+    parser.add_argument("--sidecar-timeout-s", type=float, default=60.0,
+                        help="wait at most this long for the sidecar to become healthy")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0,
+                        help="on SIGTERM, give in-flight prefills this long to finish")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
+    from services.common.aio_server import AioServer, install_stop_signals
+    from services.common.errors import DeltaKVError
+    from services.common.logging import configure_logging
+    from services.common.worker import start_worker
+    from services.prefill.servicer import PrefillServicer
+
+    log = configure_logging("prefill", args.log_level, args.log_format)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    try:
+        worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
+    except DeltaKVError as exc:
+        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
+        return 2
+    servicer = PrefillServicer(worker, args.model)
+    name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+    server = AioServer(f"{args.host}:{args.port}", [name],
+                       lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s))
+    await server.start()
+    await server.set_serving(True)
+    log.info("prefill serving", address=server.address)
+    await stop.wait()
+    log.info("prefill draining", grace_s=args.drain_timeout_s)
+    await server.drain(args.drain_timeout_s)
+    servicer.close()
+    await worker.close()
+    log.info("prefill stopped")
+    return 0

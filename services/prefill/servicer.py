@@ -1,0 +1,260 @@
+"""PrefillService: compute a prompt's KV, sample the first token, write the delta pages.
+
+Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
+
+1. validate the request against the pool layout and the vocabulary (INVALID_ARGUMENT) before
+   anything is allocated or computed;
+2. ``MatchPrefix`` on prefill's own sidecar (prefill-side reuse; at most ``prompt_len - 1`` tokens
+   so the last position is computed and yields the first token's logits), ``Allocate`` the rest;
+3. the forward pass on one dedicated thread (torch never blocks the event loop; forwards are
+   serialised), then the first token is sampled;
+4. ``WritePages`` on the sidecar writes pages ``[decode_prefix_len / page_size, ...)`` into the
+   decode pool and returns only when every write completed;
+5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every path,
+   exactly once, and only after no forward or write can still touch the pages.
+
+``AbortTransfer(room)`` fences the room in the sidecar (a later write is ABORTED) and returns
+when no write for it is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    DeltaKVError,
+    InvalidArgument,
+    status_of,
+)
+from services.common.logging import bind_request, get_logger
+from services.common.worker import Worker
+from services.model.sampling import Sampler
+
+log = get_logger()
+
+
+def validate_prefill_request(request: prefill_pb2.PrefillRequest, page_size: int,
+                             vocab_size: int) -> None:
+    """INVALID_ARGUMENT unless the request is well formed (checked before any work).
+
+    Rules: non-empty prompt, every token id < vocab_size, a TransferInfo with a room,
+    ``prompt_len == len(token_ids)``, ``decode_prefix_len`` (absent = 0) a multiple of
+    ``page_size`` and ``<= prompt_len``, one destination page per delta page, ``lease_ms > 0``.
+    """
+    tokens = request.token_ids
+    if not tokens:
+        raise InvalidArgument("prompt is empty")
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    if not request.HasField("transfer_info"):
+        raise InvalidArgument("transfer_info is required")
+    info = request.transfer_info
+    if info.room == 0:
+        raise InvalidArgument("transfer_info.room must be non-zero")
+    if info.prompt_len != len(tokens):
+        raise InvalidArgument(
+            f"transfer_info.prompt_len={info.prompt_len} but {len(tokens)} token ids were sent")
+    dpl = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
+    if dpl % page_size:
+        raise InvalidArgument(f"decode_prefix_len={dpl} is not a multiple of page_size={page_size}")
+    if dpl > info.prompt_len:
+        raise InvalidArgument(f"decode_prefix_len={dpl} exceeds prompt_len={info.prompt_len}")
+    delta = -(-info.prompt_len // page_size) - dpl // page_size
+    if len(info.dst_page_indices) != delta:
+        raise InvalidArgument(
+            f"{len(info.dst_page_indices)} destination pages for {delta} delta pages "
+            f"(prompt_len={info.prompt_len}, decode_prefix_len={dpl}, page_size={page_size})")
+    if info.lease_ms == 0:
+        raise InvalidArgument("transfer_info.lease_ms must be > 0")
+
+
+@dataclass
+class _Attempt:
+    """Book-keeping of one room on this worker (what cleanup must undo)."""
+
+    room: int
+    sidecar_request_id: str
+    aborted: bool = False
+    holds_pages: bool = False
+    forward: asyncio.Future | None = None
+    write_started: bool = False
+    write_done: bool = False
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """The internal prefill service over one worker (model + sidecar)."""
+
+    def __init__(self, worker: Worker, model_name: str) -> None:
+        self.worker = worker
+        self.model_name = model_name
+        # One thread: forwards are serialised (torch already uses every core per forward).
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
+        self.attempts: dict[int, _Attempt] = {}
+        self.counters = {"requests_ok": 0, "requests_failed": 0, "transfers_aborted": 0,
+                         "bytes_written": 0}
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    async def Handshake(self, request: prefill_pb2.HandshakeRequest,
+                        context: grpc.aio.ServicerContext) -> prefill_pb2.HandshakeResponse:
+        """Pairing check: prefill's sidecar validates decode's layout and connects its engine.
+        FAILED_PRECONDITION (layout field and both values) or UNAVAILABLE."""
+        try:
+            await self.worker.sidecar.connect_peer(request.decode_endpoint)
+        except DeltaKVError as exc:
+            log.warning("handshake refused", reason=str(exc))
+            await context.abort(*status_of(exc))
+        return prefill_pb2.HandshakeResponse(prefill_endpoint=self.worker.describe.endpoint,
+                                             model=self.model_name)
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        """Compute, sample the first token, write the delta; see the module docstring.
+        Errors: INVALID_ARGUMENT, ALREADY_EXISTS (room in flight here), RESOURCE_EXHAUSTED
+        (prefill pool), FAILED_PRECONDITION (decode endpoint), UNAVAILABLE (transfer failed),
+        DEADLINE_EXCEEDED (lease or RPC deadline), ABORTED (AbortTransfer won)."""
+        receipt = time.monotonic()
+        info = request.transfer_info
+        bind_request(info.request_id, info.room)
+        try:
+            validate_prefill_request(request, self.worker.page_size, self.worker.model.vocab_size)
+            if info.room in self.attempts:
+                raise AlreadyExists(f"room {info.room} is already being prefilled")
+        except DeltaKVError as exc:
+            self.counters["requests_failed"] += 1
+            await context.abort(*status_of(exc))
+        attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}")
+        self.attempts[info.room] = attempt
+        try:
+            response = await self._prefill(attempt, request, receipt, context)
+            self.counters["requests_ok"] += 1
+            self.counters["bytes_written"] += response.stats.bytes
+            return response
+        except DeltaKVError as exc:
+            self.counters["requests_failed"] += 1
+            log.warning("prefill failed", code=exc.code.name, reason=str(exc))
+            await context.abort(*status_of(exc))
+        except asyncio.CancelledError:
+            self.counters["requests_failed"] += 1
+            log.info("prefill cancelled by the caller")
+            raise
+        finally:
+            # Shielded: a cancelled handler must still drain its forward/write and free pages.
+            await asyncio.shield(self._cleanup(attempt))
+        raise AssertionError("unreachable")  # context.abort raises
+
+    async def AbortTransfer(self, request: prefill_pb2.AbortTransferRequest,
+                            context: grpc.aio.ServicerContext) -> prefill_pb2.AbortTransferResponse:
+        """Fence ``room``: returns once no write for it is in flight or can start. A Prefill
+        still computing for the room fails with ABORTED instead of writing."""
+        bind_request(request.request_id, request.room)
+        attempt = self.attempts.get(request.room)
+        if attempt is not None:
+            attempt.aborted = True
+        try:
+            known = await self.worker.sidecar.abort_write(request.room)
+        except DeltaKVError as exc:
+            await context.abort(*status_of(exc))
+        self.counters["transfers_aborted"] += 1
+        log.info("transfer aborted", known=known or attempt is not None)
+        return prefill_pb2.AbortTransferResponse(known=known or attempt is not None)
+
+    async def GetStats(self, request: kv_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillStats:
+        stats = await self.worker.sidecar.get_stats()
+        return prefill_pb2.PrefillStats(pool=stats.pool, live_requests=len(self.attempts),
+                                        **self.counters)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _prefill(self, attempt: _Attempt, request: prefill_pb2.PrefillRequest,
+                       receipt: float, context: grpc.aio.ServicerContext
+                       ) -> prefill_pb2.PrefillResponse:
+        info = request.transfer_info
+        sidecar = self.worker.sidecar
+        tokens = list(request.token_ids)
+        page_size = self.worker.page_size
+        lease_end = receipt + info.lease_ms / 1000.0
+
+        cached_len, cached_pages = await sidecar.match_prefix(
+            attempt.sidecar_request_id, tokens, max_tokens=len(tokens) - 1)
+        attempt.holds_pages = True
+        new_pages = await sidecar.allocate(
+            attempt.sidecar_request_id, -(-len(tokens) // page_size) - len(cached_pages))
+        page_table = cached_pages + new_pages
+        self._check_alive(attempt, lease_end, context, "before the forward pass")
+
+        sampler = Sampler.from_proto(request.sampling)
+        runner = self.worker.runner
+        t0 = time.monotonic()
+
+        def forward() -> int:
+            logits = runner.prefill(tokens, page_table, cached_len)
+            return sampler.sample(logits)
+
+        attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
+        first_token = await attempt.forward
+        prefill_ms = (time.monotonic() - t0) * 1000.0
+        self._check_alive(attempt, lease_end, context, "before the transfer")
+
+        lease_left_ms = int((lease_end - time.monotonic()) * 1000)
+        rpc_left = context.time_remaining()
+        timeout_s = lease_left_ms / 1000.0 + 1.0
+        if rpc_left is not None:
+            timeout_s = min(timeout_s, rpc_left)
+        t1 = time.monotonic()
+        attempt.write_started = True
+        stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=max(lease_left_ms, 1),
+                                          prefill_cached_len=cached_len, timeout_s=timeout_s)
+        attempt.write_done = True
+        transfer_ms = (time.monotonic() - t1) * 1000.0
+        # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
+        await sidecar.commit(attempt.sidecar_request_id, tokens, page_table)
+        log.info("prefill done", prompt_len=len(tokens), prefill_cached_len=cached_len,
+                 decode_prefix_len=stats.decode_prefix_len, delta_pages=stats.pages,
+                 bytes=stats.bytes, prefill_ms=round(prefill_ms, 2),
+                 transfer_ms=round(transfer_ms, 2))
+        return prefill_pb2.PrefillResponse(first_token_id=first_token, stats=stats,
+                                           prefill_ms=prefill_ms, transfer_ms=transfer_ms)
+
+    @staticmethod
+    def _check_alive(attempt: _Attempt, lease_end: float, context: grpc.aio.ServicerContext,
+                     where: str) -> None:
+        if attempt.aborted:
+            raise Aborted(f"room {attempt.room} was aborted {where}")
+        if time.monotonic() >= lease_end:
+            raise DeadlineExceeded(f"lease of room {attempt.room} expired {where}")
+        if context.done():
+            raise Aborted(f"caller went away {where}")
+
+    async def _cleanup(self, attempt: _Attempt) -> None:
+        """Undo an attempt exactly once: wait for its forward, fence an unconfirmed write,
+        then release its pages and locks."""
+        sidecar = self.worker.sidecar
+        try:
+            if attempt.forward is not None and not attempt.forward.done():
+                # The forward thread writes into our pages: they must not be freed under it.
+                await asyncio.wait([attempt.forward])
+            if attempt.write_started and not attempt.write_done:
+                # The RPC to our sidecar may have been cut while batches were in flight.
+                await sidecar.abort_write(attempt.room)
+            if attempt.holds_pages:
+                await sidecar.release(attempt.sidecar_request_id)
+        except DeltaKVError as exc:
+            log.error("cleanup of room failed", room=attempt.room, reason=str(exc))
+        finally:
+            self.attempts.pop(attempt.room, None)
+
+    def close(self) -> None:
+        self.compute.shutdown(wait=True, cancel_futures=True)
