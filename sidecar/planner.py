@@ -179,3 +179,37 @@ def _check_limits(limits: BatchLimits, page_bytes: int) -> None:
 
 def _max_run_pages(limits: BatchLimits, page_bytes: int) -> int:
     return limits.max_message_bytes // page_bytes if limits.max_message_bytes else 0
+
+
+def check_runs(runs: Sequence[PageRun], src_pages: int, dst_pages: int) -> None:
+    """Range-check a batch before any byte moves (every backend's ``write`` calls this).
+
+    ``src_pages`` / ``dst_pages``: pages in the local / peer pool. Raises InvalidArgument
+    (INVALID_ARGUMENT) naming the first run that is empty or leaves either pool.
+    """
+    for i, run in enumerate(runs):
+        if run.num_pages <= 0:
+            raise InvalidArgument(f"run {i} {run}: num_pages must be > 0")
+        if run.src_page < 0 or run.src_page + run.num_pages > src_pages:
+            raise InvalidArgument(
+                f"run {i} {run}: source pages outside the local pool (num_pages={src_pages})")
+        if run.dst_page < 0 or run.dst_page + run.num_pages > dst_pages:
+            raise InvalidArgument(
+                f"run {i} {run}: destination pages outside the peer pool "
+                f"(num_pages={dst_pages})")
+
+
+def check_block(src_offset: int, dst_offset: int, nbytes: int, src_bytes: int,
+                dst_bytes: int) -> None:
+    """Range-check a raw block write (``Transport.write_block``): ``nbytes`` > 0 and both
+    byte ranges inside their pools (``src_bytes`` / ``dst_bytes`` long). InvalidArgument."""
+    if nbytes <= 0:
+        raise InvalidArgument(f"write_block: nbytes must be > 0, got {nbytes}")
+    if src_offset < 0 or src_offset + nbytes > src_bytes:
+        raise InvalidArgument(
+            f"write_block: source bytes [{src_offset}, {src_offset + nbytes}) outside the "
+            f"local pool ({src_bytes} bytes)")
+    if dst_offset < 0 or dst_offset + nbytes > dst_bytes:
+        raise InvalidArgument(
+            f"write_block: destination bytes [{dst_offset}, {dst_offset + nbytes}) outside "
+            f"the peer pool ({dst_bytes} bytes)")
