@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 from services.common.errors import (
@@ -43,6 +44,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # A CPU-only cluster (2 cores) can take tens of seconds for a long prompt; generous but bounded.
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
+DECODE_SERVICE_NAME = "deltakv.v1.DecodeService"
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -308,19 +310,41 @@ class DecodeClient:
             await channel.close()
 
     async def wait_ready(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
-        """Wait until the channel to the decode service is connected (seconds, bounded).
+        """Wait until the decode service reports SERVING on ``grpc.health.v1`` (seconds,
+        bounded). A decode server accepts connections before its sidecar, model and prefill peer
+        are up, so connectivity alone is not readiness. A server without the health service
+        counts as ready once connected.
 
-        Raises :class:`Unavailable` (UNAVAILABLE) if it is not reachable within ``timeout_s``.
+        Raises :class:`InvalidArgument` for a non-positive ``timeout_s`` and
+        :class:`Unavailable` (UNAVAILABLE) if the service is not SERVING within ``timeout_s``.
         """
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self._get_stub()
         assert self._channel is not None
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise Unavailable(
-                f"decode service at {self.target} not reachable within {timeout_s:g} s") from exc
+        health = health_pb2_grpc.HealthStub(self._channel)
+        service = DECODE_SERVICE_NAME
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last = "not connected"
+        while (left := deadline - loop.time()) > 0:
+            try:
+                # wait_for_ready: queue until the channel connects instead of failing fast.
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=service),
+                                          timeout=min(left, 5.0), wait_for_ready=True)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return
+                if err.code() == grpc.StatusCode.NOT_FOUND and service:
+                    service = ""  # the service is not registered by name: use overall health
+                    continue
+                last = f"{err.code().name}: {err.details()}"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+        raise Unavailable(f"decode service at {self.target} not ready within {timeout_s:g} s "
+                          f"(last health answer: {last})")
 
     def stream(self, *, timeout_s: float | None = None, **request: object) -> GenerateStream:
         """Start a ``Generate`` call and return its :class:`GenerateStream` (not yet awaited).
