@@ -1,0 +1,389 @@
+"""The sidecar's page bookkeeping: allocator + radix index + per-request ownership + quarantine.
+
+Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
+
+* **free** — in the :class:`~sidecar.allocator.PageAllocator`, ready to hand out;
+* **cached** — owned by the :class:`~sidecar.radix.RadixIndex` (a full page of some prefix),
+  possibly locked by requests reading it; never the destination of a write (I4): a cached page
+  is never handed out by :meth:`PageManager.allocate`, and a locked one is never evicted;
+* **live** — owned by one request (allocated delta / decode pages not yet in the index);
+* **quarantined** — released by a request while a write into it might still land (a transfer
+  that could not be confirmed fenced); freed only when its deadline passes.
+
+``free + cached + live + quarantined == num_pages`` always; :meth:`PageManager.stats`
+exposes the counts and :meth:`PageManager.check_invariants` verifies them from scratch.
+
+A request's life: ``match_prefix`` (locks the cached prefix) → ``allocate`` (live pages for
+the rest) → ``commit`` (full pages move into the index, locked by the request) →
+``release`` (every lock dropped exactly once; remaining live pages freed or quarantined).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from sidecar.allocator import PageAllocator
+from sidecar.radix import RadixIndex, RadixNode
+
+_MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class PoolCounts:
+    """Pool accounting at one instant (pages unless noted).
+
+    ``free + cached + live + quarantined == num_pages``; ``locked`` and ``evictable`` are
+    disjoint subsets of ``cached``; ``live_requests`` counts requests not yet released.
+    """
+
+    num_pages: int
+    free: int
+    cached: int
+    live: int
+    quarantined: int
+    locked: int
+    evictable: int
+    live_requests: int
+
+
+@dataclass
+class _Request:
+    # Live pages in allocation order (dict as an ordered set).
+    live: dict[int, None] = field(default_factory=dict)
+    # One entry per lock taken (match_prefix or commit); release unlocks each once.
+    locks: list[list[RadixNode]] = field(default_factory=list)
+
+    def locked_nodes(self) -> dict[int, RadixNode]:
+        return {node.id: node for group in self.locks for node in group}
+
+
+class PageManager:
+    """Thread-safe owner of one pool's page states (one lock around every method).
+
+    ``num_pages``: pool size in pages; ``page_size``: tokens per page; ``clock``: seconds,
+    monotonic (injectable for tests), used only for quarantine deadlines.
+    """
+
+    def __init__(self, num_pages: int, page_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for non-positive sizes."""
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._alloc = PageAllocator(num_pages)
+        self._index = RadixIndex(page_size)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._requests: dict[str, _Request] = {}
+        self._live_total = 0
+        # (deadline_s, seq, pages) min-heap; seq keeps ordering total without comparing lists.
+        self._quarantine: list[tuple[float, int, list[int]]] = []
+        self._quarantined_total = 0
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ validation
+
+    @staticmethod
+    def _check_request_id(request_id: object) -> str:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument(f"request_id must be a non-empty string, got {request_id!r}")
+        if len(request_id) > _MAX_REQUEST_ID_LEN:
+            raise InvalidArgument(f"request_id longer than {_MAX_REQUEST_ID_LEN} characters")
+        return request_id
+
+    @staticmethod
+    def _check_count(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        return value
+
+    def _check_tokens(self, token_ids: object) -> list[int]:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise InvalidArgument(f"token_ids must be a sequence of ints, got "
+                                  f"{type(token_ids).__name__}")
+        tokens = list(token_ids)
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
+        return tokens
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotFound(f"unknown request {request_id!r} (never seen, or already released)",
+                           request_id=request_id)
+        return req
+
+    # ------------------------------------------------------------------ request life
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int],
+                     max_tokens: int = 0) -> tuple[int, list[int]]:
+        """Longest cached page-aligned prefix of ``token_ids``, locked for ``request_id``.
+
+        Matches at most ``len(token_ids)`` tokens, and at most ``max_tokens`` if > 0 (e.g.
+        ``prompt_len - 1`` on prefill so at least one token is computed). Returns
+        ``(matched_len, pages)``: ``matched_len`` tokens (a multiple of ``page_size``) and
+        their ``matched_len // page_size`` pages in prefix order. Creates the request record
+        if needed; a second call adds a second lock, also dropped by :meth:`release`.
+        Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad request id, token ids
+        or ``max_tokens``; nothing changes then.
+        """
+        self._check_request_id(request_id)
+        tokens = self._check_tokens(token_ids)
+        self._check_count("max_tokens", max_tokens)
+        with self._lock:
+            matched_len, pages, nodes = self._index.match(tokens, max_tokens)
+            req = self._requests.setdefault(request_id, _Request())
+            self._index.lock(nodes)
+            req.locks.append(nodes)
+            return matched_len, pages
+
+    def allocate(self, request_id: str, num_pages: int) -> list[int]:
+        """``num_pages`` new pages owned (live) by ``request_id``, in increasing index order,
+        preferring consecutive indices.
+
+        Frees expired quarantine first, then evicts unlocked LRU leaves of the index if the
+        free list is short. Raises :class:`ResourceExhausted` (RESOURCE_EXHAUSTED) if the
+        pages cannot fit even after eviction (details: needed, free, evictable) — including
+        ``num_pages > num_pages of the pool`` — and :class:`InvalidArgument`
+        (INVALID_ARGUMENT) for a bad id or count. Nothing changes on failure (no eviction,
+        no request record). Creates the request record if needed.
+        """
+        self._check_request_id(request_id)
+        self._check_count("num_pages", num_pages)
+        with self._lock:
+            self._reap_locked()
+            free = self._alloc.num_free
+            if num_pages > self.num_pages:
+                raise ResourceExhausted(
+                    f"request {request_id!r} needs {num_pages} pages but the pool only has "
+                    f"{self.num_pages}", needed=num_pages, free=free,
+                    evictable=self._index.num_evictable_pages)
+            if num_pages > free:
+                evictable = self._index.num_evictable_pages
+                if num_pages > free + evictable:
+                    raise ResourceExhausted(
+                        f"request {request_id!r} needs {num_pages} pages: {free} free, "
+                        f"{evictable} evictable, {self._index.num_locked_pages} locked, "
+                        f"{self._live_total} live, {self._quarantined_total} quarantined",
+                        needed=num_pages, free=free, evictable=evictable)
+                evicted = self._index.evict(num_pages - free)
+                self._alloc.free(evicted)
+            pages = self._alloc.alloc(num_pages)
+            req = self._requests.setdefault(request_id, _Request())
+            for p in pages:
+                req.live[p] = None
+            self._live_total += len(pages)
+            return pages
+
+    def commit(self, request_id: str, token_ids: Sequence[int],
+               page_table: Sequence[int]) -> tuple[list[int], int]:
+        """Insert the full pages of ``token_ids`` into the index.
+
+        ``page_table[i]`` holds tokens ``[i*page_size, (i+1)*page_size)``; it needs at least
+        ``len(token_ids) // page_size`` entries. Every entry must be unique and in range;
+        the full-page entries must be pages the request owns (live) or has locked, and any
+        further entries (partial last page, pre-allocated pages) must be live pages of the
+        request. Newly inserted pages move from live to cached; duplicates (the index already
+        cached that prefix under another page) are freed and replaced by the canonical page.
+        The request then holds one lock on every page of the committed prefix (new locks only
+        where it held none), so nothing it still reads can be evicted.
+
+        Returns ``(canonical_table, cached_len)``: the page table of the full pages and the
+        tokens cached for this prefix (``len(token_ids) // page_size * page_size``). The
+        partial last page stays live. Raises :class:`NotFound` (NOT_FOUND) for an unknown
+        request, :class:`InvalidArgument` (INVALID_ARGUMENT) otherwise; nothing changes on
+        error.
+        """
+        self._check_request_id(request_id)
+        tokens = self._check_tokens(token_ids)
+        if isinstance(page_table, (str, bytes)) or not isinstance(page_table, Sequence):
+            raise InvalidArgument("page_table must be a sequence of page indices")
+        table = list(page_table)
+        n_full = len(tokens) // self.page_size
+        if len(table) < n_full:
+            raise InvalidArgument(
+                f"{len(tokens)} tokens span {n_full} full pages but the page table has "
+                f"{len(table)} entries")
+        for p in table:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                raise InvalidArgument(f"page index {p!r} out of range [0, {self.num_pages})")
+        if len(set(table)) != len(table):
+            raise InvalidArgument("page table entries must be unique")
+        with self._lock:
+            req = self._get(request_id)
+            locked = req.locked_nodes()
+            locked_pages = {node.page for node in locked.values()}
+            for i, p in enumerate(table):
+                if p in req.live:
+                    continue
+                if i < n_full and p in locked_pages:
+                    continue
+                what = "own or have locked" if i < n_full else "own (live)"
+                raise InvalidArgument(
+                    f"page {p} at table position {i} is not a page request {request_id!r} "
+                    f"may commit: it must {what}", page=p)
+            canonical, new_nodes, duplicates = self._index.insert(
+                tokens[:n_full * self.page_size], table[:n_full])
+            for node in new_nodes:
+                del req.live[node.page]
+            for p in duplicates:
+                del req.live[p]
+            self._live_total -= len(new_nodes) + len(duplicates)
+            self._alloc.free(duplicates)
+            path = self._index.path(tokens[:n_full * self.page_size])
+            if len(path) != n_full:
+                raise Internal(f"index path has {len(path)} pages after inserting {n_full}")
+            fresh = [node for node in path if node.id not in locked]
+            if fresh:
+                self._index.lock(fresh)
+                req.locks.append(fresh)
+            return canonical, n_full * self.page_size
+
+    def release(self, request_id: str, quarantine_ms: int = 0) -> tuple[int, int]:
+        """End ``request_id``: drop each of its locks exactly once, and free its live pages —
+        or, with ``quarantine_ms > 0``, hold them until ``now + quarantine_ms`` (a write
+        might still land in them), after which :meth:`reap` frees them.
+
+        Returns ``(freed, quarantined)`` page counts. Raises :class:`NotFound` (NOT_FOUND)
+        for an unknown request (including a second release) and :class:`InvalidArgument`
+        (INVALID_ARGUMENT) for a negative ``quarantine_ms``; nothing changes then.
+        """
+        self._check_request_id(request_id)
+        self._check_count("quarantine_ms", quarantine_ms)
+        with self._lock:
+            req = self._get(request_id)
+            for group in req.locks:
+                self._index.unlock(group)
+            del self._requests[request_id]
+            pages = list(req.live)
+            self._live_total -= len(pages)
+            if not pages:
+                return 0, 0
+            if quarantine_ms > 0:
+                deadline = self._clock() + quarantine_ms / 1000.0
+                heapq.heappush(self._quarantine, (deadline, next(self._seq), pages))
+                self._quarantined_total += len(pages)
+                return 0, len(pages)
+            self._alloc.free(pages)
+            return len(pages), 0
+
+    def reap(self) -> int:
+        """Free quarantined pages whose deadline has passed; returns how many. Also run by
+        :meth:`allocate` and :meth:`stats`."""
+        with self._lock:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> int:
+        now = self._clock()
+        freed = 0
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, _, pages = heapq.heappop(self._quarantine)
+            self._alloc.free(pages)
+            freed += len(pages)
+        self._quarantined_total -= freed
+        return freed
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> PoolCounts:
+        """Current :class:`PoolCounts` (after freeing expired quarantine)."""
+        with self._lock:
+            self._reap_locked()
+            return PoolCounts(
+                num_pages=self.num_pages,
+                free=self._alloc.num_free,
+                cached=self._index.num_cached_pages,
+                live=self._live_total,
+                quarantined=self._quarantined_total,
+                locked=self._index.num_locked_pages,
+                evictable=self._index.num_evictable_pages,
+                live_requests=len(self._requests),
+            )
+
+    def request_pages(self, request_id: str) -> list[int]:
+        """Live pages ``request_id`` owns, in allocation order. NotFound (NOT_FOUND) if the
+        request is unknown."""
+        with self._lock:
+            return list(self._get(request_id).live)
+
+    def request_locked_pages(self, request_id: str) -> list[int]:
+        """Cached pages ``request_id`` holds locks on, one entry per lock (a page locked
+        twice appears twice). NotFound (NOT_FOUND) if the request is unknown."""
+        with self._lock:
+            return [node.page for group in self._get(request_id).locks for node in group]
+
+    def page_state(self, page: int) -> str:
+        """``"free"``, ``"cached"``, ``"live"`` or ``"quarantined"``; InvalidArgument
+        (INVALID_ARGUMENT) if ``page`` is out of range. O(requests + quarantine)."""
+        with self._lock:
+            if self._alloc.is_free(page):
+                return "free"
+            if self._index.node_of_page(page) is not None:
+                return "cached"
+            if any(page in req.live for req in self._requests.values()):
+                return "live"
+            return "quarantined"
+
+    def check_invariants(self) -> None:
+        """Verify I1 and the lock accounting from scratch: every page in exactly one state,
+        ``free + cached + live + quarantined == num_pages``, lock counts >= 0 and equal to the
+        locks requests hold, counters equal to recomputed values. Raises :class:`Internal`
+        (INTERNAL) listing every discrepancy. O(num_pages + cached pages)."""
+        with self._lock:
+            problems = list(self._index.check_invariants())
+            owner: dict[int, str] = {}
+
+            def claim(page: int, state: str) -> None:
+                if not 0 <= page < self.num_pages:
+                    problems.append(f"{state} page {page} out of range")
+                elif page in owner:
+                    problems.append(f"page {page} is both {owner[page]} and {state}")
+                else:
+                    owner[page] = state
+
+            for p in range(self.num_pages):
+                if self._alloc.is_free(p):
+                    claim(p, "free")
+            for p in self._index.cached_pages():
+                claim(p, "cached")
+            live = 0
+            expected_locks: dict[int, int] = {}
+            nodes_by_id: dict[int, RadixNode] = {}
+            for rid, req in self._requests.items():
+                for p in req.live:
+                    claim(p, f"live({rid})")
+                live += len(req.live)
+                for group in req.locks:
+                    for node in group:
+                        expected_locks[node.id] = expected_locks.get(node.id, 0) + 1
+                        nodes_by_id[node.id] = node
+            quarantined = 0
+            for _, _, pages in self._quarantine:
+                for p in pages:
+                    claim(p, "quarantined")
+                quarantined += len(pages)
+            if len(owner) != self.num_pages:
+                problems.append(f"{self.num_pages - len(owner)} pages are in no state")
+            if live != self._live_total:
+                problems.append(f"live counter {self._live_total} != {live}")
+            if quarantined != self._quarantined_total:
+                problems.append(f"quarantine counter {self._quarantined_total} != {quarantined}")
+            if self._alloc.num_free + self._index.num_cached_pages + live + quarantined \
+                    != self.num_pages:
+                problems.append("free + cached + live + quarantined != num_pages")
+            for node in self._index.iter_nodes():
+                want = expected_locks.pop(node.id, 0)
+                if node.lock_ref != want:
+                    problems.append(f"{node!r} has {node.lock_ref} locks, requests hold {want}")
+            for node_id in expected_locks:
+                problems.append(f"a request holds a lock on evicted node "
+                                f"{nodes_by_id[node_id]!r}")
+            if problems:
+                raise Internal("page manager invariants violated: " + "; ".join(problems),
+                               problems=problems)

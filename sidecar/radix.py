@@ -1,0 +1,341 @@
+"""Page-granular radix index over token ids: which pool pages hold which cached prefixes.
+
+Each node below the root owns exactly one **full** page; the edge from its parent is keyed by
+the ``page_size`` token ids that page holds, so the path from the root to a node spells the
+page-aligned prefix whose KV the path's pages hold. Partial pages are never cached (their KV
+would change as tokens are appended).
+
+Like SGLang's ``RadixCache`` with ``page_size > 1`` and vLLM's hash-chained prefix blocks,
+matching walks whole pages; unlike SGLang's compressed edges, one node per page keeps
+locking and eviction page-exact, which the pool accounting (DESIGN §6, I1) relies on.
+
+Locks are reference counts per node. A node is **protected** while it or any descendant is
+locked; eviction frees only unprotected leaves, least recently used first, and a parent
+becomes a leaf (and evictable) once its children are gone. Callers lock whole root-to-node
+paths (what :meth:`RadixIndex.match` and :meth:`RadixIndex.path` return), which keeps a
+locked page's prefix resident.
+
+The index only tracks pages; the caller owns the free list and must free the pages
+:meth:`RadixIndex.evict` returns and the duplicates :meth:`RadixIndex.insert` reports.
+Not thread-safe: :class:`sidecar.page_manager.PageManager` serialises calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+
+from services.common.errors import InvalidArgument
+
+
+class RadixNode:
+    """One cached full page. ``key``: the page's ``page_size`` token ids; ``page``: pool page
+    index; ``lock_ref``: locks held on it; ``last_access``: logical LRU time."""
+
+    __slots__ = ("key", "page", "parent", "children", "lock_ref", "protect_ref",
+                 "last_access", "id", "depth")
+
+    def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None,
+                 node_id: int, depth: int) -> None:
+        self.key = key
+        self.page = page
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        # (1 if locked) + number of protected children; > 0 means "not evictable".
+        self.protect_ref = 0
+        self.last_access = 0
+        self.id = node_id
+        self.depth = depth  # pages from the root: this node holds tokens [(d-1)*ps, d*ps)
+
+    @property
+    def attached(self) -> bool:
+        """False once evicted (the node object may still be held by a stale caller)."""
+        return self.parent is not None and self.parent.children.get(self.key) is self
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(id={self.id}, page={self.page}, depth={self.depth}, "
+                f"lock_ref={self.lock_ref})")
+
+
+class RadixIndex:
+    """Prefix tree of cached full pages for one pool with ``page_size`` tokens per page."""
+
+    def __init__(self, page_size: int) -> None:
+        """Raises :class:`InvalidArgument` (INVALID_ARGUMENT) unless ``page_size`` is a
+        positive int."""
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self._ids = itertools.count(1)
+        self._root = RadixNode((), -1, None, 0, 0)
+        self._by_page: dict[int, RadixNode] = {}
+        self._tick = 0
+        self._num_locked = 0
+        self._num_protected = 0
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages owned by the index (one per node)."""
+        return len(self._by_page)
+
+    @property
+    def num_locked_pages(self) -> int:
+        """Cached pages with at least one lock."""
+        return self._num_locked
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages ``evict`` could free now: neither they nor a descendant is locked."""
+        return len(self._by_page) - self._num_protected
+
+    def node_of_page(self, page: int) -> RadixNode | None:
+        """The node owning ``page``, or None if the page is not cached."""
+        return self._by_page.get(page)
+
+    def cached_pages(self) -> set[int]:
+        """All pages the index owns (a copy)."""
+        return set(self._by_page)
+
+    # ------------------------------------------------------------------ lookup / insert
+
+    def _keys(self, tokens: Sequence[int], num_pages: int) -> list[tuple[int, ...]]:
+        ps = self.page_size
+        return [tuple(tokens[i * ps:(i + 1) * ps]) for i in range(num_pages)]
+
+    @staticmethod
+    def _check_tokens(tokens: Sequence[int]) -> Sequence[int]:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise InvalidArgument(f"token ids must be a sequence of ints, got "
+                                  f"{type(tokens).__name__}")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
+        return tokens
+
+    def _touch(self, nodes: Sequence[RadixNode]) -> None:
+        self._tick += 1
+        for node in nodes:
+            node.last_access = self._tick
+
+    def match(self, tokens: Sequence[int], max_tokens: int = 0,
+              ) -> tuple[int, list[int], list[RadixNode]]:
+        """Longest cached page-aligned prefix of ``tokens``.
+
+        Matches at most ``len(tokens)`` tokens, and at most ``max_tokens`` if it is > 0
+        (rounded down to a page). Returns ``(matched_len, pages, nodes)``: ``matched_len`` is
+        a multiple of ``page_size``; ``pages``/``nodes`` hold ``matched_len // page_size``
+        entries in prefix order. Marks the matched nodes most recently used; takes no lock.
+        Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for non-int/negative token ids or
+        a negative ``max_tokens``.
+        """
+        self._check_tokens(tokens)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidArgument(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+        limit = len(tokens) if max_tokens == 0 else min(len(tokens), max_tokens)
+        nodes: list[RadixNode] = []
+        node = self._root
+        for key in self._keys(tokens, limit // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        if nodes:
+            self._touch(nodes)
+        return len(nodes) * self.page_size, [n.page for n in nodes], nodes
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               ) -> tuple[list[int], list[RadixNode], list[int]]:
+        """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them).
+
+        ``pages[i]`` holds tokens ``[i*page_size, (i+1)*page_size)``; entries past the full
+        pages (e.g. the partial last page) are ignored. Where the index already has a page
+        for a prefix, that page is **canonical** and the offered one is a **duplicate** the
+        caller must free (or keep private). Returns ``(canonical_pages, new_nodes,
+        duplicate_pages)``; ``canonical_pages`` has one entry per full page.
+
+        Raises :class:`InvalidArgument` (INVALID_ARGUMENT), changing nothing, if there are
+        fewer pages than full pages, a page index is negative or listed twice, or an offered
+        page is already cached for a different prefix (inserting it would alias two
+        prefixes onto one page).
+        """
+        self._check_tokens(tokens)
+        n = len(tokens) // self.page_size
+        if len(pages) < n:
+            raise InvalidArgument(f"{len(tokens)} tokens have {n} full pages but only "
+                                  f"{len(pages)} page indices were given")
+        offered = list(pages[:n])
+        for p in offered:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise InvalidArgument(f"page index {p!r} is not a non-negative int")
+        if len(set(offered)) != n:
+            raise InvalidArgument("page indices of one insert must be unique")
+        keys = self._keys(tokens, n)
+        # Validate the whole insert before mutating anything.
+        node = self._root
+        path: list[RadixNode | None] = []
+        for i, key in enumerate(keys):
+            child = node.children.get(key) if node is not None else None
+            owner = self._by_page.get(offered[i])
+            if owner is not None and owner is not child:
+                raise InvalidArgument(
+                    f"page {offered[i]} is already cached for another prefix (depth "
+                    f"{owner.depth}); offered at depth {i + 1}", page=offered[i])
+            path.append(child)
+            node = child
+        canonical: list[int] = []
+        new_nodes: list[RadixNode] = []
+        duplicates: list[int] = []
+        full_path: list[RadixNode] = []
+        node = self._root
+        for i, key in enumerate(keys):
+            child = path[i]
+            if child is None:
+                child = RadixNode(key, offered[i], node, next(self._ids), i + 1)
+                node.children[key] = child
+                self._by_page[child.page] = child
+                new_nodes.append(child)
+            elif child.page != offered[i]:
+                duplicates.append(offered[i])
+            canonical.append(child.page)
+            full_path.append(child)
+            node = child
+        if full_path:
+            self._touch(full_path)
+        return canonical, new_nodes, duplicates
+
+    def path(self, tokens: Sequence[int]) -> list[RadixNode]:
+        """Nodes of the cached full-page prefix of ``tokens``, without touching LRU time."""
+        nodes: list[RadixNode] = []
+        node = self._root
+        for key in self._keys(tokens, len(tokens) // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        return nodes
+
+    # ------------------------------------------------------------------ locks
+
+    def _check_nodes(self, nodes: Iterable[RadixNode]) -> list[RadixNode]:
+        out = list(nodes)
+        for node in out:
+            if not isinstance(node, RadixNode) or not node.attached:
+                raise InvalidArgument(f"{node!r} is not a node of this index (evicted or "
+                                      "foreign)")
+            if self._by_page.get(node.page) is not node:
+                raise InvalidArgument(f"{node!r} is not a node of this index")
+        return out
+
+    def lock(self, nodes: Iterable[RadixNode]) -> None:
+        """Add one lock to each node listed (pass whole paths). Locked nodes and their
+        ancestors are never evicted. Raises :class:`InvalidArgument` (INVALID_ARGUMENT),
+        changing nothing, if a node is not (any more) in this index."""
+        for node in self._check_nodes(nodes):
+            node.lock_ref += 1
+            if node.lock_ref == 1:
+                self._num_locked += 1
+                self._protect(node)
+
+    def unlock(self, nodes: Iterable[RadixNode]) -> None:
+        """Drop one lock from each node listed. Raises :class:`InvalidArgument`
+        (INVALID_ARGUMENT), changing nothing, if a node is foreign or would go below zero
+        locks (an unlock without a matching lock)."""
+        nodes = self._check_nodes(nodes)
+        want: dict[int, int] = {}
+        for node in nodes:
+            want[node.id] = want.get(node.id, 0) + 1
+            if want[node.id] > node.lock_ref:
+                raise InvalidArgument(f"unlock of {node!r} without a matching lock")
+        for node in nodes:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_locked -= 1
+                self._unprotect(node)
+
+    def _protect(self, node: RadixNode | None) -> None:
+        # Propagate "protected" upwards until an ancestor that already was protected.
+        while node is not None and node is not self._root:
+            node.protect_ref += 1
+            if node.protect_ref > 1:
+                return
+            self._num_protected += 1
+            node = node.parent
+
+    def _unprotect(self, node: RadixNode | None) -> None:
+        while node is not None and node is not self._root:
+            node.protect_ref -= 1
+            if node.protect_ref > 0:
+                return
+            self._num_protected -= 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, n: int) -> list[int]:
+        """Remove up to ``n`` unprotected leaves, least recently used first (a parent whose
+        last child goes becomes a candidate in turn), and return their pages for the caller
+        to free. Returns fewer than ``n`` pages if fewer are evictable. Raises
+        :class:`InvalidArgument` (INVALID_ARGUMENT) if ``n`` is not a non-negative int."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"evict count must be a non-negative int, got {n!r}")
+        if n == 0 or self.num_evictable_pages == 0:
+            return []
+        heap = [(node.last_access, node.id, node) for node in self._by_page.values()
+                if not node.children and node.protect_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < n:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key]
+            del self._by_page[node.page]
+            node.parent = None
+            freed.append(node.page)
+            if parent is not self._root and not parent.children and parent.protect_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    # ------------------------------------------------------------------ checks
+
+    def iter_nodes(self) -> list[RadixNode]:
+        """Every node below the root (depth-first)."""
+        out: list[RadixNode] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def check_invariants(self) -> list[str]:
+        """Recompute every count from the tree; return a description of each discrepancy
+        (empty when consistent). O(cached pages)."""
+        problems: list[str] = []
+        nodes = self.iter_nodes()
+        if len(nodes) != len(self._by_page):
+            problems.append(f"{len(nodes)} nodes but {len(self._by_page)} pages indexed")
+        locked = protected = 0
+        for node in nodes:
+            if self._by_page.get(node.page) is not node:
+                problems.append(f"page map does not point at {node!r}")
+            if node.lock_ref < 0:
+                problems.append(f"negative lock count on {node!r}")
+            if len(node.key) != self.page_size:
+                problems.append(f"{node!r} key has {len(node.key)} tokens")
+            expect = (1 if node.lock_ref > 0 else 0) + sum(
+                1 for c in node.children.values() if c.protect_ref > 0)
+            if node.protect_ref != expect:
+                problems.append(f"{node!r} protect_ref {node.protect_ref} != {expect}")
+            locked += node.lock_ref > 0
+            protected += node.protect_ref > 0
+        if locked != self._num_locked:
+            problems.append(f"locked count {self._num_locked} != {locked}")
+        if protected != self._num_protected:
+            problems.append(f"protected count {self._num_protected} != {protected}")
+        return problems
