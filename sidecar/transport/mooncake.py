@@ -1,0 +1,408 @@
+"""Mooncake Transfer Engine backend (DESIGN §7): one-sided batch writes over TCP or RDMA.
+
+Engine set-up: ``P2PHANDSHAKE`` metadata (peers exchange segment descriptors directly, no
+etcd), protocol ``tcp`` by default or ``rdma`` via ``TransportOptions.extra["protocol"]``
+(``extra["device_name"]`` picks the NICs, comma-separated). The local pool is registered once
+(``data_ptr``, ``nbytes``). The descriptor published in ``EndpointInfo`` is JSON: the
+engine's session address ``host:rpc_port``, the pool's base virtual address and size, and
+the protocol.
+
+Writes: each batch is ``(local addr, remote addr, length)`` per run, at most ``max_entries``
+runs per engine call (the engine fails above a few thousand entries; default 1024).
+
+Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
+``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
+hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
+no non-blocking poll for a whole batch. So each batch is submitted and waited for on a short-
+lived daemon thread (the engine releases the GIL), and the caller waits on that thread only
+until its deadline: a stuck engine call cannot hang the caller. On DeadlineExceeded the batch
+may still be in flight until the engine's bound, which this transport sets from
+``extra["transfer_timeout_s"]`` (engine minimum 5 s); :meth:`MooncakeTransport.drain` waits
+for such batches, and ``close`` waits for them before tearing the engine down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mooncake.engine import TransferEngine
+
+from deltakv.v1 import kv_pb2
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    TransferFailed,
+    Unavailable,
+    UnknownEndpoint,
+)
+from sidecar.layout import KVLayout
+from sidecar.planner import check_block, check_runs
+from sidecar.pool import SharedKVPool
+from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, TransportOptions
+
+log = logging.getLogger(__name__)
+
+_DESCRIPTOR_VERSION = 1
+# batch_transfer_async_write returns 0 on a submit error, or (uint64)-1 when the peer's
+# segment cannot be opened (handshake failed).
+_BAD_BATCH_IDS = (0, (1 << 64) - 1)
+# Engine construction reads process-wide environment variables; serialise it.
+_ENGINE_INIT_LOCK = threading.Lock()
+
+
+@dataclass
+class _Batch:
+    """One engine batch handed to a waiter thread; ``rc`` < 0 is an engine failure."""
+
+    session: str
+    srcs: list[int]
+    dsts: list[int]
+    lengths: list[int]
+    deadline: float
+    rc: int | None = None
+    reason: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class MooncakePeer(PeerHandle):
+    """A connected Mooncake peer: its session address and registered pool base address."""
+
+    def __init__(self, info: kv_pb2.EndpointInfo, layout: KVLayout, session: str, base: int,
+                 nbytes: int) -> None:
+        super().__init__(info, layout)
+        self.session = session
+        self.base = base
+        self.nbytes = nbytes
+        self.closed = False
+
+
+class MooncakeTransport(Transport):
+    """Mooncake Transfer Engine transport.
+
+    ``options.host``: the address peers use to reach this engine (never loopback in a
+    cluster); ``options.port`` must be 0 (the P2P handshake engine picks its own RPC and data
+    ports). ``options.extra``: ``protocol`` ("tcp" | "rdma", default "tcp"), ``device_name``
+    (RDMA NIC filter, default all), ``max_entries`` (runs per batch, default 1024),
+    ``transfer_timeout_s`` (engine-side bound of one batch, default 10, minimum 5),
+    ``connect_timeout_s`` (bound of the reachability probe in ``connect``, default 5).
+
+    Raises InvalidArgument for bad options and Unavailable if the engine fails to start.
+    Thread-safe: concurrent ``write`` calls run their batches independently.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, options: TransportOptions | None = None) -> None:
+        options = options or TransportOptions()
+        extra = dict(options.extra)
+        self.protocol = str(extra.pop("protocol", "tcp"))
+        device_name = str(extra.pop("device_name", ""))
+        max_entries = int(extra.pop("max_entries", 1024))
+        transfer_timeout_s = float(extra.pop("transfer_timeout_s", 10))
+        self.connect_timeout_s = float(extra.pop("connect_timeout_s", 5))
+        if extra:
+            raise InvalidArgument(f"unknown mooncake options: {sorted(extra)}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise InvalidArgument(f"mooncake protocol must be 'tcp' or 'rdma', got "
+                                  f"{self.protocol!r}")
+        if max_entries <= 0 or transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise InvalidArgument("mooncake max_entries, transfer_timeout_s and "
+                                  "connect_timeout_s must be > 0")
+        self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
+        # The engine clamps its timeout to >= 5 s; record what it will really use.
+        self.transfer_timeout_s = max(5, int(round(transfer_timeout_s)))
+        self.host = options.host
+        self._engine = self._start_engine(options, device_name)
+        self.session = f"{self.host}:{self._engine.get_rpc_port()}"
+        self._pool: SharedKVPool | None = None
+        self._peers: dict[str, MooncakePeer] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._closed = False
+
+    def _start_engine(self, options: TransportOptions, device_name: str) -> TransferEngine:
+        if options.port:
+            # With P2PHANDSHAKE the engine always picks its own RPC and data ports.
+            raise InvalidArgument(f"mooncake picks its own ports (P2P handshake); set port=0, "
+                                  f"got {options.port}")
+        with _ENGINE_INIT_LOCK:
+            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(self.transfer_timeout_s)
+            try:
+                engine = TransferEngine()
+                rc = engine.initialize(options.host, "P2PHANDSHAKE", self.protocol, device_name)
+            finally:
+                if saved is None:
+                    os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+                else:
+                    os.environ["MC_TRANSFER_TIMEOUT"] = saved
+        if rc != 0:
+            raise Unavailable(f"mooncake engine failed to start on {options.host!r} with "
+                              f"protocol {self.protocol!r} (rc={rc}); see the engine log")
+        return engine
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """None: importing this module already loaded the engine and libibverbs."""
+        return None
+
+    # ------------------------------------------------------------------ local side
+
+    def register_pool(self, pool: SharedKVPool) -> None:
+        """Register ``[pool.data_ptr(), + pool.nbytes)`` with the engine (once). The sidecar
+        keeps owning the pool; it must outlive this transport. InvalidArgument if called
+        twice, Unavailable if the engine refuses the registration."""
+        if self._pool is not None:
+            raise InvalidArgument("mooncake transport already has a registered pool")
+        rc = self._engine.register_memory(pool.data_ptr(), pool.nbytes)
+        if rc != 0:
+            raise Unavailable(f"mooncake register_memory of {pool.nbytes} bytes failed "
+                              f"(rc={rc})")
+        self._pool = pool
+
+    def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
+        """EndpointInfo with ``address`` = session ``host:rpc_port`` and the JSON descriptor
+        ``{session, base, nbytes, protocol}``."""
+        pool = self._require_pool()
+        if layout.pool_bytes != pool.nbytes:
+            raise InvalidArgument(f"describe: layout has {layout.pool_bytes} bytes, the "
+                                  f"registered pool {pool.nbytes}")
+        descriptor = {"v": _DESCRIPTOR_VERSION, "session": self.session,
+                      "base": pool.data_ptr(), "nbytes": pool.nbytes,
+                      "protocol": self.protocol}
+        return kv_pb2.EndpointInfo(
+            endpoint_id=endpoint_id, backend=self.name, address=self.session,
+            descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
+            layout=layout.to_proto())
+
+    # ------------------------------------------------------------------ peers
+
+    def connect(self, peer: kv_pb2.EndpointInfo) -> MooncakePeer:
+        """Validate a peer and probe that its engine answers (cached per ``endpoint_id``;
+        a new endpoint at the same address replaces the old one).
+
+        Raises LayoutMismatch (FAILED_PRECONDITION) on a geometry mismatch (before any
+        network traffic), FailedPrecondition for another backend or protocol,
+        InvalidArgument for a malformed descriptor, Unavailable if the peer's engine does
+        not answer the probe within ``connect_timeout_s``.
+        """
+        pool = self._require_pool()
+        if peer.backend != self.name:
+            raise FailedPrecondition(
+                f"endpoint {peer.endpoint_id!r} uses backend {peer.backend!r}, this sidecar "
+                f"speaks {self.name!r}")
+        remote = KVLayout.from_proto(peer.layout)
+        pool.layout.check_compatible(remote)
+        session, base, nbytes, protocol = self._parse(peer)
+        if protocol != self.protocol:
+            raise FailedPrecondition(
+                f"mooncake protocol mismatch: local={self.protocol!r} remote={protocol!r}")
+        if nbytes != remote.pool_bytes:
+            raise InvalidArgument(
+                f"mooncake descriptor size {nbytes} != layout pool bytes {remote.pool_bytes}")
+        with self._lock:
+            cached = self._peers.get(peer.endpoint_id)
+            if cached is not None and not cached.closed:
+                return cached
+        self._probe(peer.endpoint_id, session)
+        handle = MooncakePeer(peer, remote, session, base, nbytes)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("mooncake transport is closed")
+            existing = self._peers.get(peer.endpoint_id)
+            if existing is not None and not existing.closed:
+                return existing
+            for eid, old in list(self._peers.items()):
+                if old.info.address == peer.address:  # older incarnation, same address
+                    old.closed = True
+                    del self._peers[eid]
+            self._peers[peer.endpoint_id] = handle
+        return handle
+
+    def disconnect(self, endpoint_id: str) -> None:
+        """Forget a cached peer; writes through its old handle fail with UnknownEndpoint."""
+        with self._lock:
+            old = self._peers.pop(endpoint_id, None)
+        if old is not None:
+            old.closed = True
+
+    def _probe(self, endpoint_id: str, session: str) -> None:
+        send_probe = getattr(self._engine, "send_probe", None)
+        if send_probe is None:  # older engines: the first batch finds an unreachable peer
+            return
+        result: list[int] = []
+        worker = threading.Thread(target=lambda: result.append(send_probe(session)),
+                                  name=f"mooncake-probe-{session}", daemon=True)
+        worker.start()
+        worker.join(self.connect_timeout_s)
+        if not result:
+            raise Unavailable(f"mooncake peer {endpoint_id!r} at {session} did not answer "
+                              f"within {self.connect_timeout_s:g} s")
+        if result[0] != 0:
+            raise Unavailable(f"mooncake peer {endpoint_id!r} at {session} is unreachable "
+                              f"(probe rc={result[0]})")
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, peer: PeerHandle, runs: list[PageRun], deadline: float) -> None:
+        """Write the runs as engine batches of at most ``max_entries`` entries and wait
+        for each to complete.
+
+        Every run is range-checked before the first byte moves (InvalidArgument). No batch
+        is submitted after ``deadline`` (``time.monotonic()``); waiting ends at it
+        (DeadlineExceeded; the batch may still land until the engine's own bound, see
+        :meth:`drain`). An engine failure raises TransferFailed (UNAVAILABLE) and stops the
+        remaining batches. UnknownEndpoint if ``peer`` was disconnected.
+        """
+        handle = self._check_peer(peer)
+        pool = self._require_pool()
+        page_bytes = pool.layout.page_bytes
+        check_runs(runs, pool.layout.num_pages, handle.num_pages)
+        local_base = pool.data_ptr()
+        step = self.limits.max_entries
+        for start in range(0, len(runs), step):
+            chunk = runs[start:start + step]
+            self._run(handle, [local_base + r.src_page * page_bytes for r in chunk],
+                      [handle.base + r.dst_page * page_bytes for r in chunk],
+                      [r.num_pages * page_bytes for r in chunk], deadline)
+
+    def write_block(self, peer: PeerHandle, src_offset: int, dst_offset: int, nbytes: int,
+                    deadline: float) -> None:
+        """One engine batch of one entry: ``nbytes`` from local byte ``src_offset`` to the
+        peer's ``dst_offset``. Errors as :meth:`write`."""
+        handle = self._check_peer(peer)
+        pool = self._require_pool()
+        check_block(src_offset, dst_offset, nbytes, pool.nbytes, handle.nbytes)
+        self._run(handle, [pool.data_ptr() + src_offset], [handle.base + dst_offset], [nbytes],
+                  deadline)
+
+    def _run(self, handle: MooncakePeer, srcs: list[int], dsts: list[int],
+             lengths: list[int], deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"mooncake write to {handle.endpoint_id!r}: deadline "
+                                   f"passed before a batch of {len(srcs)} writes started")
+        batch = _Batch(handle.session, srcs, dsts, lengths, deadline)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("mooncake transport is closed")
+            self._in_flight += 1
+        worker = threading.Thread(target=self._submit_and_wait, args=(batch,),
+                                  name=f"mooncake-batch-{handle.session}", daemon=True)
+        try:
+            worker.start()
+        except BaseException:
+            self._batch_finished()
+            raise
+        if not batch.done.wait(max(0.0, deadline - time.monotonic())):
+            raise DeadlineExceeded(
+                f"mooncake write to {handle.endpoint_id!r} at {handle.session}: a batch of "
+                f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline; "
+                f"it may land until the engine gives up ({self.transfer_timeout_s} s)",
+                in_flight=True)
+        if batch.rc is None or batch.rc < 0:
+            raise TransferFailed(
+                f"mooncake write to {handle.endpoint_id!r} at {handle.session} failed: "
+                f"{batch.reason}", rc=batch.rc)
+
+    def _submit_and_wait(self, batch: _Batch) -> None:
+        # Runs on the waiter thread; the engine calls release the GIL.
+        try:
+            if time.monotonic() >= batch.deadline:
+                batch.rc, batch.reason = -1, "deadline passed before submission"
+                return
+            batch_id = self._engine.batch_transfer_async_write(
+                batch.session, batch.srcs, batch.dsts, batch.lengths)
+            if batch_id in _BAD_BATCH_IDS or batch_id < 0:
+                batch.rc = -1
+                batch.reason = (f"submission of {len(batch.srcs)} writes refused (peer "
+                                f"unreachable or its segment unknown)")
+                return
+            batch.rc = self._engine.get_batch_transfer_status([batch_id])
+            if batch.rc < 0:
+                batch.reason = (f"engine reported failure (rc={batch.rc}) for a batch of "
+                                f"{len(batch.srcs)} writes (peer gone, or engine timeout)")
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller as TransferFailed
+            batch.rc, batch.reason = -1, f"{type(exc).__name__}: {exc}"
+        finally:
+            batch.done.set()
+            self._batch_finished()
+
+    def _batch_finished(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        """Batches submitted (or being submitted) whose engine wait has not returned."""
+        with self._lock:
+            return self._in_flight
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no batch of this transport can still land (bounded: ``timeout``
+        seconds, default the engine's own transfer bound + 1 s). True if idle."""
+        limit = self.transfer_timeout_s + 1.0 if timeout is None else timeout
+        with self._lock:
+            return self._idle.wait_for(lambda: self._in_flight == 0, limit)
+
+    def close(self) -> None:
+        """Wait (bounded) for in-flight batches, unregister the pool and drop the engine.
+        If a batch is still stuck in the engine after its bound, the engine is leaked
+        rather than destroyed under it. Idempotent; never closes the pool itself."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for handle in self._peers.values():
+                handle.closed = True
+            self._peers.clear()
+        if not self.drain():
+            log.warning("mooncake transport closed with %d batch(es) still in the engine; "
+                        "leaking the engine", self.in_flight)
+            return
+        if self._pool is not None:
+            self._engine.unregister_memory(self._pool.data_ptr())
+            self._pool = None
+        self._engine = None  # type: ignore[assignment]  # destructor stops its threads
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_pool(self) -> SharedKVPool:
+        if self._closed:
+            raise Unavailable("mooncake transport is closed")
+        if self._pool is None:
+            raise FailedPrecondition(
+                "mooncake transport has no registered pool; call register_pool")
+        return self._pool
+
+    def _check_peer(self, peer: PeerHandle) -> MooncakePeer:
+        if not isinstance(peer, MooncakePeer):
+            raise InvalidArgument(f"not a mooncake peer handle: {type(peer).__name__}")
+        if peer.closed:
+            raise UnknownEndpoint(
+                f"mooncake peer {peer.endpoint_id!r} was disconnected; reconnect")
+        return peer
+
+    @staticmethod
+    def _parse(peer: kv_pb2.EndpointInfo) -> tuple[str, int, int, str]:
+        try:
+            desc = json.loads(peer.descriptor)
+            session, base, nbytes = desc["session"], desc["base"], desc["nbytes"]
+            protocol = desc.get("protocol", "tcp")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InvalidArgument(f"malformed mooncake descriptor for endpoint "
+                                  f"{peer.endpoint_id!r}: {exc}") from None
+        if not (isinstance(session, str) and ":" in session and isinstance(base, int)
+                and base > 0 and isinstance(nbytes, int) and nbytes > 0):
+            raise InvalidArgument(
+                f"malformed mooncake descriptor for endpoint {peer.endpoint_id!r}: "
+                f"session={session!r} base={base!r} nbytes={nbytes!r}")
+        return session, base, nbytes, protocol
