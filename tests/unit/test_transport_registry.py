@@ -1,0 +1,123 @@
+"""Transport registry: lazy import by name, typed errors for unknown / unavailable backends."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+from services.common.errors import Internal, InvalidArgument
+from sidecar.transport import (
+    BACKENDS,
+    BackendUnavailable,
+    Transport,
+    TransportOptions,
+    available_backends,
+    backend_class,
+    create_transport,
+)
+from sidecar.transport.registry import INSTALL_HINTS
+
+
+@pytest.fixture
+def fake_backends(tmp_path, monkeypatch):
+    """Registry entries backed by real modules on a temporary import path."""
+    (tmp_path / "dkv_fake_missing_dep.py").write_text(textwrap.dedent("""
+        import dkv_no_such_engine_pkg  # the optional dependency that is not installed
+        class Fake: ...
+    """))
+    (tmp_path / "dkv_fake_broken_lib.py").write_text(textwrap.dedent("""
+        raise ImportError("libfakeverbs.so.1: cannot open shared object file")
+    """))
+    (tmp_path / "dkv_fake_ok.py").write_text(textwrap.dedent("""
+        class Fake:
+            def __init__(self, options):
+                self.options = options
+            @classmethod
+            def probe(cls):
+                return "no device present"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(BACKENDS, "fake-missing", "dkv_fake_missing_dep:Fake")
+    monkeypatch.setitem(BACKENDS, "fake-broken", "dkv_fake_broken_lib:Fake")
+    monkeypatch.setitem(BACKENDS, "fake-ok", "dkv_fake_ok:Fake")
+    monkeypatch.setitem(BACKENDS, "fake-noclass", "dkv_fake_ok:Nope")
+    monkeypatch.setitem(INSTALL_HINTS, "fake-missing", "pip install fake-engine")
+    yield
+    for mod in ("dkv_fake_missing_dep", "dkv_fake_broken_lib", "dkv_fake_ok"):
+        sys.modules.pop(mod, None)
+
+
+def test_registry_names_the_three_design_backends():
+    assert BACKENDS["shm"] == "sidecar.transport.shm:ShmTransport"
+    assert BACKENDS["mooncake"] == "sidecar.transport.mooncake:MooncakeTransport"
+    assert BACKENDS["mori"] == "sidecar.transport.mori:MoriTransport"
+
+
+def test_unknown_backend_is_invalid_argument_listing_known_names():
+    with pytest.raises(InvalidArgument) as exc_info:
+        create_transport("rdma-magic", TransportOptions())
+    assert exc_info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for name in ("mooncake", "mori", "shm"):
+        assert name in str(exc_info.value)
+
+
+def test_missing_dependency_is_backend_unavailable_naming_the_package(fake_backends):
+    with pytest.raises(BackendUnavailable) as exc_info:
+        create_transport("fake-missing")
+    err = exc_info.value
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dkv_no_such_engine_pkg" in str(err)
+    assert "install: pip install fake-engine" in str(err)
+    assert "\n" not in str(err)
+
+
+def test_broken_shared_library_is_backend_unavailable(fake_backends):
+    with pytest.raises(BackendUnavailable, match="libfakeverbs.so.1"):
+        backend_class("fake-broken")
+
+
+def test_registry_entry_without_the_class_is_internal(fake_backends):
+    with pytest.raises(Internal, match="has no attribute 'Nope'"):
+        backend_class("fake-noclass")
+
+
+def test_create_passes_options_and_defaults(fake_backends):
+    opts = TransportOptions(host="10.0.0.1", extra={"k": 1})
+    assert create_transport("fake-ok", opts).options is opts
+    assert isinstance(create_transport("fake-ok").options, TransportOptions)
+
+
+def test_available_backends_reports_reasons_without_raising(fake_backends):
+    avail = available_backends()
+    assert set(avail) == set(BACKENDS)
+    assert avail["shm"] is None
+    assert avail["fake-ok"] == "no device present"  # the class's own probe
+    assert "dkv_no_such_engine_pkg" in avail["fake-missing"]
+    assert "libfakeverbs" in avail["fake-broken"]
+    assert "has no attribute" in avail["fake-noclass"]
+
+
+def test_shm_and_mooncake_are_importable_here():
+    # Both ship with the dev environment (DESIGN §7); a regression here disables a backend.
+    avail = available_backends()
+    assert avail["shm"] is None
+    assert avail["mooncake"] is None, avail["mooncake"]
+    assert issubclass(backend_class("shm"), Transport)
+    assert issubclass(backend_class("mooncake"), Transport)
+
+
+def test_shm_rejects_bad_options():
+    with pytest.raises(InvalidArgument, match="max_entries"):
+        create_transport("shm", TransportOptions(extra={"max_entries": 0}))
+
+
+def test_mooncake_rejects_bad_options_before_starting_an_engine():
+    with pytest.raises(InvalidArgument, match="protocol"):
+        create_transport("mooncake", TransportOptions(extra={"protocol": "carrier-pigeon"}))
+    with pytest.raises(InvalidArgument, match="unknown mooncake options"):
+        create_transport("mooncake", TransportOptions(extra={"protocl": "tcp"}))
+    with pytest.raises(InvalidArgument, match="port=0"):
+        create_transport("mooncake", TransportOptions(port=1234))
