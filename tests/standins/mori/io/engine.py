@@ -1,0 +1,837 @@
+"""TEST STAND-IN for ``mori.io`` (AMD MORI-IO): same Python surface, real bytes, no RDMA.
+
+What it is for: CI runs deltakv's ``mori`` adapter against this module because the real
+``amd-mori`` wheel cannot load here (no CPython 3.11 wheel, needs ROCm and an RDMA NIC). It
+follows the semantics documented for MORI-IO (``/work/shared/mori-io-api.md``) closely enough
+that the adapter's control flow, error mapping and byte offsets are exercised for real:
+
+* ``IOEngine(key, IOEngineConfig(host, port))``; ``create_backend(BackendType.RDMA, cfg)``
+  binds the engine's TCP listener (``port=0`` picks a free port; ``get_engine_desc().port``
+  reports it afterwards). ``XGMI`` raises (no ROCm GPU here); other types are not implemented.
+* ``register_memory(ptr, size, device_id, MemoryLocationType.CPU)`` / ``register_torch_tensor``
+  (CPU, contiguous) -> ``MemoryDesc``; ``EngineDesc``/``MemoryDesc`` ``pack()``/``unpack()``.
+* ``batch_write(local_descs, local_offsets, remote_descs, remote_offsets, sizes, uids)`` ->
+  one ``TransferStatus`` per outer entry. Offsets are byte offsets from the registered region's
+  start. Out-of-range entries or sizes > 2^32-1 -> ``ERR_INVALID_ARGS`` synchronously; unknown
+  local region or unregistered remote engine -> ``ERR_NOT_FOUND``; no backend ->
+  ``ERR_BAD_STATE`` on the first entry with the rest left at ``INIT``; a remote region whose
+  size differs from the target's registration raises ``RuntimeError`` (session build).
+  Accepted entries go ``INIT -> IN_PROGRESS -> SUCCESS | ERR_*``.
+* ``wait_all(statuses, timeout_ms)``: empty -> ``SUCCESS``; first error in list order; a
+  non-negative timeout returns ``IN_PROGRESS`` at its end.
+
+How bytes move ("the wire"): each engine's RDMA backend is a TCP listener. The initiator keeps
+one connection per registered remote engine and a worker thread that streams the source bytes
+straight from the registered local address (a ``memoryview`` over it, no staging copy); the
+target's handler validates the entries against its own registrations and ``recv_into``\\ s the
+bytes directly at ``region.data + offset``. So the destination memory is written by the target
+process on behalf of the initiator, as a NIC would, and a dead peer shows up as a failed
+connection (``ERR_RDMA_OP``), not as a silent success.
+
+Fault injection (stand-in only): the environment variable ``MORI_STANDIN_FAULTS`` (read when an
+engine is created) or ``IOEngine.standin_set_faults(spec)``; ``spec`` is ``key=value`` pairs
+separated by commas:
+
+``no_rdma_nic=1``  ``create_backend(RDMA)`` raises as on a host without an active RDMA NIC.
+``fail=CODE``      affected transfers end with ``StatusCode.CODE`` (e.g. ``ERR_RDMA_OP``), no
+                   byte moves.
+``stuck=1``        affected transfers stay ``IN_PROGRESS`` forever, no byte moves.
+``raise=1``        ``batch_write`` raises ``RuntimeError`` (remote-region size mismatch).
+``delay_ms=N``     affected transfers complete N ms late.
+``reject=1``       target side: inbound writes are refused with ``ERR_RDMA_OP`` (remote access
+                   error), no byte lands.
+``after=N``        the first N batch calls (inbound writes for ``reject``) are unaffected.
+``count=K``        at most K calls are affected (0 = all after ``after``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import hashlib
+import itertools
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = [
+    "BackendType", "EngineDesc", "IOEngine", "IOEngineConfig", "MemoryDesc",
+    "MemoryLocationType", "PollCqMode", "RdmaBackendConfig", "StatusCode", "TransferStatus",
+    "XgmiBackendConfig", "set_log_level",
+]
+
+#: Largest size of one entry; MORI-IO rejects larger ones with ERR_INVALID_ARGS.
+MAX_ENTRY_BYTES = 2**32 - 1
+#: Bounds of the stand-in's own socket operations, so a vanished peer fails a transfer with
+#: ERR_RDMA_OP instead of hanging a worker thread.
+CONNECT_TIMEOUT_S = float(os.environ.get("MORI_STANDIN_CONNECT_TIMEOUT_S", "3"))
+IO_TIMEOUT_S = float(os.environ.get("MORI_STANDIN_IO_TIMEOUT_S", "30"))
+
+_LOG_LEVEL = "info"
+
+
+def set_log_level(level: str) -> None:
+    """Same call as MORI-IO's; the stand-in only records the level."""
+    global _LOG_LEVEL
+    _LOG_LEVEL = str(level)
+
+
+class BackendType(enum.Enum):
+    Unknown = 0
+    XGMI = 1
+    RDMA = 2
+    TCP = 3
+    FABRIC = 4
+
+
+class MemoryLocationType(enum.Enum):
+    Unknown = 0
+    CPU = 1
+    GPU = 2
+
+
+class PollCqMode(enum.Enum):
+    POLLING = 0
+    EVENT = 1
+
+
+class StatusCode(enum.Enum):
+    SUCCESS = 0
+    INIT = 1
+    IN_PROGRESS = 2
+    ERR_INVALID_ARGS = 3
+    ERR_NOT_FOUND = 4
+    ERR_RDMA_OP = 5
+    ERR_BAD_STATE = 6
+    ERR_GPU_OP = 7
+
+
+_PENDING = (StatusCode.INIT, StatusCode.IN_PROGRESS)
+
+
+class _Config:
+    """Keyword/positional constructor and typed attributes, like the pybind11 config classes
+    (unknown names and wrong types raise ``TypeError``/``AttributeError``)."""
+
+    _FIELDS: tuple[tuple[str, type, object], ...] = ()
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        names = [name for name, _, _ in self._FIELDS]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}() takes at most {len(names)} arguments")
+        values = {name: default for name, _, default in self._FIELDS}
+        values.update(zip(names, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in values:
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument "
+                                f"{key!r}")
+            values[key] = value
+        for key, value in values.items():
+            setattr(self, key, value)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        types = {name: typ for name, typ, _ in self._FIELDS}
+        if key not in types:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+        typ = types[key]
+        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if typ is bool:
+            ok = isinstance(value, bool)
+        if not ok:
+            raise TypeError(f"{type(self).__name__}.{key}: incompatible value {value!r}, "
+                            f"expected {typ.__name__}")
+        object.__setattr__(self, key, value)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{name}={getattr(self, name)!r}" for name, _, _ in self._FIELDS)
+        return f"{type(self).__name__}({body})"
+
+
+class IOEngineConfig(_Config):
+    _FIELDS = (("host", str, ""), ("port", int, 0))
+
+
+class RdmaBackendConfig(_Config):
+    """Fields in MORI-IO's positional order (``mori-io-api.md`` item 2)."""
+
+    _FIELDS = (
+        ("qp_per_transfer", int, 1),
+        ("post_batch_size", int, -1),
+        ("num_worker_threads", int, -1),
+        ("poll_cq_mode", PollCqMode, PollCqMode.POLLING),
+        ("enable_notification", bool, True),
+        ("notif_per_qp", int, 1024),
+        ("enable_transfer_chunking", bool, False),
+        ("chunk_bytes", int, 65536),
+        ("max_chunks_per_transfer", int, 64),
+        ("num_nics_per_transfer", int, 1),
+    )
+
+
+class XgmiBackendConfig(_Config):
+    _FIELDS = (("num_streams", int, 64), ("num_events", int, 64))
+
+
+class _Desc:
+    """Common pack/unpack/equality of the two descriptor kinds (real MORI uses msgpack; the
+    stand-in uses tagged JSON, equally opaque to the adapter)."""
+
+    _TAG = b""
+    _ATTRS: tuple[str, ...] = ()
+
+    def pack(self) -> bytes:
+        fields = {name: getattr(self, name) for name in self._ATTRS}
+        for name, value in fields.items():
+            if isinstance(value, enum.Enum):
+                fields[name] = value.name
+            elif isinstance(value, bytes):
+                fields[name] = value.hex()
+        return self._TAG + json.dumps(fields, sort_keys=True).encode()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> _Desc:
+        if not isinstance(data, bytes):
+            raise TypeError(f"{cls.__name__}.unpack() expects bytes, got {type(data).__name__}")
+        if not data.startswith(cls._TAG):
+            raise RuntimeError(f"msgpack: bytes are not a packed {cls.__name__}")
+        try:
+            fields = json.loads(data[len(cls._TAG):])
+            return cls._from_fields(fields)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError(f"msgpack: malformed {cls.__name__}: {exc}") from exc
+
+    @classmethod
+    def _from_fields(cls, fields: dict) -> _Desc:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(
+            getattr(self, n) == getattr(other, n) for n in self._ATTRS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, n) for n in self._ATTRS))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._ATTRS)
+        return f"{type(self).__name__}({body})"
+
+
+class EngineDesc(_Desc):
+    """Identity of one engine: ``key, node_id, hostname, host, port, pid``."""
+
+    _TAG = b"MORI-STANDIN:EngineDesc:"
+    _ATTRS = ("key", "node_id", "hostname", "host", "port", "pid")
+
+    def __init__(self, key: str, node_id: str, hostname: str, host: str, port: int,
+                 pid: int) -> None:
+        self.key, self.node_id, self.hostname = key, node_id, hostname
+        self.host, self.port, self.pid = host, port, pid
+
+    @classmethod
+    def _from_fields(cls, f: dict) -> EngineDesc:
+        return cls(str(f["key"]), str(f["node_id"]), str(f["hostname"]), str(f["host"]),
+                   int(f["port"]), int(f["pid"]))
+
+
+class MemoryDesc(_Desc):
+    """One registered region: ``engine_key, id, device_id, device_bus_id, data, size, loc``
+    (``data`` is the address in the owning process)."""
+
+    _TAG = b"MORI-STANDIN:MemoryDesc:"
+    _ATTRS = ("engine_key", "id", "device_id", "device_bus_id", "data", "size", "loc",
+              "ipc_handle")
+
+    def __init__(self, engine_key: str, id: int, device_id: int, data: int, size: int,  # noqa: A002
+                 loc: MemoryLocationType, device_bus_id: str = "", ipc_handle: bytes = b""):
+        self.engine_key, self.id, self.device_id = engine_key, id, device_id
+        self.data, self.size, self.loc = data, size, loc
+        self.device_bus_id, self.ipc_handle = device_bus_id, ipc_handle
+
+    @classmethod
+    def _from_fields(cls, f: dict) -> MemoryDesc:
+        return cls(str(f["engine_key"]), int(f["id"]), int(f["device_id"]), int(f["data"]),
+                   int(f["size"]), MemoryLocationType[f["loc"]], str(f["device_bus_id"]),
+                   bytes.fromhex(f["ipc_handle"]))
+
+
+# One condition for every status change: ``wait_all`` wakes on any completion.
+_COMPLETION = threading.Condition()
+
+
+class TransferStatus:
+    """State of one transfer: ``INIT -> IN_PROGRESS -> SUCCESS | ERR_*``."""
+
+    def __init__(self) -> None:
+        self._code = StatusCode.INIT
+        self._message = ""
+
+    def Code(self) -> StatusCode:  # noqa: N802 - MORI-IO's method names
+        return self._code
+
+    def Message(self) -> str:  # noqa: N802
+        return self._message
+
+    def Init(self) -> bool:  # noqa: N802
+        return self._code is StatusCode.INIT
+
+    def InProgress(self) -> bool:  # noqa: N802
+        return self._code is StatusCode.IN_PROGRESS
+
+    def Succeeded(self) -> bool:  # noqa: N802
+        return self._code is StatusCode.SUCCESS
+
+    def Failed(self) -> bool:  # noqa: N802
+        return self._code not in (StatusCode.SUCCESS, *_PENDING)
+
+    def SetCode(self, code: StatusCode) -> None:  # noqa: N802
+        self.Update(code, self._message)
+
+    def SetMessage(self, message: str) -> None:  # noqa: N802
+        self._message = message
+
+    def Update(self, code: StatusCode, message: str) -> None:  # noqa: N802
+        with _COMPLETION:
+            self._code, self._message = code, message
+            _COMPLETION.notify_all()
+
+    def WaitFor(self, timeout_ms: int = -1) -> bool:  # noqa: N802
+        """Block until the transfer left IN_PROGRESS or ``timeout_ms`` passed (<0: forever);
+        True if it finished."""
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        with _COMPLETION:
+            while self._code is StatusCode.IN_PROGRESS:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                _COMPLETION.wait(remaining)
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        self.WaitFor(-1)
+
+    def __repr__(self) -> str:
+        return f"TransferStatus({self._code.name}, {self._message!r})"
+
+
+@dataclass
+class _Faults:
+    no_rdma_nic: bool = False
+    fail: StatusCode | None = None
+    stuck: bool = False
+    raise_: bool = False
+    delay_ms: int = 0
+    reject: bool = False
+    after: int = 0
+    count: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> _Faults:
+        faults = cls()
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"MORI_STANDIN_FAULTS: expected key=value, got {item!r}")
+            if key == "fail":
+                faults.fail = StatusCode[value]
+            elif key in ("no_rdma_nic", "stuck", "raise", "reject"):
+                setattr(faults, "raise_" if key == "raise" else key, value not in ("0", ""))
+            elif key in ("delay_ms", "after", "count"):
+                setattr(faults, key, int(value))
+            else:
+                raise ValueError(f"MORI_STANDIN_FAULTS: unknown fault {key!r}")
+        return faults
+
+    def hits(self, call_index: int) -> bool:
+        """Whether the ``call_index``-th call (1-based) is affected."""
+        if call_index <= self.after:
+            return False
+        return self.count == 0 or call_index <= self.after + self.count
+
+
+# Wire format between stand-in engines (the "RDMA" data plane).
+_MAGIC = b"MSIN"
+_OP_LOOKUP, _OP_WRITE = 1, 2
+_HDR = struct.Struct("!4sBQQI")     # magic, op, remote mem id, transfer uid, entries
+_ENTRY = struct.Struct("!QQ")       # remote offset, size
+_REPLY = struct.Struct("!BQI")      # status code, region size (lookup), message length
+
+
+def _view(address: int, size: int) -> memoryview:
+    """Writable byte view of ``size`` bytes at ``address`` in this process (no copy)."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+    while n > 0:
+        chunk = min(n, len(scratch))
+        _recv_into_exact(sock, scratch[:chunk])
+        n -= chunk
+
+
+def _reply(sock: socket.socket, code: StatusCode, size: int = 0, message: str = "") -> None:
+    body = message.encode()
+    sock.sendall(_REPLY.pack(code.value, size, len(body)) + body)
+
+
+class _Server:
+    """Target side: accepts initiators and lands their writes in registered memory."""
+
+    def __init__(self, engine: IOEngine, host: str, port: int) -> None:
+        self._engine = engine
+        self._listener = socket.create_server((host or "0.0.0.0", port))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._inbound_writes = 0
+        accept = threading.Thread(target=self._accept_loop, daemon=True,
+                                  name=f"mori-standin-accept-{engine._key}")
+        accept.start()
+        self._threads.append(accept)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.settimeout(IO_TIMEOUT_S)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+                worker = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                          name=f"mori-standin-target-{self._engine._key}")
+                self._threads.append(worker)
+            worker.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed:
+                # An idle initiator may stay connected indefinitely; only a started request
+                # is bounded (close() wakes this recv by shutting the socket down).
+                conn.settimeout(None)
+                header = _recv_exact(conn, _HDR.size)
+                conn.settimeout(IO_TIMEOUT_S)
+                magic, op, mem_id, _uid, n = _HDR.unpack(header)
+                if magic != _MAGIC:
+                    return
+                region = self._engine._mem.get(mem_id)
+                if op == _OP_LOOKUP:
+                    if region is None:
+                        _reply(conn, StatusCode.ERR_NOT_FOUND, 0, f"memory {mem_id} not found")
+                    else:
+                        _reply(conn, StatusCode.SUCCESS, region.size)
+                    continue
+                entries = [_ENTRY.unpack(_recv_exact(conn, _ENTRY.size)) for _ in range(n)]
+                total = sum(size for _, size in entries)
+                with self._lock:
+                    self._inbound_writes += 1
+                    index = self._inbound_writes
+                faults = self._engine._faults
+                if region is None:
+                    _drain(conn, total)
+                    _reply(conn, StatusCode.ERR_NOT_FOUND, 0,
+                           f"remote memory {mem_id} is not registered at {self._engine._key}")
+                elif any(off + size > region.size for off, size in entries):
+                    _drain(conn, total)
+                    _reply(conn, StatusCode.ERR_INVALID_ARGS, 0,
+                           "entry out of range of the remote memory region")
+                elif faults.reject and faults.hits(index):
+                    _drain(conn, total)
+                    _reply(conn, StatusCode.ERR_RDMA_OP, 0,
+                           "remote access error: target rejected the write (stand-in fault)")
+                else:
+                    for off, size in entries:
+                        _recv_into_exact(conn, _view(region.data + off, size))
+                    _reply(conn, StatusCode.SUCCESS)
+        except (OSError, ConnectionError, struct.error):
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        # Handlers write into registered memory: make sure none is still running before the
+        # owner may unmap it.
+        for thread in self._threads:
+            thread.join(timeout=IO_TIMEOUT_S)
+
+
+@dataclass
+class _Job:
+    status: TransferStatus
+    local: MemoryDesc
+    remote: MemoryDesc
+    uid: int
+    entries: list[tuple[int, int, int]]  # (local offset, remote offset, size), merged
+    fail: StatusCode | None = None
+    delay_ms: int = 0
+
+
+class _Link:
+    """Initiator side: one connection and one worker thread per registered remote engine."""
+
+    def __init__(self, engine: IOEngine, remote: EngineDesc) -> None:
+        self.remote = remote
+        self._sock: socket.socket | None = None
+        self._io = threading.Lock()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"mori-standin-link-{engine._key}->{remote.key}")
+        self._thread.start()
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection((self.remote.host, self.remote.port),
+                                            timeout=CONNECT_TIMEOUT_S)
+            sock.settimeout(IO_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _read_reply(self, sock: socket.socket) -> tuple[StatusCode, int, str]:
+        code, size, length = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+        return StatusCode(code), size, _recv_exact(sock, length).decode()
+
+    def lookup(self, mem_id: int) -> tuple[StatusCode, int, str]:
+        """Ask the target about one of its regions (session build); OSError if unreachable."""
+        with self._io:
+            try:
+                sock = self._connected()
+                sock.sendall(_HDR.pack(_MAGIC, _OP_LOOKUP, mem_id, 0, 0))
+                return self._read_reply(sock)
+            except (OSError, ConnectionError):
+                self._reset()
+                raise
+
+    def submit(self, job: _Job) -> None:
+        if self._closed:
+            job.status.Update(StatusCode.ERR_RDMA_OP, "remote engine was deregistered")
+        else:
+            self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.delay_ms:
+                time.sleep(job.delay_ms / 1000)
+            if job.fail is not None:
+                job.status.Update(job.fail, f"{job.fail.name}: injected failure (stand-in)")
+                continue
+            if self._closed:
+                job.status.Update(StatusCode.ERR_RDMA_OP, "remote engine was deregistered")
+                continue
+            with self._io:
+                try:
+                    sock = self._connected()
+                    header = _HDR.pack(_MAGIC, _OP_WRITE, job.remote.id, job.uid,
+                                       len(job.entries))
+                    sock.sendall(header + b"".join(_ENTRY.pack(roff, size)
+                                                   for _, roff, size in job.entries))
+                    for loff, _, size in job.entries:
+                        sock.sendall(_view(job.local.data + loff, size))
+                    code, _, message = self._read_reply(sock)
+                except (OSError, ConnectionError) as exc:
+                    self._reset()
+                    code = StatusCode.ERR_RDMA_OP
+                    message = (f"RDMA write to {self.remote.key} at {self.remote.host}:"
+                               f"{self.remote.port} failed: {exc}")
+            job.status.Update(code, message)
+
+    def close(self) -> None:
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=IO_TIMEOUT_S)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.status.Update(StatusCode.ERR_RDMA_OP, "remote engine was deregistered")
+        with self._io:
+            self._reset()
+
+
+def _node_id() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
+
+
+class IOEngine:
+    """One MORI-IO engine (stand-in). See the module docstring for the semantics."""
+
+    def __init__(self, key: str, config: IOEngineConfig) -> None:
+        if not isinstance(key, str) or not key:
+            raise TypeError("IOEngine key must be a non-empty str")
+        if not isinstance(config, IOEngineConfig):
+            raise TypeError("IOEngine config must be an IOEngineConfig")
+        self._key = key
+        self._host = config.host
+        self._port = config.port
+        self._lock = threading.RLock()
+        self._backends: dict[BackendType, object] = {}
+        self._server: _Server | None = None
+        self._mem: dict[int, MemoryDesc] = {}
+        self._mem_ids = itertools.count(0)
+        self._uids = itertools.count(0)
+        self._remotes: dict[str, EngineDesc] = {}
+        self._links: dict[str, _Link] = {}
+        self._sessions: set[tuple[str, int, int]] = set()
+        self._batch_calls = 0
+        self._stuck: list[TransferStatus] = []
+        self._faults = _Faults.parse(os.environ.get("MORI_STANDIN_FAULTS", ""))
+
+    # -- stand-in extension ---------------------------------------------------------------
+    def standin_set_faults(self, spec: str) -> None:
+        """Replace this engine's injected faults (see the module docstring); resets counters."""
+        with self._lock:
+            self._faults = _Faults.parse(spec)
+            self._batch_calls = 0
+
+    # -- engine and backends --------------------------------------------------------------
+    def get_engine_desc(self) -> EngineDesc:
+        return EngineDesc(self._key, _node_id(), socket.gethostname(), self._host, self._port,
+                          os.getpid())
+
+    def create_backend(self, type: BackendType, config: object = None) -> None:  # noqa: A002
+        with self._lock:
+            if type in self._backends:
+                raise RuntimeError(f"backend {type.name} already exists")
+            if type is BackendType.RDMA:
+                config = RdmaBackendConfig() if config is None else config
+                if not isinstance(config, RdmaBackendConfig):
+                    raise TypeError("RDMA backend needs an RdmaBackendConfig")
+                if self._faults.no_rdma_nic:
+                    raise RuntimeError("RDMA backend: no active RDMA device found "
+                                       f"(MORI_RDMA_DEVICES={os.environ.get('MORI_RDMA_DEVICES')})")
+                self._server = _Server(self, self._host, self._port)
+                self._port = self._server.port
+            elif type is BackendType.XGMI:
+                raise RuntimeError("XGMI backend: no ROCm GPU visible (stand-in has no GPUs)")
+            else:
+                raise NotImplementedError("backend not implemented yet")
+            self._backends[type] = config
+
+    def remove_backend(self, type: BackendType) -> None:  # noqa: A002
+        """Drop a backend; for RDMA this closes the listener and every link (the stand-in's
+        way of releasing its threads and sockets)."""
+        with self._lock:
+            self._backends.pop(type, None)
+            if type is not BackendType.RDMA:
+                return
+            server, self._server = self._server, None
+            links = list(self._links.values())
+            self._links.clear()
+            self._sessions.clear()
+        for link in links:
+            link.close()
+        if server is not None:
+            server.close()
+
+    def register_remote_engine(self, engine_desc: EngineDesc) -> None:
+        if not isinstance(engine_desc, EngineDesc):
+            raise TypeError("register_remote_engine expects an EngineDesc")
+        with self._lock:
+            old = self._remotes.get(engine_desc.key)
+            self._remotes[engine_desc.key] = engine_desc
+            stale = self._links.pop(engine_desc.key, None) if old != engine_desc else None
+        if stale is not None:
+            stale.close()
+
+    def deregister_remote_engine(self, engine_desc: EngineDesc) -> None:
+        with self._lock:
+            self._remotes.pop(engine_desc.key, None)
+            link = self._links.pop(engine_desc.key, None)
+            self._sessions = {s for s in self._sessions if s[0] != engine_desc.key}
+        if link is not None:
+            link.close()
+
+    # -- memory ----------------------------------------------------------------------------
+    def register_memory(self, ptr: int, size: int, device_id: int,
+                        mem_loc: MemoryLocationType) -> MemoryDesc:
+        if mem_loc is not MemoryLocationType.CPU:
+            raise RuntimeError("stand-in registers CPU memory only (no ROCm here)")
+        if not isinstance(ptr, int) or ptr <= 0 or not isinstance(size, int) or size <= 0:
+            raise RuntimeError(f"invalid memory region ptr={ptr!r} size={size!r}")
+        with self._lock:
+            desc = MemoryDesc(self._key, next(self._mem_ids), device_id, ptr, size, mem_loc)
+            self._mem[desc.id] = desc
+        return desc
+
+    def register_torch_tensor(self, tensor) -> MemoryDesc:  # noqa: ANN001 - torch is optional
+        if not tensor.is_contiguous():
+            raise RuntimeError("input tensor must be contiguous")
+        if tensor.device.type != "cpu":
+            raise RuntimeError("stand-in registers CPU tensors only (no ROCm here)")
+        return self.register_memory(tensor.data_ptr(), tensor.nelement() * tensor.element_size(),
+                                    -1, MemoryLocationType.CPU)
+
+    def deregister_memory(self, mem_desc: MemoryDesc) -> None:
+        with self._lock:
+            self._mem.pop(mem_desc.id, None)
+
+    def allocate_transfer_uid(self) -> int:
+        with self._lock:
+            return next(self._uids)
+
+    # -- transfers -------------------------------------------------------------------------
+    def write(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc,
+              remote_offset: int, size: int, transfer_uid: int) -> TransferStatus:
+        """Single-op form of :meth:`batch_write`."""
+        return self.batch_write([local], [[local_offset]], [remote], [[remote_offset]],
+                                [[size]], [transfer_uid])[0]
+
+    def batch_write(self, local_descs, local_offsets, remote_descs, remote_offsets,  # noqa: ANN001
+                    sizes, transfer_uids) -> list[TransferStatus]:
+        """One status per outer entry; local is the source, remote the destination."""
+        n = len(sizes)
+        if not (len(local_descs) == len(local_offsets) == len(remote_descs)
+                == len(remote_offsets) == len(transfer_uids) == n):
+            raise RuntimeError("BatchWrite: descriptor, offset, size and uid vectors differ in "
+                               "length")
+        statuses = [TransferStatus() for _ in range(n)]
+        with self._lock:
+            self._batch_calls += 1
+            faulty = self._faults.hits(self._batch_calls)
+            faults = self._faults
+            has_rdma = BackendType.RDMA in self._backends
+        if faulty and faults.raise_:
+            raise RuntimeError("remote memory region size mismatch while building session "
+                               "(stand-in fault)")
+        if not has_rdma and n:
+            statuses[0].Update(StatusCode.ERR_BAD_STATE, "No available backend found")
+            return statuses  # the later entries stay at INIT, as MORI-IO leaves them
+        for i in range(n):
+            self._submit_one(statuses[i], local_descs[i], local_offsets[i], remote_descs[i],
+                             remote_offsets[i], sizes[i], transfer_uids[i],
+                             faults if faulty else None)
+        return statuses
+
+    def _submit_one(self, status: TransferStatus, local: MemoryDesc, loffs, remote: MemoryDesc,  # noqa: ANN001
+                    roffs, sizes, uid: int, faults: _Faults | None) -> None:
+        with self._lock:
+            registered = self._mem.get(local.id)
+            remote_engine = self._remotes.get(remote.engine_key)
+        if registered is None or local.engine_key != self._key:
+            status.Update(StatusCode.ERR_NOT_FOUND, f"local memory {local.id} not registered")
+            return
+        if remote_engine is None:
+            status.Update(StatusCode.ERR_NOT_FOUND,
+                          f"remote engine {remote.engine_key!r} is not registered")
+            return
+        if not (len(loffs) == len(roffs) == len(sizes)):
+            status.Update(StatusCode.ERR_INVALID_ARGS, "offset and size lists differ in length")
+            return
+        entries = []
+        for loff, roff, size in zip(loffs, roffs, sizes, strict=True):
+            if (min(loff, roff) < 0 or size < 0 or size > MAX_ENTRY_BYTES
+                    or loff + size > registered.size or roff + size > remote.size):
+                status.Update(StatusCode.ERR_INVALID_ARGS,
+                              f"entry out of range: local {loff}+{size} of {registered.size}, "
+                              f"remote {roff}+{size} of {remote.size}")
+                return
+            if size:
+                entries.append((loff, roff, size))
+        merged: list[tuple[int, int, int]] = []
+        for loff, roff, size in sorted(entries):  # the engine sorts and merges adjacent entries
+            if merged and merged[-1][0] + merged[-1][2] == loff and \
+                    merged[-1][1] + merged[-1][2] == roff:
+                merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + size)
+            else:
+                merged.append((loff, roff, size))
+        link = self._link(remote_engine)
+        session = (remote.engine_key, local.id, remote.id)
+        if session not in self._sessions:
+            try:
+                code, remote_size, message = link.lookup(remote.id)
+            except (OSError, ConnectionError) as exc:
+                status.Update(StatusCode.ERR_RDMA_OP,
+                              f"cannot reach remote engine {remote.engine_key!r} at "
+                              f"{remote_engine.host}:{remote_engine.port}: {exc}")
+                return
+            if code is not StatusCode.SUCCESS:
+                status.Update(code, message)
+                return
+            if remote_size != remote.size:
+                raise RuntimeError(f"remote memory size mismatch: descriptor says {remote.size} "
+                                   f"bytes, target registered {remote_size}")
+            with self._lock:
+                self._sessions.add(session)
+        status.Update(StatusCode.IN_PROGRESS, "")
+        if faults is not None and faults.stuck:
+            self._stuck.append(status)  # never completes, like a transfer lost on the wire
+            return
+        link.submit(_Job(status, registered, remote, uid, merged,
+                         fail=faults.fail if faults else None,
+                         delay_ms=faults.delay_ms if faults else 0))
+
+    def _link(self, remote: EngineDesc) -> _Link:
+        with self._lock:
+            link = self._links.get(remote.key)
+            if link is None:
+                link = self._links[remote.key] = _Link(self, remote)
+            return link
+
+    def wait_all(self, statuses: list[TransferStatus], timeout_ms: int = -1) -> StatusCode:
+        """Wait for every status: SUCCESS, the first error (list order), INIT if some were
+        never submitted, or IN_PROGRESS when a non-negative ``timeout_ms`` ran out."""
+        if not statuses:
+            return StatusCode.SUCCESS
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        with _COMPLETION:
+            while True:
+                codes = [s._code for s in statuses]
+                for code in codes:
+                    if code not in _PENDING and code is not StatusCode.SUCCESS:
+                        return code
+                if all(code is StatusCode.SUCCESS for code in codes):
+                    return StatusCode.SUCCESS
+                if StatusCode.IN_PROGRESS not in codes:
+                    return StatusCode.INIT
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return StatusCode.IN_PROGRESS
+                _COMPLETION.wait(remaining)
