@@ -380,7 +380,7 @@ class DecodeClient:
         ``timeout_s`` seconds.
         """
         try:
-            return await self._get_stub().GetStats(decode_pb2.GetStatsRequest(),
+            return await self._get_stub().GetStats(kv_pb2.GetStatsRequest(),
                                                    timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
