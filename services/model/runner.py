@@ -1,0 +1,210 @@
+"""The paged model runner: prefill and batched decode over a KV pool the caller owns.
+
+The services hand the runner the pool tensor their sidecar exposes (shared memory mapped
+zero-copy) and page tables from the sidecar's allocator; the runner validates every request
+before touching the pool, converts page tables into row indices, and runs
+:class:`services.model.llama.PagedLlama`. Calls may come from worker threads; the runner has no
+mutable state of its own, and concurrent calls must use disjoint pages for the positions they
+write (the allocator guarantees that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.model.loader import LoadedModel
+
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class DecodeSeq:
+    """One sequence in a decode step.
+
+    ``token_id``: the token whose K/V is written now (the last sampled token).
+    ``seq_len``: tokens already in the KV cache; the new token's position is ``seq_len``.
+    ``page_table``: the sequence's pages, covering at least ``seq_len + 1`` tokens.
+    """
+
+    token_id: int
+    seq_len: int
+    page_table: list[int]
+
+
+class ModelRunner:
+    """Runs ``model`` with its K/V in ``kv_pool``.
+
+    ``kv_pool``: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, C-contiguous,
+    float32/bfloat16/float16 on the model's device. It is **not owned** by the runner: the
+    sidecar (or the test) allocates and frees it and must keep it alive while the runner is used.
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) if the pool does not fit the model.
+    """
+
+    def __init__(self, model: LoadedModel, kv_pool: torch.Tensor) -> None:
+        module = model.module
+        spec = module.spec
+        if not isinstance(kv_pool, torch.Tensor) or kv_pool.dim() != 6:
+            raise InvalidArgument("KV pool must be a 6-d tensor [num_pages, num_layers, 2, "
+                                  "page_size, num_kv_heads, head_dim]")
+        num_pages, layers, kv, page_size, heads, head_dim = kv_pool.shape
+        expected = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
+        if (layers, kv, heads, head_dim) != expected:
+            raise InvalidArgument(
+                f"KV pool shape {tuple(kv_pool.shape)} does not fit model {model.name!r}: "
+                f"need [num_pages, {spec.num_layers}, 2, page_size, {spec.num_kv_heads}, "
+                f"{spec.head_dim}]")
+        if num_pages < 1 or page_size < 1:
+            raise InvalidArgument(f"KV pool needs at least one page of at least one token, got "
+                                  f"shape {tuple(kv_pool.shape)}")
+        if kv_pool.dtype not in _POOL_DTYPES:
+            raise InvalidArgument(f"unsupported KV pool dtype {kv_pool.dtype}")
+        if not kv_pool.is_contiguous():
+            raise InvalidArgument("KV pool must be C-contiguous (page-major layout)")
+        if kv_pool.device != module.device:
+            raise InvalidArgument(f"KV pool is on {kv_pool.device}, model on {module.device}")
+        self.model = model
+        self.pool = kv_pool
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self._module = module
+        self._num_kv_heads = spec.num_kv_heads
+        # Token rows between consecutive pages in the pool's [rows, Hkv, D] view.
+        self._page_rows = spec.num_layers * 2 * self.page_size
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def _check_tokens(self, token_ids: Sequence[int], what: str) -> None:
+        vocab = self.model.vocab_size
+        for i, tok in enumerate(token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, Integral) or not 0 <= tok < vocab:
+                raise InvalidArgument(f"{what} {i} is {tok!r}, outside the vocabulary "
+                                      f"[0, {vocab})")
+
+    def _check_table(self, page_table: Sequence[int], num_tokens: int, what: str) -> None:
+        need = -(-num_tokens // self.page_size)
+        if len(page_table) < need:
+            raise InvalidArgument(
+                f"{what} page table too short: {len(page_table)} pages for {num_tokens} tokens "
+                f"(page_size {self.page_size} needs {need})")
+        used = page_table[:need]
+        for page in used:
+            if isinstance(page, bool) or not isinstance(page, Integral) \
+                    or not 0 <= page < self.num_pages:
+                raise InvalidArgument(f"{what} page index {page!r} outside the pool "
+                                      f"[0, {self.num_pages})")
+        if len(set(used)) != len(used):
+            raise InvalidArgument(f"{what} page table lists a page twice")
+        max_pos = self._module.spec.max_position
+        if num_tokens > max_pos:
+            raise InvalidArgument(f"{what} has {num_tokens} tokens; the model supports "
+                                  f"{max_pos} positions")
+
+    # ---- row arithmetic --------------------------------------------------------------------
+
+    def _token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token rows (layer 0, K) of ``positions`` through page ``table`` (both int64)."""
+        return (table[positions // self.page_size] * self._page_rows
+                + positions % self.page_size)
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def prefill(self, token_ids: Sequence[int], page_table: Sequence[int], cached_len: int,
+                return_all_logits: bool = False) -> torch.Tensor:
+        """Compute positions ``[cached_len, len(token_ids))`` of one sequence, attending to the
+        prefix ``[0, cached_len)`` already in the pool, and store their K/V in ``page_table``.
+
+        ``token_ids``: the whole sequence (tokens), non-empty, each in ``[0, vocab_size)``.
+        ``page_table``: pool page indices, at least ``ceil(len / page_size)`` distinct pages.
+        ``cached_len``: tokens whose K/V is already in those pages, ``0 <= cached_len <= len``.
+        ``cached_len == len`` (a full prefix hit) recomputes the last position to get its
+        logits but writes nothing, so shared cached pages are never touched.
+
+        Returns float32 logits ``[vocab]`` of the last position, or with ``return_all_logits``
+        ``[len - cached_len, vocab]`` (``[1, vocab]`` on a full hit). Raises
+        :class:`InvalidArgument` (INVALID_ARGUMENT) on bad input, before writing anything.
+        """
+        token_ids = list(token_ids)
+        page_table = list(page_table)
+        if not token_ids:
+            raise InvalidArgument("empty prompt: prefill needs at least one token")
+        self._check_tokens(token_ids, "token")
+        n = len(token_ids)
+        if isinstance(cached_len, bool) or not isinstance(cached_len, int) \
+                or not 0 <= cached_len <= n:
+            raise InvalidArgument(f"cached_len {cached_len!r} must be in [0, {n}] "
+                                  f"(the prompt has {n} tokens)")
+        self._check_table(page_table, n, "prefill")
+        start = min(cached_len, n - 1)
+        device = self._module.device
+        with torch.inference_mode():
+            table = torch.tensor(page_table, dtype=torch.int64, device=device)
+            write_rows = None
+            if cached_len < n:
+                write_rows = self._token_rows(table, torch.arange(start, n, device=device))
+            prefix_rows = None
+            if start > 0:
+                rows = self._token_rows(table, torch.arange(start, device=device))
+                heads = torch.arange(self._num_kv_heads, device=device)
+                prefix_rows = rows[None, :] * self._num_kv_heads + heads[:, None]  # [Hkv, start]
+            ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=device)
+            return self._module.prefill(self.pool, ids, start, write_rows, prefix_rows,
+                                        return_all_logits)
+
+    def decode_step(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One decode step for every sequence in ``batch`` (continuous batching): writes each
+        ``token_id``'s K/V at position ``seq_len`` of its page table and returns float32 logits
+        ``[B, vocab]`` for the next token, row ``b`` for ``batch[b]``.
+
+        Sequences may have different lengths and may share (read-only) prefix pages; two
+        sequences must not write the same slot. Raises :class:`InvalidArgument`
+        (INVALID_ARGUMENT) on bad input (empty batch, token outside the vocabulary, negative
+        ``seq_len``, page table too short or outside the pool), before writing anything.
+        """
+        if not batch:
+            raise InvalidArgument("decode step needs at least one sequence")
+        tables: list[list[int]] = []
+        written: set[tuple[int, int]] = set()
+        for i, seq in enumerate(batch):
+            self._check_tokens([seq.token_id], f"sequence {i} token")
+            if isinstance(seq.seq_len, bool) or not isinstance(seq.seq_len, int) \
+                    or seq.seq_len < 0:
+                raise InvalidArgument(f"sequence {i} seq_len {seq.seq_len!r} must be an int >= 0")
+            table = list(seq.page_table)
+            self._check_table(table, seq.seq_len + 1, f"sequence {i}")
+            slot = (table[seq.seq_len // self.page_size], seq.seq_len % self.page_size)
+            if slot in written:
+                raise InvalidArgument(f"sequence {i} writes page {slot[0]} slot {slot[1]}, "
+                                      f"which another sequence in the batch also writes")
+            written.add(slot)
+            tables.append(table[:-(-(seq.seq_len + 1) // self.page_size)])
+        device = self._module.device
+        with torch.inference_mode():
+            b = len(batch)
+            lengths = torch.tensor([seq.seq_len for seq in batch], dtype=torch.int64,
+                                   device=device)
+            max_pages = max(len(t) for t in tables)
+            # Pad every table with its own first page: padded positions are masked, and reading
+            # a page the sequence owns keeps every gathered row inside the pool.
+            padded = torch.tensor([t + [t[0]] * (max_pages - len(t)) for t in tables],
+                                  dtype=torch.int64, device=device)  # [B, max_pages]
+            s = int(lengths.max()) + 1
+            positions = torch.arange(s, device=device)
+            rows = (padded[:, positions // self.page_size] * self._page_rows
+                    + positions % self.page_size)  # [B, S]
+            heads = torch.arange(self._num_kv_heads, device=device)
+            context_rows = rows[:, None, :] * self._num_kv_heads + heads[None, :, None]
+            write_rows = rows.gather(1, lengths[:, None])[:, 0]
+            mask = None
+            if int(lengths.min()) + 1 < s:
+                visible = positions[None, :] <= lengths[:, None]  # [B, S]
+                mask = torch.zeros((b, 1, 1, s), dtype=self._module.dtype, device=device)
+                mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+            ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
+                               device=device)
+            return self._module.decode(self.pool, ids, lengths, write_rows,
+                                       context_rows.contiguous(), mask)
