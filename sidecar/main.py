@@ -1,0 +1,168 @@
+"""``deltakv serve sidecar`` — run one KV-transfer sidecar (UDS gRPC, one per GPU / worker).
+
+Geometry comes either from a model (``--model NAME``: layers, KV heads, head dim and weight
+fingerprint of that model) or from explicit ``--num-layers --num-kv-heads --head-dim --dtype
+--fingerprint``. The process serves until SIGTERM/SIGINT, then drains (bounded by
+``--drain-timeout-s``), frees the pool segment and removes its socket. Exit status: 0 after a
+clean stop, 2 for bad arguments, 1 if start-up failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``deltakv serve sidecar``."""
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True,
+                        help="which worker this sidecar serves")
+    parser.add_argument("--transport", default="shm",
+                        help="transfer backend registry name: shm | mooncake | mori (default shm)")
+    parser.add_argument("--socket", required=True, metavar="PATH",
+                        help="Unix domain socket to serve SidecarService on")
+    geo = parser.add_argument_group("pool geometry")
+    geo.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    geo.add_argument("--num-pages", type=int, default=1024, help="pages in the pool")
+    geo.add_argument("--model", default=None,
+                     help="take layers/heads/head_dim/fingerprint from this model")
+    geo.add_argument("--num-layers", type=int, default=None)
+    geo.add_argument("--num-kv-heads", type=int, default=None)
+    geo.add_argument("--head-dim", type=int, default=None)
+    geo.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    geo.add_argument("--fingerprint", default="", help="model fingerprint (explicit geometry)")
+    eng = parser.add_argument_group("transfer engine")
+    eng.add_argument("--host", default="127.0.0.1",
+                     help="address peers use to reach this engine (never loopback in a cluster)")
+    eng.add_argument("--port", type=int, default=0, help="engine port (0 = a free one)")
+    eng.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="backend option, repeatable (e.g. protocol=rdma for mooncake)")
+    parser.add_argument("--shm-name", default=None,
+                        help="pool segment name (default: derived from --socket, so a restart "
+                             "reclaims a leftover segment)")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="TCP port serving only grpc.health.v1 for probes (0 = off)")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0,
+                        help="on SIGTERM, wait this long for in-flight writes (default 10)")
+    parser.add_argument("--max-lease-ms", type=int, default=600_000,
+                        help="longest TransferInfo.lease_ms accepted (default 600000)")
+    parser.add_argument("--fault-inject", default=None, metavar="SPEC",
+                        help="TEST FACILITY: inject transport faults, e.g. delay_ms=500, "
+                             "fail_batch=2, hang=1 (see sidecar/faults.py); also "
+                             "$DELTAKV_FAULT_INJECT")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
+                                                                "error"))
+    parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` -> dict; values that look like ints become ints. ValueError on an
+    item without ``=``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--transport-option needs KEY=VALUE, got {item!r}")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def build_layout(args: argparse.Namespace) -> Any:
+    """The pool's KVLayout from ``--model`` or the explicit geometry flags. ValueError /
+    InvalidArgument on missing or invalid values."""
+    from sidecar.layout import KVLayout
+
+    if args.model:
+        explicit = [f for f in ("num_layers", "num_kv_heads", "head_dim")
+                    if getattr(args, f) is not None]
+        if explicit:
+            raise ValueError(f"--model conflicts with explicit geometry flags {explicit}")
+        from services.model.loader import kv_geometry
+
+        geo = kv_geometry(args.model)
+        num_layers, num_kv_heads, head_dim, fingerprint = _geometry_fields(geo)
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_kv_heads", "head_dim")
+                   if getattr(args, f) is None]
+        if missing:
+            raise ValueError(f"give --model or all of {missing}")
+        num_layers, num_kv_heads, head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        fingerprint = args.fingerprint
+    return KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                    model_fingerprint=fingerprint)
+
+
+def _geometry_fields(geo: Any) -> tuple[int, int, int, str]:
+    # kv_geometry may return a tuple or a small dataclass/namedtuple; accept both.
+    if isinstance(geo, tuple) and not hasattr(geo, "_fields"):
+        num_layers, num_kv_heads, head_dim, fingerprint = geo[:4]
+    elif isinstance(geo, dict):
+        num_layers, num_kv_heads, head_dim = geo["num_layers"], geo["num_kv_heads"], geo["head_dim"]
+        fingerprint = geo.get("fingerprint") or geo.get("model_fingerprint", "")
+    else:
+        num_layers, num_kv_heads, head_dim = geo.num_layers, geo.num_kv_heads, geo.head_dim
+        fingerprint = getattr(geo, "fingerprint", None) or getattr(geo, "model_fingerprint", "")
+    return int(num_layers), int(num_kv_heads), int(head_dim), str(fingerprint)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the sidecar, serve until SIGTERM/SIGINT, shut down gracefully."""
+    from services.common.errors import DeltaKVError
+    from services.common.logging import configure_logging
+    from sidecar.server import SidecarConfig, SidecarServer
+
+    log = configure_logging(f"{args.role}-sidecar", level=args.log_level, fmt=args.log_format)
+    try:
+        layout = build_layout(args)
+        config = SidecarConfig(
+            role=args.role, transport=args.transport, socket_path=args.socket, layout=layout,
+            host=args.host, port=args.port, transport_extra=parse_options(args.transport_option),
+            shm_name=args.shm_name, health_port=args.health_port,
+            drain_timeout_s=args.drain_timeout_s, fault_inject=args.fault_inject,
+            max_lease_ms=args.max_lease_ms)
+        server = SidecarServer(config)
+    except (ValueError, DeltaKVError) as exc:
+        print(f"deltakv serve sidecar: error: {exc}", file=sys.stderr)
+        return 2
+
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        stop_requested.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        server.start()
+    except DeltaKVError as exc:
+        log.error("sidecar_start_failed", error=str(exc), code=exc.code.name)
+        return 1
+    except OSError as exc:
+        log.error("sidecar_start_failed", error=str(exc))
+        return 1
+    try:
+        # Wake regularly so signal handlers run promptly on the main thread.
+        while not stop_requested.wait(0.5):
+            pass
+    finally:
+        server.stop()
+    log.info("sidecar_exit", pid=os.getpid())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sidecar.main ...``: the same as ``deltakv serve sidecar ...`` without
+    importing the other subcommands (tests and containers start sidecars this way)."""
+    parser = argparse.ArgumentParser(prog="deltakv serve sidecar", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

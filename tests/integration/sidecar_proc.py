@@ -1,0 +1,211 @@
+"""Start real ``deltakv serve sidecar`` processes for tests, wait for health, always clean up.
+
+Reusable by integration and e2e tests::
+
+    from tests.integration.sidecar_proc import sidecar_factory  # noqa: F401  (the fixture)
+
+    def test_x(sidecar_factory):
+        decode = sidecar_factory.start("decode", transport="shm", layout=TOY_LAYOUT)
+        prefill = sidecar_factory.start("prefill", layout=TOY_LAYOUT)
+        stub = prefill.stub()            # sync SidecarService stub on the UDS
+        info = decode.describe()         # DescribeResponse
+
+Each process runs ``sys.executable -m sidecar.main ...`` (the same as ``deltakv serve
+sidecar``, without importing the other subcommands) with its socket in a short private
+directory under /tmp (a Unix socket path must stay under 107 bytes, pytest's tmp paths often do
+not), logs to a file beside it (no pipe to fill up), and is stopped by the fixture's
+finalizer: SIGTERM, then SIGKILL after a bounded wait. Use :func:`start_sidecar`
+and :meth:`SidecarProcess.stop` directly outside pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
+from services.common import grpc_util
+from sidecar.layout import TOY_LAYOUT, KVLayout
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def layout_args(layout: KVLayout) -> list[str]:
+    """``deltakv serve sidecar`` geometry flags for ``layout``."""
+    return ["--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
+            "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
+            "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
+            "--fingerprint", layout.model_fingerprint]
+
+
+def short_tmp_dir(prefix: str = "dkv-") -> str:
+    """A fresh private directory directly under /tmp (short enough for socket paths)."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+class SidecarProcess:
+    """One running sidecar process. ``socket_path``: its UDS; ``log_path``: its stderr+stdout
+    (JSON log lines). The process is owned by whoever started it and must be stopped."""
+
+    def __init__(self, role: str, socket_path: str, proc: subprocess.Popen, log_path: str,
+                 layout: KVLayout, transport: str) -> None:
+        self.role = role
+        self.socket_path = socket_path
+        self.proc = proc
+        self.log_path = log_path
+        self.layout = layout
+        self.transport = transport
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def target(self) -> str:
+        return grpc_util.uds_address(self.socket_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Block until health is SERVING; on failure kill the process and raise
+        RuntimeError with the tail of its log."""
+        try:
+            grpc_util.wait_serving(self.target, timeout_s=timeout_s, alive=self.alive)
+        except Exception as exc:
+            self.kill()
+            raise RuntimeError(f"{self.role} sidecar did not become ready: {exc}\n--- log ---\n"
+                               f"{self.log_text()[-4000:]}") from exc
+
+    def stub(self) -> sidecar_pb2_grpc.SidecarServiceStub:
+        """A sync stub on a channel cached by this object (closed by :meth:`stop`)."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.target)
+        return sidecar_pb2_grpc.SidecarServiceStub(self._channel)
+
+    def describe(self, timeout_s: float = 10.0) -> sidecar_pb2.DescribeResponse:
+        return self.stub().Describe(sidecar_pb2.DescribeRequest(), timeout=timeout_s)
+
+    def map_pool(self):  # -> sidecar.pool.SharedKVPool (imported lazily: torch)
+        """Attach this sidecar's pool (zero-copy, non-owner); the caller closes it."""
+        from sidecar.pool import SharedKVPool
+
+        d = self.describe()
+        return SharedKVPool.attach(d.pool_shm_name, KVLayout.from_proto(d.endpoint.layout))
+
+    def close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        """Send ``sig`` and wait up to ``timeout_s`` for exit, then SIGKILL. Returns the exit
+        code (negative signal number if killed by a signal). Idempotent."""
+        self.close_channel()
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL and reap (leaves the pool segment and socket behind, like a crash)."""
+        self.close_channel()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
+                  layout: KVLayout = TOY_LAYOUT, fault_inject: str | None = None,
+                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                  log_path: str | None = None, ready_timeout_s: float = 60.0,
+                  wait: bool = True) -> SidecarProcess:
+    """Start ``deltakv serve sidecar`` as a child process and (by default) wait for SERVING.
+
+    ``extra_args`` are appended to the command line (e.g. ``["--drain-timeout-s", "2"]``);
+    ``env`` entries are added to the inherited environment. Raises RuntimeError (with the log
+    tail) if the process dies or is not SERVING within ``ready_timeout_s``.
+    """
+    log_path = log_path or f"{socket_path}.log"
+    cmd = [sys.executable, "-m", "sidecar.main", "--role", role,
+           "--transport", transport, "--socket", socket_path, *layout_args(layout),
+           "--log-level", "info", *extra_args]
+    if fault_inject:
+        cmd += ["--fault-inject", fault_inject]
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    sc = SidecarProcess(role, socket_path, proc, log_path, layout, transport)
+    if wait:
+        sc.wait_ready(ready_timeout_s)
+    return sc
+
+
+class SidecarFactory:
+    """Starts sidecars in one private directory and stops all of them in :meth:`close`."""
+
+    def __init__(self, base_dir: str | None = None) -> None:
+        self.base_dir = base_dir or short_tmp_dir()
+        self.procs: list[SidecarProcess] = []
+        self._n = 0
+
+    def socket_path(self, name: str) -> str:
+        return os.path.join(self.base_dir, f"{name}.sock")
+
+    def start(self, role: str, *, name: str | None = None, **kwargs: object) -> SidecarProcess:
+        """Start one sidecar (kwargs as :func:`start_sidecar`); ``name`` picks the socket
+        file name (default: role + counter). Reusing a name after stopping that sidecar
+        restarts it on the same socket (and the same derived pool segment name)."""
+        self._n += 1
+        path = self.socket_path(name or f"{role}{self._n}")
+        sc = start_sidecar(role, path, **kwargs)  # type: ignore[arg-type]
+        self.procs.append(sc)
+        return sc
+
+    def close(self) -> None:
+        for sc in self.procs:
+            sc.stop(timeout_s=15.0)
+        self.procs.clear()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def sidecar_factory() -> Iterator[SidecarFactory]:
+    """Function-scoped :class:`SidecarFactory`; every sidecar it started is stopped after
+    the test (SIGTERM, SIGKILL after 15 s)."""
+    factory = SidecarFactory()
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="module")
+def module_sidecar_factory() -> Iterator[SidecarFactory]:
+    """Module-scoped :class:`SidecarFactory` (share sidecars between tests of one file)."""
+    factory = SidecarFactory()
+    try:
+        yield factory
+    finally:
+        factory.close()
