@@ -54,6 +54,11 @@ MAX_BYTES_RATIO = 1 / 3
 DEMO_WORKLOAD = MultiturnConfig(clients=2, rounds=3, request_length=128, sub_question_length=16,
                                 output_length=16, compare=True, timeout_s=300.0)
 
+# Random prompt ids must lie inside the model's vocabulary. The demo starts the model itself, so
+# for the small built-in test model (byte tokenizer: 3 specials + 256 bytes, vocab 320) it can
+# narrow the bench's default range; SmolLM2 (vocab 49,152) takes the bench default.
+BUILTIN_VOCAB_RANGES = {"tiny-random": (3, 259)}
+
 CHAT_SYSTEM = "You are a concise travel assistant. Answer in two or three sentences."
 CHAT_TURNS = (
     "I am planning a weekend trip to Lisbon. What are three things I should see?",
@@ -80,8 +85,11 @@ def parse_decode_address(line: str) -> str | None:
     return found[0].group(0)
 
 
-class LocalCluster:
+class UpProcess:
     """A ``deltakv up`` subprocess (2 sidecars, prefill, decode) that this object owns.
+
+    The demo drives ``up`` through its command line, exactly as a user would, rather than
+    through :class:`services.up.LocalCluster`: what is demonstrated is the shipped command.
 
     ``start()`` launches it and waits at most ``startup_timeout_s`` seconds for the ready line;
     ``stop()`` sends SIGTERM, waits at most ``stop_timeout_s`` seconds, then SIGKILLs. The
@@ -182,7 +190,7 @@ class LocalCluster:
             self._reader.join(timeout=5)
         return proc.returncode
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> UpProcess:
         self.start()
         return self
 
@@ -279,6 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on the cluster becoming ready (s)")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="bound on reaching the decode service once ready (s)")
+    parser.add_argument("--up-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for `deltakv up` (repeatable, e.g. "
+                             "--up-arg=--page-size --up-arg=16)")
     add_workload_arguments(parser, DEMO_WORKLOAD)
 
 
@@ -290,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"[demo] {line}\n")
         out.flush()
 
+    if (args.model in BUILTIN_VOCAB_RANGES and args.vocab_low == DEMO_WORKLOAD.vocab_low
+            and args.vocab_high == DEMO_WORKLOAD.vocab_high):
+        args.vocab_low, args.vocab_high = BUILTIN_VOCAB_RANGES[args.model]
     try:
         config = config_from_args(args, compare=True)
     except InvalidArgument as exc:
@@ -297,8 +311,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     own_dir = args.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="deltakv-demo-")) if own_dir else args.run_dir
-    cluster = LocalCluster(run_dir, model=args.model, transport=args.transport,
-                           startup_timeout_s=args.startup_timeout)
+    # Free ports: the demo must not collide with a cluster already on the default ports.
+    extra = ("--decode-port", "0", "--prefill-port", "0", *args.up_arg)
+    cluster = UpProcess(run_dir, model=args.model, transport=args.transport,
+                        startup_timeout_s=args.startup_timeout, extra_args=tuple(extra))
     say(f"starting the local cluster: {' '.join(cluster.command()[1:])}")
     say(f"cluster log: {cluster.log_path}")
     t0 = time.monotonic()

@@ -418,7 +418,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, defaults: MultiturnC
     parser.add_argument("--vocab-low", type=int, default=d.vocab_low,
                         help="random token ids are >= this")
     parser.add_argument("--vocab-high", type=int, default=d.vocab_high,
-                        help="random token ids are < this (keep it <= the model's vocab size)")
+                        help="random token ids are < this (keep it <= the model's vocab size; "
+                             "tiny-random: --vocab-low 3 --vocab-high 259)")
     parser.add_argument("--timeout", type=float, default=d.timeout_s,
                         help="deadline per request (s)")
 

@@ -1,4 +1,4 @@
-"""DecodeClient, ChatSession, run_multiturn and LocalCluster over real gRPC and real processes.
+"""DecodeClient, ChatSession, run_multiturn and UpProcess over real gRPC and real processes.
 
 The server here is a *protocol reference* of ``DecodeService``: it serves real gRPC (with the
 standard health service) on a Unix socket and computes ``Usage`` with DESIGN.md's delta
@@ -48,7 +48,7 @@ from services.common.errors import (
     Unavailable,
     status_of,
 )
-from services.demo import LocalCluster, run_demo
+from services.demo import UpProcess, run_demo
 
 PAGE_SIZE = 16
 PAGE_BYTES = 32_768
@@ -423,11 +423,11 @@ def test_run_demo_against_live_stream(tmp_path: Path) -> None:
     assert v["round_bytes_ratios"] == [pytest.approx(0.2)] and v["ok"]
 
 
-# --------------------------------------------------------------------------- LocalCluster
+# --------------------------------------------------------------------------- UpProcess
 
 
-class _ScriptCluster(LocalCluster):
-    """LocalCluster whose subprocess is a small script instead of ``deltakv up``."""
+class _ScriptCluster(UpProcess):
+    """UpProcess whose subprocess is a small script instead of ``deltakv up``."""
 
     def __init__(self, run_dir: Path, script: str, **kw) -> None:
         super().__init__(run_dir, **kw)
