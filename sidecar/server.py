@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ from sidecar.transport.base import Transport
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"].full_name
+
+# Dead endpoint ids remembered (restarts of peers over the sidecar's lifetime).
+_MAX_DEAD_ENDPOINTS = 4096
 
 ROLES = {"prefill": sidecar_pb2.SIDECAR_ROLE_PREFILL, "decode": sidecar_pb2.SIDECAR_ROLE_DECODE}
 
@@ -91,6 +95,11 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.abort_grace_s = abort_grace_s
         self._pm_lock = threading.RLock()
         self._counter_lock = threading.Lock()
+        # Incarnation tracking: the newest endpoint_id connected at each transfer address;
+        # ids it replaced are dead (bounded memory of them).
+        self._peer_lock = threading.Lock()
+        self._newest_at: dict[str, str] = {}
+        self._dead: OrderedDict[str, str] = OrderedDict()
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.bytes_written = 0
@@ -114,8 +123,34 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         FAILED_PRECONDITION on layout mismatch (field and both values), a different backend
         or an unknown/dead incarnation, UNAVAILABLE if the engine cannot reach it."""
         self._check_peer(request.peer if request.HasField("peer") else None, "ConnectPeer")
-        self.transport.connect(request.peer)
+        self._connect(request.peer)
         return sidecar_pb2.ConnectPeerResponse()
+
+    def _connect(self, peer: kv_pb2.EndpointInfo) -> Any:
+        """``transport.connect`` plus incarnation fencing: once a newer endpoint_id has
+        connected at the same transfer address, the older one is dead — rejected with
+        UnknownEndpoint (FAILED_PRECONDITION) and its cached engine connection dropped."""
+        with self._peer_lock:
+            newer = self._dead.get(peer.endpoint_id)
+        if newer is not None:
+            raise UnknownEndpoint(
+                f"endpoint {peer.endpoint_id} at {peer.address!r} is a dead incarnation; "
+                f"the sidecar there now is {newer}")
+        handle = self.transport.connect(peer)
+        with self._peer_lock:
+            previous = self._newest_at.get(peer.address)
+            self._newest_at[peer.address] = peer.endpoint_id
+            if previous is not None and previous != peer.endpoint_id:
+                self._dead[previous] = peer.endpoint_id
+                while len(self._dead) > _MAX_DEAD_ENDPOINTS:
+                    self._dead.popitem(last=False)
+            else:
+                previous = None
+        if previous is not None:
+            self.log.info("peer_restarted", address=peer.address, old_endpoint=previous,
+                          new_endpoint=peer.endpoint_id)
+            self.transport.disconnect(previous)
+        return handle
 
     def _check_peer(self, peer: kv_pb2.EndpointInfo | None, rpc: str) -> KVLayout:
         if peer is None:
@@ -249,7 +284,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         try:
             with self.rooms.running(ticket):
                 ticket.check_alive()
-                peer = self.transport.connect(info.decode_endpoint)
+                peer = self._connect(info.decode_endpoint)
                 started = time.monotonic()
                 for batch in plan.batches:
                     if not context.is_active():
