@@ -1,0 +1,84 @@
+"""Target side of the transport conformance suite, run as its own process.
+
+    python -m tests.integration.transport_peer --backend shm --layout '{"num_layers": 2, ...}'
+
+Creates a :class:`SharedKVPool`, a transport of the given backend with the pool registered,
+and prints one JSON line ``{"endpoint": <base64 EndpointInfo>, "segment": <pool name>,
+"pid": <pid>}``. Then it serves JSON commands, one per stdin line, answering one JSON line
+each on stdout:
+
+* ``{"op": "fill", "seed": n}`` -> fills the pool with seeded random bytes, ``{"ok": true}``
+* ``{"op": "crc"}``            -> ``{"crc": [crc32 of page 0, page 1, ...]}``
+* ``{"op": "stop"}``           -> closes transport and pool, ``{"ok": true}``, exits 0
+
+End of stdin (the test process died) stops it too, so it never outlives its test. Errors
+answer ``{"error": "..."}`` and keep serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import uuid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--layout", required=True, help="KVLayout fields as JSON")
+    parser.add_argument("--extra", default="{}", help="TransportOptions.extra as JSON")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from sidecar.layout import KVLayout
+    from sidecar.pool import SharedKVPool
+    from sidecar.transport import TransportOptions, create_transport
+
+    layout = KVLayout(**json.loads(args.layout))
+    pool = SharedKVPool.create(layout, name=f"deltakv-test-peer-{uuid.uuid4().hex[:12]}")
+    transport = None
+    try:
+        transport = create_transport(args.backend, TransportOptions(
+            host=args.host, extra=json.loads(args.extra)))
+        transport.register_pool(pool)
+        info = transport.describe(f"peer-{uuid.uuid4().hex}", layout)
+        _say({"endpoint": base64.b64encode(info.SerializeToString()).decode(),
+              "segment": pool.name, "pid": os.getpid()})
+        for line in sys.stdin:
+            try:
+                cmd = json.loads(line)
+                op = cmd["op"]
+                if op == "fill":
+                    gen = torch.Generator().manual_seed(int(cmd["seed"]))
+                    pool.as_bytes().copy_(torch.randint(0, 256, (layout.num_pages,
+                                                                 layout.page_bytes),
+                                                        dtype=torch.uint8, generator=gen))
+                    _say({"ok": True})
+                elif op == "crc":
+                    _say({"crc": pool.page_crc32(range(layout.num_pages))})
+                elif op == "stop":
+                    break
+                else:
+                    _say({"error": f"unknown op {op!r}"})
+            except Exception as exc:  # noqa: BLE001 - report to the test, keep serving
+                _say({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        if transport is not None:
+            transport.close()
+        pool.close()
+    _say({"ok": True})
+    return 0
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
