@@ -1,0 +1,309 @@
+"""Fencing, bounded waits and shutdown of real sidecar processes (shm backend, fault injection).
+
+Prefill sidecars run with ``--fault-inject`` (sidecar/faults.py) wrapping the real shm backend:
+``delay_ms`` makes each batch slow (interruptible by abort and deadline), ``fail_batch`` makes
+the engine fail on one batch, ``hang`` makes a write that never completes by itself;
+``batch_entries=1`` makes every run its own batch so "no batch after X" is observable page by
+page.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deltakv.v1 import kv_pb2, sidecar_pb2
+from sidecar.layout import TOY_LAYOUT
+from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+
+PAGE = TOY_LAYOUT.page_size
+PAGE_BYTES = TOY_LAYOUT.page_bytes
+
+
+def new_room() -> int:
+    return secrets.randbits(63) + 1
+
+
+@dataclass
+class Env:
+    factory: SidecarFactory
+    decode: SidecarProcess
+    slow: SidecarProcess  # delay_ms=1500 per batch, one run per batch
+    failing: SidecarProcess  # batch 2 fails, for the first room only
+    hanging: SidecarProcess  # no write ever completes
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    factory = SidecarFactory()
+    try:
+        yield Env(
+            factory=factory,
+            decode=factory.start("decode"),
+            slow=factory.start("prefill", fault_inject="delay_ms=1500,batch_entries=1"),
+            failing=factory.start("prefill",
+                                  fault_inject="fail_batch=2,batch_entries=1,rooms=1"),
+            hanging=factory.start("prefill", fault_inject="hang=1"),
+        )
+    finally:
+        factory.close()
+
+
+class Call:
+    """A WritePages running on a background thread (the test acts while it is in flight)."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.result: object = None
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            self.result = fn()
+        except grpc.RpcError as err:
+            self.error = err
+
+    def join(self, timeout_s: float = 30.0) -> Call:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "WritePages did not return"
+        return self
+
+
+def stats(sc: SidecarProcess) -> sidecar_pb2.SidecarStats:
+    st = sc.stub().GetStats(kv_pb2.GetStatsRequest(), timeout=10)
+    p = st.pool
+    assert p.free + p.cached + p.live + p.quarantined == p.num_pages
+    return st
+
+
+def wait_in_flight(sc: SidecarProcess, n: int = 1, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while stats(sc).rooms_in_flight != n:
+        assert time.monotonic() < deadline, f"rooms_in_flight never reached {n}"
+        time.sleep(0.02)
+
+
+def crcs(sc: SidecarProcess, pages: list[int]) -> list[int]:
+    return list(sc.stub().PageChecksums(sidecar_pb2.PageChecksumsRequest(page_indices=pages),
+                                        timeout=10).crc32)
+
+
+def pages(sc: SidecarProcess, rid: str, n: int) -> list[int]:
+    return list(sc.stub().Allocate(sidecar_pb2.AllocateRequest(request_id=rid, num_pages=n),
+                                   timeout=10).page_indices)
+
+
+def scattered(sc: SidecarProcess, rid: str, n: int) -> list[int]:
+    """n pages of which no two are consecutive (every run is one page)."""
+    return pages(sc, rid, 2 * n)[::2]
+
+
+def fill(sc: SidecarProcess, src: list[int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with sc.map_pool() as pool:
+        view = pool.as_bytes()
+        for p in src:
+            view[p].copy_(torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8, generator=gen))
+
+
+def release(sc: SidecarProcess, rid: str) -> None:
+    sc.stub().Release(sidecar_pb2.ReleaseRequest(request_id=rid), timeout=10)
+
+
+def write_call(prefill: SidecarProcess, endpoint: kv_pb2.EndpointInfo, room: int,
+               src: list[int], dst: list[int], lease_ms: int = 60_000,
+               timeout_s: float = 60.0) -> Callable[[], sidecar_pb2.WritePagesResponse]:
+    info = kv_pb2.TransferInfo(room=room, request_id=f"r{room}", decode_endpoint=endpoint,
+                               dst_page_indices=dst, decode_prefix_len=0,
+                               prompt_len=len(src) * PAGE, lease_ms=lease_ms)
+    req = sidecar_pb2.WritePagesRequest(transfer_info=info, src_page_indices=src)
+    stub = prefill.stub()
+    return lambda: stub.WritePages(req, timeout=timeout_s)
+
+
+def code_of(fn: Callable[[], object]) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as exc_info:
+        fn()
+    return exc_info.value.code()
+
+
+@pytest.mark.timeout(120)
+def test_abort_during_delayed_write_fences_the_room(env: Env) -> None:
+    ep = env.decode.describe().endpoint
+    src, dst = pages(env.slow, "a-src", 3), pages(env.decode, "a-dst", 3)
+    fill(env.slow, src, seed=7)
+    dst_before = crcs(env.decode, dst)
+    room = new_room()
+    call = Call(write_call(env.slow, ep, room, src, dst))
+    wait_in_flight(env.slow)
+
+    # A second attempt with the same room while it is in flight.
+    assert code_of(write_call(env.slow, ep, room, src, dst)) == grpc.StatusCode.ALREADY_EXISTS
+
+    known = env.slow.stub().AbortWrite(sidecar_pb2.AbortWriteRequest(room=room), timeout=30)
+    # AbortWrite returned: no write for the room is in flight any more.
+    assert known.known is True
+    assert stats(env.slow).rooms_in_flight == 0
+    call.join()
+    assert call.error is not None and call.error.code() == grpc.StatusCode.ABORTED
+    # The first batch was still in its (interrupted) delay: nothing landed.
+    assert crcs(env.decode, dst) == dst_before
+
+    # A late WritePages for the fenced room never writes.
+    assert code_of(write_call(env.slow, ep, room, src, dst)) == grpc.StatusCode.ABORTED
+    # Fencing a room nobody has seen yet: the tombstone rejects its WritePages later.
+    ghost = new_room()
+    assert env.slow.stub().AbortWrite(sidecar_pb2.AbortWriteRequest(room=ghost),
+                                      timeout=10).known is False
+    assert code_of(write_call(env.slow, ep, ghost, src, dst)) == grpc.StatusCode.ABORTED
+    assert crcs(env.decode, dst) == dst_before
+    release(env.slow, "a-src")
+    release(env.decode, "a-dst")
+
+
+@pytest.mark.timeout(120)
+def test_lease_expiry_stops_before_next_batch(env: Env) -> None:
+    ep = env.decode.describe().endpoint
+    src, dst = scattered(env.slow, "l-src", 4), scattered(env.decode, "l-dst", 4)
+    fill(env.slow, src, seed=11)
+    dst_before = crcs(env.decode, dst)
+    written_before = stats(env.slow).pages_written
+    # 1.5 s per batch, 2.5 s lease: at most one of the four batches can start in time.
+    err_code = code_of(write_call(env.slow, ep, new_room(), src, dst, lease_ms=2500))
+    assert err_code == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = crcs(env.decode, dst)
+    src_crc = crcs(env.slow, src)
+    changed = [i for i in range(4) if after[i] != dst_before[i]]
+    n_written = stats(env.slow).pages_written - written_before
+    assert n_written < 4
+    assert changed == list(range(n_written))  # only a prefix of batches ran
+    assert all(after[i] == src_crc[i] for i in changed)
+    assert stats(env.slow).rooms_in_flight == 0
+    release(env.slow, "l-src")
+    release(env.decode, "l-dst")
+
+
+@pytest.mark.timeout(120)
+def test_hanging_engine_ends_at_the_deadline(env: Env) -> None:
+    ep = env.decode.describe().endpoint
+    src, dst = pages(env.hanging, "h-src", 2), pages(env.decode, "h-dst", 2)
+    fill(env.hanging, src, seed=3)
+    dst_before = crcs(env.decode, dst)
+    assert code_of(write_call(env.hanging, ep, new_room(), src, dst, lease_ms=800)) \
+        == grpc.StatusCode.DEADLINE_EXCEEDED
+    st = stats(env.hanging)
+    assert st.rooms_in_flight == 0 and st.transfers_failed >= 1
+    assert crcs(env.decode, dst) == dst_before
+    # The call's own gRPC deadline bounds the write too (lease is long here).
+    assert code_of(write_call(env.hanging, ep, new_room(), src, dst, lease_ms=60_000,
+                              timeout_s=1.0)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_in_flight(env.hanging, 0)
+    assert crcs(env.decode, dst) == dst_before
+    release(env.hanging, "h-src")
+    release(env.decode, "h-dst")
+
+
+@pytest.mark.timeout(120)
+def test_engine_failure_fails_room_at_once_and_retry_succeeds(env: Env) -> None:
+    ep = env.decode.describe().endpoint
+    src, dst = scattered(env.failing, "f-src", 4), scattered(env.decode, "f-dst", 4)
+    fill(env.failing, src, seed=5)
+    dst_before = crcs(env.decode, dst)
+    src_crc = crcs(env.failing, src)
+    failed_before = stats(env.failing).transfers_failed
+    with pytest.raises(grpc.RpcError) as exc_info:
+        write_call(env.failing, ep, new_room(), src, dst, lease_ms=60_000)()
+    assert exc_info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "injected engine error on batch 2" in exc_info.value.details()
+    after = crcs(env.decode, dst)
+    assert after[0] == src_crc[0]  # batch 1 landed
+    assert after[1:] == dst_before[1:]  # batch 2 failed, 3 and 4 never started
+    st = stats(env.failing)
+    assert st.transfers_failed == failed_before + 1 and st.rooms_in_flight == 0
+
+    # A retry is a new room; the fault was limited to one room.
+    resp = write_call(env.failing, ep, new_room(), src, dst)()
+    assert (resp.stats.pages, resp.stats.bytes, resp.stats.runs, resp.stats.batches) == \
+        (4, 4 * PAGE_BYTES, 4, 4)
+    assert crcs(env.decode, dst) == src_crc
+    release(env.failing, "f-src")
+    release(env.decode, "f-dst")
+
+
+@pytest.mark.timeout(180)
+def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
+    prefill = env.failing  # one-page writes never reach its faulty batch 2
+    peer = env.factory.start("decode", name="restartable")
+    old = peer.describe()
+    src = pages(prefill, "r-src", 1)
+    fill(prefill, src, seed=21)
+    write_call(prefill, old.endpoint, new_room(), src, [5])()
+
+    # Crash (SIGKILL): socket file and pool segment are left behind; a restart on the same
+    # socket reclaims both.
+    peer.kill()
+    assert os.path.exists(peer.socket_path)
+    assert os.path.exists(f"/dev/shm/{old.pool_shm_name}")
+    peer = env.factory.start("decode", name="restartable")
+    new = peer.describe()
+    assert new.endpoint.endpoint_id != old.endpoint.endpoint_id
+    assert new.pool_shm_name == old.pool_shm_name
+    fresh = crcs(peer, list(range(TOY_LAYOUT.num_pages)))
+
+    # The dead incarnation is rejected whether or not its successor is known yet.
+    code = code_of(write_call(prefill, old.endpoint, new_room(), src, [5]))
+    assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+    prefill.stub().ConnectPeer(sidecar_pb2.ConnectPeerRequest(peer=new.endpoint), timeout=10)
+    with pytest.raises(grpc.RpcError) as exc_info:
+        write_call(prefill, old.endpoint, new_room(), src, [5])()
+    assert exc_info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dead incarnation" in exc_info.value.details()
+    assert crcs(peer, list(range(TOY_LAYOUT.num_pages))) == fresh
+
+    resp = write_call(prefill, new.endpoint, new_room(), src, [5])()
+    assert resp.stats.pages == 1
+    assert crcs(peer, [5]) == crcs(prefill, src)
+    release(prefill, "r-src")
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
+    ep = env.decode.describe().endpoint
+    sc = env.factory.start("prefill", name="term", fault_inject="delay_ms=3000")
+    d = sc.describe()
+    src, dst = pages(sc, "t-src", 1), pages(env.decode, "t-dst", 1)
+    fill(sc, src, seed=8)
+    src_crc = crcs(sc, src)
+    call = Call(write_call(sc, ep, new_room(), src, dst))
+    wait_in_flight(sc)
+
+    sc.proc.send_signal(signal.SIGTERM)
+    # While draining: not SERVING, and new transfers are refused.
+    with grpc.insecure_channel(sc.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert code_of(write_call(sc, ep, new_room(), src, dst)) == grpc.StatusCode.UNAVAILABLE
+
+    # The in-flight write was allowed to finish; then the process exits cleanly.
+    call.join()
+    assert call.error is None, call.error
+    assert crcs(env.decode, dst) == src_crc
+    assert sc.proc.wait(30) == 0
+    assert not os.path.exists(sc.socket_path)
+    assert not os.path.exists(f"/dev/shm/{d.pool_shm_name}")
+    release(env.decode, "t-dst")
