@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -616,3 +617,29 @@ def test_dockerignore_keeps_what_the_image_needs():
     assert {".git", ".venv"} <= ignored
     # The CPU image runs the test suite, which reads these.
     assert not ignored & {"tests", "helm", "Dockerfile", "proto", "scripts", "pyproject.toml"}
+
+
+def test_values_reference_documents_every_value(chart):
+    """docs/helm.md's values table names every key of values.yaml (``a.b.*`` covers a subtree;
+    decode keys shared with prefill are covered by the prefill row)."""
+    documented = set(re.findall(r"`([A-Za-z][\w.]*(?:\.\*)?)`", (REPO / "docs" / "helm.md")
+                                .read_text()))
+    wildcards = [d.removesuffix("*") for d in documented if d.endswith(".*")]
+
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and key not in ("podSecurityContext",
+                                                                  "securityContext"):
+                yield from leaves(value, path + ".")
+            else:
+                yield path
+
+    missing = []
+    for key in leaves(chart.values):
+        shared = "prefill." + key.removeprefix("decode.") if key.startswith("decode.") else None
+        if key in documented or shared in documented \
+                or any(key.startswith(w) for w in wildcards):
+            continue
+        missing.append(key)
+    assert not missing, f"docs/helm.md does not document: {missing}"
