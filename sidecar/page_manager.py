@@ -320,7 +320,8 @@ class PageManager:
 
     def page_state(self, page: int) -> str:
         """``"free"``, ``"cached"``, ``"live"`` or ``"quarantined"``; InvalidArgument
-        (INVALID_ARGUMENT) if ``page`` is out of range. O(requests + quarantine)."""
+        (INVALID_ARGUMENT) if ``page`` is out of range, Internal if it is in no state.
+        O(requests + quarantined pages)."""
         with self._lock:
             if self._alloc.is_free(page):
                 return "free"
@@ -328,7 +329,9 @@ class PageManager:
                 return "cached"
             if any(page in req.live for req in self._requests.values()):
                 return "live"
-            return "quarantined"
+            if any(page in pages for _, _, pages in self._quarantine):
+                return "quarantined"
+            raise Internal(f"page {page} is in no state (accounting bug)")
 
     def check_invariants(self) -> None:
         """Verify I1 and the lock accounting from scratch: every page in exactly one state,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -35,7 +36,7 @@ from types import FrameType
 
 import torch
 
-from services.common.errors import InvalidArgument, UnknownEndpoint
+from services.common.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
 from sidecar.layout import KVLayout
 
 #: Where Linux keeps POSIX shared-memory objects (``shm_open`` names map to files here).
@@ -104,9 +105,12 @@ class SharedKVPool:
 
         ``name`` defaults to ``f"deltakv-{uuid}"``. If a segment with that name already exists
         (a crashed sidecar's leftover) it is reclaimed: unlinked and created afresh, so its old
-        contents are never seen. Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad
-        name or layout, and ``OSError`` if ``/dev/shm`` is full or not writable (the caller
-        cannot fix that by retrying; it is a deployment error).
+        contents are never seen. The whole pool is reserved up front (``posix_fallocate``),
+        so a too-small ``/dev/shm`` fails here, not with SIGBUS later.
+
+        Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad name or layout,
+        :class:`ResourceExhausted` (RESOURCE_EXHAUSTED) if ``/dev/shm`` cannot hold the pool,
+        and ``OSError`` if it is not writable (a deployment error).
         """
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -116,8 +120,19 @@ class SharedKVPool:
             os.unlink(path)  # reclaim a leftover of the same name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # ftruncate of a fresh tmpfs file yields zero pages without touching them.
-            os.ftruncate(fd, layout.pool_bytes)
+            # Reserve the whole pool now: a sparse tmpfs file that outgrows /dev/shm (64 MiB by
+            # default in containers) would SIGBUS on first touch of a page deep into serving.
+            # fallocate fails here instead, and the fresh extent reads as zeros.
+            try:
+                os.posix_fallocate(fd, 0, layout.pool_bytes)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                raise ResourceExhausted(
+                    f"cannot reserve {layout.pool_bytes} bytes of shared memory for KV pool "
+                    f"{name!r} under {SHM_DIR} ({exc.strerror}); enlarge /dev/shm (e.g. a "
+                    f"memory-backed emptyDir) or lower num_pages",
+                    needed=layout.pool_bytes) from None
             st = os.fstat(fd)
             mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
@@ -277,7 +292,9 @@ def install_cleanup_handlers(
 
     def handler(signum: int, frame: FrameType | None) -> None:
         pool.close()
-        prev = previous.get(signum, signal.SIG_DFL)
+        prev = previous.get(signum)
+        if prev is None:  # a handler installed from C: nothing to chain to, act as default
+            prev = signal.SIG_DFL
         if callable(prev):
             prev(signum, frame)
         elif prev == signal.SIG_DFL:

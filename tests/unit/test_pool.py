@@ -3,6 +3,7 @@ checksums, reclaim of leftovers, teardown semantics and typed errors."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import uuid
@@ -13,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.errors import InvalidArgument, UnknownEndpoint
+from services.common.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
 from sidecar.layout import TOY_LAYOUT, KVLayout
 from sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
 
@@ -172,3 +173,16 @@ def test_reclaim_stale_segments_removes_only_unmapped_ones(name: str) -> None:
     assert reclaim_stale_segments(prefix) == []
     with pytest.raises(InvalidArgument):
         reclaim_stale_segments("")
+
+
+def test_shm_too_small_is_resource_exhausted_and_leaves_nothing(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # What the kernel answers when /dev/shm (64 MiB in a default container) cannot hold it.
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(ResourceExhausted, match="enlarge /dev/shm") as err:
+        SharedKVPool.create(SMALL, name)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not exists(name)
