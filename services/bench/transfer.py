@@ -1,0 +1,304 @@
+"""``deltakv bench transfer`` — sidecar writes vs the raw engine vs memcpy, per backend.
+
+For each backend it starts two real sidecar processes (prefill and decode) and moves the same
+bytes (default 64 pages of one SmolLM2-135M page: 30 layers * 2 * 16 tokens * 3 heads * 64
+dims * 4 B = 737,280 B) three ways:
+
+* **contiguous** — one consecutive run through the sidecar (``WritePages`` RPC, end to end);
+* **scattered** — fully scattered pages through the sidecar (every page its own run);
+* **raw** — the benchmark's own engine writes one block (``Transport.write_block``) from its
+  own pool to the decode sidecar's endpoint: what the backend can do without deltakv.
+
+It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
+the same bytes in this process. Every method's destination is zeroed before each repeat and
+compared byte for byte after it (``verified``). DESIGN §10's bar: contiguous sidecar >= 90 %
+of raw; shm close to memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32, 16-token pages.
+SMOLLM2_GEOMETRY = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
+                        page_size=16)
+SMOLLM2_PAGE_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # 737,280
+BENCH_BACKENDS = ("shm", "mooncake")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``deltakv bench transfer``."""
+    parser.add_argument("--backend", default="all", choices=(*BENCH_BACKENDS, "mori", "all"),
+                        help="backend to measure; all = shm and mooncake (default)")
+    parser.add_argument("--pages", type=int, default=64, help="pages per write (default 64)")
+    parser.add_argument("--page-bytes", type=int, default=SMOLLM2_PAGE_BYTES,
+                        help="bytes per page (default one SmolLM2-135M page, 737280); other "
+                             "values must be multiples of 128")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
+    parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option for the sidecars and the raw engine, repeatable")
+    parser.add_argument("--ready-timeout-s", type=float, default=60.0,
+                        help="bound on each sidecar's start-up (default 60)")
+
+
+def bench_layout(page_bytes: int, num_pages: int) -> Any:
+    """A KVLayout with exactly ``page_bytes`` bytes per page: SmolLM2-135M's geometry for its
+    page size, else 1 layer, 1 KV head, 16 tokens and ``head_dim = page_bytes / 128``
+    (float32). Raises ValueError if ``page_bytes`` is not a positive multiple of 128."""
+    from sidecar.layout import KVLayout
+
+    if page_bytes == SMOLLM2_PAGE_BYTES:
+        return KVLayout(num_pages=num_pages, model_fingerprint="bench", **SMOLLM2_GEOMETRY)
+    if page_bytes <= 0 or page_bytes % 128:
+        raise ValueError(f"--page-bytes must be a positive multiple of 128, got {page_bytes}")
+    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=page_bytes // 128, dtype="float32",
+                    page_size=16, num_pages=num_pages, model_fingerprint="bench")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+class _Sidecar:
+    """A sidecar child process for the benchmark (stopped with SIGTERM, killed if stuck)."""
+
+    def __init__(self, role: str, backend: str, layout: Any, workdir: str,
+                 options: list[str], ready_timeout_s: float) -> None:
+        from services.common import grpc_util
+
+        self.role = role
+        self.socket = os.path.join(workdir, f"{role}-{backend}.sock")
+        self.log_path = self.socket + ".log"
+        cmd = [sys.executable, "-m", "sidecar.main", "--role", role, "--transport", backend,
+               "--socket", self.socket, "--page-size", str(layout.page_size),
+               "--num-pages", str(layout.num_pages), "--num-layers", str(layout.num_layers),
+               "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
+               "--dtype", layout.dtype, "--fingerprint", layout.model_fingerprint,
+               "--log-level", "warning"]
+        for opt in options:
+            cmd += ["--transport-option", opt]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=Path(__file__).resolve().parents[2])
+        self.target = grpc_util.uds_address(self.socket)
+        try:
+            grpc_util.wait_serving(self.target, timeout_s=ready_timeout_s,
+                                   alive=lambda: self.proc.poll() is None)
+        except Exception as exc:
+            self.stop()
+            tail = Path(self.log_path).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{role} sidecar ({backend}) did not start: {exc}\n{tail}") from exc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],
+                  verify: Callable[[], bool]) -> tuple[float, bool]:
+    """Median seconds of ``action`` over ``repeats`` (plus one untimed warm-up); ``prepare``
+    and ``verify`` run outside the timing around every repetition."""
+    times, ok = [], True
+    for i in range(repeats + 1):
+        prepare()
+        t0 = time.perf_counter()
+        action()
+        elapsed = time.perf_counter() - t0
+        ok = verify() and ok
+        if i:
+            times.append(elapsed)
+    return statistics.median(times), ok
+
+
+def measure_memcpy(nbytes: int, repeats: int) -> float:
+    """GB/s of one in-process copy of ``nbytes`` (median of ``repeats``)."""
+    import torch
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    seconds, _ = _median_timed(repeats, lambda: None, lambda: dst.copy_(src), lambda: True)
+    return _gbps(nbytes, seconds)
+
+
+def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
+                    options: list[str], ready_timeout_s: float) -> dict[str, Any]:
+    """Run the three methods on ``backend``; returns the per-backend JSON record."""
+    import grpc
+    import torch
+
+    from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
+    from sidecar.layout import KVLayout
+    from sidecar.main import parse_options
+    from sidecar.pool import SharedKVPool
+    from sidecar.transport.base import TransportOptions
+    from sidecar.transport.registry import create_transport
+
+    layout = bench_layout(page_bytes, 2 * pages)
+    nbytes = pages * page_bytes
+    workdir = tempfile.mkdtemp(prefix="dkv-bench-", dir="/tmp")
+    sidecars: list[_Sidecar] = []
+    closers: list[Callable[[], None]] = []
+    try:
+        decode = _Sidecar("decode", backend, layout, workdir, options, ready_timeout_s)
+        sidecars.append(decode)
+        prefill = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s)
+        sidecars.append(prefill)
+        dec_ch, pre_ch = grpc.insecure_channel(decode.target), grpc.insecure_channel(prefill.target)
+        closers += [dec_ch.close, pre_ch.close]
+        dec_stub = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
+        pre_stub = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
+        dec_desc = dec_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+        pre_desc = pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+        dec_pool = SharedKVPool.attach(dec_desc.pool_shm_name,
+                                       KVLayout.from_proto(dec_desc.endpoint.layout))
+        closers.append(dec_pool.close)
+        pre_pool = SharedKVPool.attach(pre_desc.pool_shm_name,
+                                       KVLayout.from_proto(pre_desc.endpoint.layout))
+        closers.append(pre_pool.close)
+        src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
+        src_view.copy_(torch.randint(0, 256, src_view.shape, dtype=torch.uint8))
+
+        def sidecar_method(src: list[int], dst: list[int]) -> tuple[float, bool, int]:
+            runs: list[int] = []
+
+            def action() -> None:
+                info = kv_pb2.TransferInfo(
+                    room=secrets.randbits(63) + 1, request_id="bench",
+                    decode_endpoint=dec_desc.endpoint, dst_page_indices=dst,
+                    decode_prefix_len=0, prompt_len=len(src) * layout.page_size,
+                    lease_ms=120_000)
+                stats = pre_stub.WritePages(sidecar_pb2.WritePagesRequest(
+                    transfer_info=info, src_page_indices=src), timeout=180).stats
+                if stats.bytes != len(src) * page_bytes:
+                    raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
+                                       f"{len(src)} pages of {page_bytes} B")
+                runs.append(stats.runs)
+
+            seconds, ok = _median_timed(
+                repeats, lambda: dst_view[dst].zero_(), action,
+                lambda: bool(torch.equal(dst_view[dst], src_view[src])))
+            return seconds, ok, runs[-1]
+
+        contiguous = list(range(pages))
+        t_contig, ok_contig, runs_contig = sidecar_method(contiguous, contiguous)
+        # Source on even pages ascending, destination on odd pages descending: no two
+        # neighbours are consecutive on either side, so every page is its own run.
+        scat_src = [2 * i for i in range(pages)]
+        scat_dst = [2 * (pages - 1 - i) + 1 for i in range(pages)]
+        t_scat, ok_scat, runs_scat = sidecar_method(scat_src, scat_dst)
+
+        # Raw engine: this process's own pool and transport, one write_block.
+        raw_pool = SharedKVPool.create(layout, name=f"deltakv-bench-{secrets.token_hex(6)}")
+        closers.append(raw_pool.close)
+        raw_pool.as_bytes()[:pages].copy_(src_view[:pages])
+        engine = create_transport(backend, TransportOptions(
+            host="127.0.0.1", extra=parse_options(options)))
+        closers.append(engine.close)
+        engine.register_pool(raw_pool)
+        peer = engine.connect(dec_desc.endpoint)
+        t_raw, ok_raw = _median_timed(
+            repeats, lambda: dst_view[:pages].zero_(),
+            lambda: engine.write_block(peer, 0, 0, nbytes, time.monotonic() + 120.0),
+            lambda: bool(torch.equal(dst_view[:pages], raw_pool.as_bytes()[:pages])))
+
+        raw = _gbps(nbytes, t_raw)
+        return {
+            "page_bytes": page_bytes,
+            "pages": pages,
+            "bytes": nbytes,
+            "raw_gbps": raw,
+            "contiguous_gbps": _gbps(nbytes, t_contig),
+            "scattered_gbps": _gbps(nbytes, t_scat),
+            "contiguous_ratio": _gbps(nbytes, t_contig) / raw,
+            "scattered_ratio": _gbps(nbytes, t_scat) / raw,
+            "contiguous_runs": runs_contig,
+            "scattered_runs": runs_scat,
+            "verified": ok_contig and ok_scat and ok_raw,
+        }
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - keep tearing down
+                print(f"bench transfer: cleanup error: {exc}", file=sys.stderr)
+        for sc in reversed(sidecars):
+            sc.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable summary of a result dict."""
+    lines = [f"bench transfer: {result['pages']} pages x {result['page_bytes']} B = "
+             f"{result['pages'] * result['page_bytes'] / 2**20:.1f} MiB per write, median of "
+             f"{result['repeats']}",
+             f"memcpy: {result['memcpy_gbps']:.2f} GB/s", "",
+             f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
+             f"{'scatter GB/s':>14}{'ratio':>8}  verified"]
+    for name, rec in result["backends"].items():
+        if "error" in rec:
+            lines.append(f"{name:<10}unavailable: {rec['error']}")
+            continue
+        lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
+                     f"{rec['contiguous_ratio']:>8.2f}{rec['scattered_gbps']:>14.2f}"
+                     f"{rec['scattered_ratio']:>8.2f}  {rec['verified']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print the table, write JSON. Exit 0 if every measured backend verified, 1 if
+    one did not or failed, 2 for bad arguments."""
+    if args.pages <= 0 or args.repeats <= 0:
+        print("bench transfer: --pages and --repeats must be > 0", file=sys.stderr)
+        return 2
+    try:
+        bench_layout(args.page_bytes, 2 * args.pages)
+    except ValueError as exc:
+        print(f"bench transfer: {exc}", file=sys.stderr)
+        return 2
+    from sidecar.transport.registry import available_backends
+
+    names = list(BENCH_BACKENDS) if args.backend == "all" else [args.backend]
+    availability = available_backends()
+    nbytes = args.pages * args.page_bytes
+    result: dict[str, Any] = {"pages": args.pages, "page_bytes": args.page_bytes,
+                              "repeats": args.repeats,
+                              "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
+                              "backends": {}}
+    status = 0
+    for name in names:
+        reason = availability.get(name, f"unknown backend {name!r}")
+        if reason is not None:
+            result["backends"][name] = {"error": reason, "verified": False}
+            status = 1
+            continue
+        try:
+            rec = measure_backend(name, args.pages, args.page_bytes, args.repeats,
+                                  args.transport_option, args.ready_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - report the backend, measure the others
+            rec = {"error": f"{type(exc).__name__}: {exc}", "verified": False}
+        result["backends"][name] = rec
+        if not rec.get("verified"):
+            status = 1
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return status

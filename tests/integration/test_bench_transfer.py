@@ -1,0 +1,60 @@
+"""``deltakv bench transfer`` with tiny sizes: real sidecars, real engines, JSON shape, verified.
+
+Speed is not asserted (benchmarks report it); the test checks that every method moved exactly
+the requested bytes to the right place and that the report has the documented keys.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.bench.transfer import bench_layout
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
+        "contiguous_ratio", "scattered_ratio", "verified"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "transfer", "--backend", "all",
+         "--pages", "3", "--page-bytes", "4096", "--repeats", "2", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["memcpy_gbps"] > 0
+    assert set(result["backends"]) == {"shm", "mooncake"}
+    for name, rec in result["backends"].items():
+        assert set(rec) >= KEYS, (name, rec)
+        assert rec["verified"] is True, (name, rec)
+        assert (rec["pages"], rec["page_bytes"]) == (3, 4096)
+        assert rec["bytes"] == 3 * 4096
+        assert rec["contiguous_runs"] == 1 and rec["scattered_runs"] == 3
+        for key in ("raw_gbps", "contiguous_gbps", "scattered_gbps"):
+            assert rec[key] > 0
+        assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
+    assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
+
+
+def test_bench_layout_page_bytes() -> None:
+    assert bench_layout(737_280, 4).page_bytes == 737_280
+    assert bench_layout(737_280, 4).num_layers == 30
+    assert bench_layout(4096, 4).page_bytes == 4096
+    with pytest.raises(ValueError, match="multiple of 128"):
+        bench_layout(1000, 4)
+
+
+@pytest.mark.timeout(60)
+def test_bench_transfer_rejects_bad_arguments() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "transfer", "--pages", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert "--pages" in proc.stderr
