@@ -139,6 +139,9 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- if and (eq $v.accelerator.type "cpu") (eq (int64 (include "deltakv.kvBytesPerToken" .)) 0) }}
 {{- fail (printf "model.kvBytesPerToken is required for model %q on accelerator.type=cpu: it sizes the memory-backed /dev/shm that holds the KV pools (bytes per token over all layers, K and V)" $v.model.name) }}
 {{- end }}
+{{- if and (ne $v.accelerator.type "cpu") (semverCompare "<1.34.0-0" .Capabilities.KubeVersion.Version) }}
+{{- fail (printf "accelerator.type=%s shares each pod's GPUs between the worker and its sidecars through DRA (resource.k8s.io/v1), which needs Kubernetes 1.34 or newer; this cluster is %s" $v.accelerator.type .Capabilities.KubeVersion.Version) }}
+{{- end }}
 {{- if and (eq $v.transport.backend "mori") (eq $v.accelerator.type "nvidia") }}
 {{- fail "transport.backend=mori needs AMD GPUs (accelerator.type=amd) or CPU: MORI-IO is built for ROCm" }}
 {{- end }}
