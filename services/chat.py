@@ -152,7 +152,9 @@ def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
             except DeltaKVError as exc:
                 out.write(f"\n[error: {type(exc).__name__}: {exc}]\n")
                 continue
-            out.write("\n" + format_turn_stats(result) + "\n")
+            # Mark an answer cut by --max-new-tokens so it is not mistaken for the model's end.
+            cut = " [...]" if result.usage.finish_reason == "length" else ""
+            out.write(cut + "\n" + format_turn_stats(result) + "\n")
             out.flush()
     finally:
         loop.run_until_complete(client.close())

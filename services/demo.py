@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -131,11 +132,14 @@ class UpProcess:
             log.close()
             self._lines.put(None)
 
-    def start(self) -> str:
+    def start(self, progress: Callable[[str], None] | None = None,
+              progress_every_s: float = 15.0) -> str:
         """Launch ``up`` and return the decode ``HOST:PORT`` once its ready line appears.
 
-        Raises :class:`Unavailable` (UNAVAILABLE) if ``up`` exits first or no ready line comes
-        within ``startup_timeout_s``; the process is stopped before raising.
+        ``progress`` gets a "still starting" line every ``progress_every_s`` seconds (loading
+        SmolLM2 into two workers takes a minute or two on 2 CPU cores). Raises
+        :class:`Unavailable` (UNAVAILABLE) if ``up`` exits first or no ready line comes within
+        ``startup_timeout_s``; the process is stopped before raising.
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
@@ -145,9 +149,16 @@ class UpProcess:
         self._reader = threading.Thread(target=self._pump, args=(self._proc.stdout, log),
                                         name="deltakv-up-log", daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + self.startup_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout_s
+        next_tick = t0 + progress_every_s
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if progress is not None and now >= next_tick:
+                progress(f"cluster still starting ({now - t0:.0f} s: sidecars, model load, "
+                         f"health checks)")
+                next_tick = now + progress_every_s
+            left = deadline - now
             if left <= 0:
                 self.stop()
                 raise Unavailable(f"deltakv up printed no decode address within "
@@ -223,7 +234,8 @@ async def run_demo_chat(client: DecodeClient, out: TextIO) -> list[dict]:
             out.flush()
 
         result = await session.ask(question, emit)
-        out.write("\n" + format_turn_stats(result) + "\n")
+        out.write(("" if result.usage.finish_reason != "length" else " [...]") + "\n"
+                  + format_turn_stats(result) + "\n")
         out.flush()
         turns.append(_chat_turn_record(question, result))
     return turns
@@ -320,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         try:
-            target = cluster.start()
+            target = cluster.start(say)
         except DeltaKVError as exc:
             print(f"deltakv demo: {exc}", file=sys.stderr)
             return 2

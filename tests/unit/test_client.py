@@ -328,6 +328,7 @@ def test_chat_loop_reads_piped_lines_until_quit(tmp_path: Path) -> None:
     assert _with_server(tmp_path, body, servicer=servicer) == 0
     text = out.getvalue()
     assert text.count("[reused ") == 2 and "(new conversation)" in text
+    assert text.count(" [...]\n[reused ") == 2  # answers cut by max_new_tokens are marked
     assert "never sent" not in text
     assert [r.chat.messages[-1].content for r in servicer.requests] == ["hello there",
                                                                         "second chat"]
@@ -452,6 +453,24 @@ def test_local_cluster_parses_ready_line_and_stops(tmp_path: Path) -> None:
         assert cluster._proc is not None and cluster._proc.poll() is None
     assert cluster._proc.returncode == 0
     assert "starting sidecars" in cluster.log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_local_cluster_reports_progress_while_starting(tmp_path: Path) -> None:
+    script = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+        time.sleep(1.5)
+        print("deltakv ready at 127.0.0.1:45670 (model=x)", flush=True)
+        time.sleep(600)
+    """
+    cluster = _ScriptCluster(tmp_path / "run", script, startup_timeout_s=30, stop_timeout_s=10)
+    ticks: list[str] = []
+    try:
+        assert cluster.start(ticks.append, progress_every_s=0.3) == "127.0.0.1:45670"
+    finally:
+        cluster.stop()
+    assert ticks and all("still starting" in t for t in ticks)
 
 
 @pytest.mark.timeout(60)
