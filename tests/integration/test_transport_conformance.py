@@ -458,3 +458,55 @@ def test_peer_gone_is_a_bounded_typed_failure(case, writer, peer, model, tmp_pat
     writer.write(live, [PageRun(3, 33, 2)], deadline())
     model.apply([PageRun(3, 33, 2)])
     model.check()
+
+
+@pytest.mark.timeout(120)
+def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peer, model):
+    other = kv_pb2.EndpointInfo()
+    other.CopyFrom(peer.info)
+    other.endpoint_id += "-other"
+    other.backend = "carrier-pigeon"
+    with pytest.raises(DeltaKVError) as exc_info:
+        writer.connect(other)
+    assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "carrier-pigeon" in str(exc_info.value)
+    garbled = kv_pb2.EndpointInfo()
+    garbled.CopyFrom(peer.info)
+    garbled.endpoint_id += "-garbled"
+    garbled.descriptor = b"\xffnot a descriptor"
+    with pytest.raises(InvalidArgument):
+        writer.connect(garbled)
+    assert model.check() == model.initial
+
+
+@pytest.mark.timeout(180)
+def test_frozen_peer_cannot_hang_the_writer(writer, peer, model):
+    """F7: with the peer process stopped (SIGSTOP) a write returns by its deadline — done
+    (one-sided engines need no peer CPU) or DeadlineExceeded — and nothing is left in
+    flight once the engine's own bound has passed."""
+    handle = writer.connect(peer.info)
+    runs = [PageRun(0, 1500, 64), PageRun(100, 1600, 1)]
+    peer.proc.send_signal(signal.SIGSTOP)
+    try:
+        try:
+            writer.write(handle, runs, deadline(2.0))
+            landed = True
+        except DeadlineExceeded as exc:
+            assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            landed = False
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+    drain = getattr(writer, "drain", None)
+    if drain is not None:
+        assert drain(60.0), "a batch stayed in flight past the engine's bound"
+    crcs = peer.crcs()
+    touched = set(range(1500, 1564)) | {1600}
+    if landed:
+        model.apply(runs)
+        model.check()
+    else:
+        # The timed-out batch may have landed after SIGCONT; nothing else may change.
+        assert all(crcs[p] == model.initial[p] for p in range(len(crcs)) if p not in touched)
+    # The writer still works afterwards.
+    writer.write(handle, [PageRun(5, 7, 1)], deadline())
+    assert peer.crcs()[7] == zlib.crc32(model.local.as_bytes()[5].numpy())
