@@ -26,6 +26,11 @@ test: env
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests
 
+# The main job: a local 1P1D cluster on SmolLM2-135M-Instruct, a real multi-turn chat, and the
+# multi-turn benchmark incremental vs full transfer, side by side.
+demo: env
+	$(VENV)/bin/deltakv demo
+
 proto: env
 	$(PY) scripts/gen_proto.py
 
