@@ -84,7 +84,8 @@ def build_layout(args: argparse.Namespace) -> Any:
         from services.model.loader import kv_geometry
 
         geo = kv_geometry(args.model)
-        num_layers, num_kv_heads, head_dim, fingerprint = _geometry_fields(geo)
+        num_layers, num_kv_heads, head_dim = geo.num_layers, geo.num_kv_heads, geo.head_dim
+        fingerprint = geo.fingerprint
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_kv_heads", "head_dim")
                    if getattr(args, f) is None]
@@ -95,19 +96,6 @@ def build_layout(args: argparse.Namespace) -> Any:
     return KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
                     model_fingerprint=fingerprint)
-
-
-def _geometry_fields(geo: Any) -> tuple[int, int, int, str]:
-    # kv_geometry may return a tuple or a small dataclass/namedtuple; accept both.
-    if isinstance(geo, tuple) and not hasattr(geo, "_fields"):
-        num_layers, num_kv_heads, head_dim, fingerprint = geo[:4]
-    elif isinstance(geo, dict):
-        num_layers, num_kv_heads, head_dim = geo["num_layers"], geo["num_kv_heads"], geo["head_dim"]
-        fingerprint = geo.get("fingerprint") or geo.get("model_fingerprint", "")
-    else:
-        num_layers, num_kv_heads, head_dim = geo.num_layers, geo.num_kv_heads, geo.head_dim
-        fingerprint = getattr(geo, "fingerprint", None) or getattr(geo, "model_fingerprint", "")
-    return int(num_layers), int(num_kv_heads), int(head_dim), str(fingerprint)
 
 
 def run(args: argparse.Namespace) -> int:
