@@ -55,5 +55,6 @@ def bind_request(request_id: str, room: int | None = None) -> None:
 
 
 def get_logger(**bound: object) -> structlog.BoundLogger:
-    """A structlog logger with extra bound key/values."""
-    return structlog.get_logger().bind(**bound)
+    """A structlog logger with extra bound key/values. Lazy: safe to create at import time,
+    before :func:`configure_logging` runs (it resolves the configuration on first use)."""
+    return structlog.get_logger(**bound)
