@@ -1,0 +1,143 @@
+"""Backend-specific checks of the shm and mooncake transports that the cross-process
+conformance suite (tests/integration/test_transport_conformance.py) does not reach: both
+sides live in this process here, each with its own real pool and engine."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+
+from deltakv.v1 import kv_pb2
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from sidecar.layout import TOY_LAYOUT
+from sidecar.pool import SharedKVPool
+from sidecar.transport import PageRun, TransportOptions, create_transport
+
+
+@pytest.fixture
+def pools():
+    a = SharedKVPool.create(TOY_LAYOUT)
+    b = SharedKVPool.create(TOY_LAYOUT.with_pages(32))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _pair(name: str, pools, extra: dict | None = None):
+    a, b = pools
+    ta = create_transport(name, TransportOptions(extra=dict(extra or {})))
+    tb = create_transport(name, TransportOptions(extra=dict(extra or {})))
+    ta.register_pool(a)
+    tb.register_pool(b)
+    return ta, tb, tb.describe("ep-b", b.layout)
+
+
+def _with_descriptor(info: kv_pb2.EndpointInfo, **changes: object) -> kv_pb2.EndpointInfo:
+    out = kv_pb2.EndpointInfo()
+    out.CopyFrom(info)
+    desc = json.loads(info.descriptor)
+    desc.update(changes)
+    out.descriptor = json.dumps(desc).encode()
+    out.endpoint_id += "-edited"
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["shm", "mooncake"])
+def test_register_twice_and_describe_mismatch_are_invalid(name, pools):
+    ta, tb, _ = _pair(name, pools)
+    try:
+        with pytest.raises(InvalidArgument, match="already has a registered pool"):
+            ta.register_pool(pools[0])
+        with pytest.raises(InvalidArgument, match="bytes"):
+            ta.describe("ep-a", TOY_LAYOUT.with_pages(3))
+    finally:
+        ta.close()
+        tb.close()
+        ta.close()  # idempotent
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["shm", "mooncake"])
+def test_descriptor_size_must_match_the_layout(name, pools):
+    ta, tb, info = _pair(name, pools)
+    try:
+        with pytest.raises(InvalidArgument, match="descriptor size"):
+            ta.connect(_with_descriptor(info, nbytes=123))
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_refuses_a_peer_on_another_host(pools):
+    ta, tb, info = _pair("shm", pools)
+    try:
+        with pytest.raises(FailedPrecondition, match="one host"):
+            ta.connect(_with_descriptor(info, host="some-other-node"))
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_peer_whose_segment_vanished_is_unavailable(pools):
+    ta, tb, info = _pair("shm", pools)
+    try:
+        handle = ta.connect(info)
+        ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
+        pools[1].unlink()  # the owner's segment is gone (e.g. the decode sidecar stopped)
+        with pytest.raises(Unavailable, match="removed or replaced"):
+            ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
+        with pytest.raises(FailedPrecondition, match="does not exist"):
+            ta.connect(info)  # UnknownEndpoint: nothing by that name any more
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_mooncake_protocol_mismatch_is_failed_precondition(pools):
+    ta, tb, info = _pair("mooncake", pools)
+    try:
+        with pytest.raises(FailedPrecondition) as exc_info:
+            ta.connect(_with_descriptor(info, protocol="rdma"))
+        assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "protocol mismatch" in str(exc_info.value)
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_mooncake_unreachable_session_is_unavailable_at_connect(pools):
+    ta, tb, info = _pair("mooncake", pools)
+    session = info.address
+    tb.close()  # its engine stops listening
+    try:
+        with pytest.raises(Unavailable, match="unreachable|did not answer"):
+            ta.connect(_with_descriptor(info, session=session))
+    finally:
+        ta.close()
+
+
+@pytest.mark.timeout(60)
+def test_mooncake_small_max_entries_splits_one_write_into_batches(pools):
+    a, b = pools
+    a.as_bytes()[:20].fill_(7)
+    ta, tb, info = _pair("mooncake", pools, extra={"max_entries": 3})
+    try:
+        assert ta.limits.max_entries == 3
+        handle = ta.connect(info)
+        runs = [PageRun(i, 2 * i, 1) for i in range(10)]  # 4 engine batches
+        ta.write(handle, runs, time.monotonic() + 20)
+        for r in runs:
+            assert bool((b.as_bytes()[r.dst_page] == 7).all())
+        assert int(b.as_bytes()[1].sum()) == 0  # gaps between scattered runs untouched
+        assert ta.in_flight == 0 and ta.drain(1.0)
+    finally:
+        ta.close()
+        tb.close()
