@@ -104,7 +104,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.transfers_failed = 0
         self.bytes_written = 0
         self.pages_written = 0
-        self.log = log.bind(role=role)
+        self.log = log.bind(role=f"{role}-sidecar")
 
     # -- pool metadata --------------------------------------------------------------------
 
@@ -388,7 +388,7 @@ class SidecarServer:
             raise InvalidArgument(f"drain timeout must be > 0 s, got {config.drain_timeout_s}")
         self.config = config
         self.endpoint_id = uuid.uuid4().hex
-        self.log = log.bind(role=config.role)
+        self.log = log.bind(role=f"{config.role}-sidecar")
         self.pool: Any = None
         self.transport: Transport | None = None
         self.service: SidecarService | None = None
@@ -431,7 +431,7 @@ class SidecarServer:
                 role=cfg.role, layout=cfg.layout, pool=self.pool, page_manager=page_manager,
                 transport=self.transport, endpoint=endpoint, rooms=self.rooms,
                 max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s)
-            self.server = grpc_util.make_server(max_workers=cfg.max_workers)
+            self.server = grpc_util.make_server(max_workers=cfg.max_workers, logger=self.log)
             sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(self.service, self.server)
             self.health = grpc_util.add_health_and_reflection(self.server, [SERVICE_NAME])
             if self.server.add_insecure_port(address) == 0:
