@@ -14,11 +14,14 @@ Bounded waits. The installed binding offers ``batch_transfer_async_write`` (subm
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
 hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
 no non-blocking poll for a whole batch. So each batch is submitted and waited for on a short-
-lived daemon thread (the engine releases the GIL), and the caller waits on that thread only
-until its deadline: a stuck engine call cannot hang the caller. On DeadlineExceeded the batch
-may still be in flight until the engine's bound, which this transport sets from
-``extra["transfer_timeout_s"]`` (engine minimum 5 s); :meth:`MooncakeTransport.drain` waits
-for such batches, and ``close`` waits for them before tearing the engine down.
+lived daemon thread (the engine releases the GIL) and the caller waits on that thread with a
+timeout: a stuck engine call cannot hang the caller. A submitted batch cannot be cancelled, so
+past the deadline the caller keeps waiting until the engine settles the batch — at most its
+own bound, which this transport sets from ``extra["transfer_timeout_s"]`` (engine minimum
+5 s) — and only then raises DeadlineExceeded: when ``write`` returns, no byte of it can land
+later, which is what room fencing (DESIGN §6) relies on. Should the engine overrun its bound,
+the error says so and :meth:`MooncakeTransport.drain` waits for the stragglers; ``close``
+drains before tearing the engine down.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 from mooncake.engine import TransferEngine
 
 from deltakv.v1 import kv_pb2
@@ -121,6 +125,8 @@ class MooncakeTransport(Transport):
         self._engine = self._start_engine(options, device_name)
         self.session = f"{self.host}:{self._engine.get_rpc_port()}"
         self._pool: SharedKVPool | None = None
+        # Target of connect's 1-byte test read (never the pool: that holds live KV).
+        self._scratch = torch.zeros(64, dtype=torch.uint8)
         self._peers: dict[str, MooncakePeer] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -165,6 +171,10 @@ class MooncakeTransport(Transport):
         if rc != 0:
             raise Unavailable(f"mooncake register_memory of {pool.nbytes} bytes failed "
                               f"(rc={rc})")
+        rc = self._engine.register_memory(self._scratch.data_ptr(), self._scratch.numel())
+        if rc != 0:
+            self._engine.unregister_memory(pool.data_ptr())
+            raise Unavailable(f"mooncake register_memory of the probe buffer failed (rc={rc})")
         self._pool = pool
 
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
@@ -185,13 +195,14 @@ class MooncakeTransport(Transport):
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: kv_pb2.EndpointInfo) -> MooncakePeer:
-        """Validate a peer and probe that its engine answers (cached per ``endpoint_id``;
-        a new endpoint at the same address replaces the old one).
+        """Validate a peer, then check that its engine answers and its pool is readable
+        (a 1-byte test read; cached per ``endpoint_id``; a new endpoint at the same address
+        replaces the old one).
 
         Raises LayoutMismatch (FAILED_PRECONDITION) on a geometry mismatch (before any
         network traffic), FailedPrecondition for another backend or protocol,
         InvalidArgument for a malformed descriptor, Unavailable if the peer's engine does
-        not answer the probe within ``connect_timeout_s``.
+        not answer or the test read fails within ``connect_timeout_s``.
         """
         pool = self._require_pool()
         if peer.backend != self.name:
@@ -211,7 +222,7 @@ class MooncakeTransport(Transport):
             cached = self._peers.get(peer.endpoint_id)
             if cached is not None and not cached.closed:
                 return cached
-        self._probe(peer.endpoint_id, session)
+        self._probe(peer.endpoint_id, session, base)
         handle = MooncakePeer(peer, remote, session, base, nbytes)
         with self._lock:
             if self._closed:
@@ -233,21 +244,31 @@ class MooncakeTransport(Transport):
         if old is not None:
             old.closed = True
 
-    def _probe(self, endpoint_id: str, session: str) -> None:
-        send_probe = getattr(self._engine, "send_probe", None)
-        if send_probe is None:  # older engines: the first batch finds an unreachable peer
-            return
-        result: list[int] = []
-        worker = threading.Thread(target=lambda: result.append(send_probe(session)),
-                                  name=f"mooncake-probe-{session}", daemon=True)
+    def _probe(self, endpoint_id: str, session: str, base: int) -> None:
+        # Two checks on a bounded helper thread: the peer's RPC answers (send_probe, where the
+        # binding has it), and its data path works — a 1-byte read of its pool into our
+        # scratch buffer. The read also opens and caches the engine's segment handle, so later
+        # writes never start with a handshake, the one engine step its timeout does not bound.
+        def check() -> None:
+            send_probe = getattr(self._engine, "send_probe", None)
+            if send_probe is not None:
+                rc = send_probe(session)
+                if rc != 0:
+                    result.append(f"probe rc={rc}")
+                    return
+            rc = self._engine.transfer_sync_read(session, self._scratch.data_ptr(), base, 1)
+            result.append("" if rc == 0 else f"test read rc={rc}")
+
+        result: list[str] = []
+        worker = threading.Thread(target=check, name=f"mooncake-probe-{session}", daemon=True)
         worker.start()
         worker.join(self.connect_timeout_s)
         if not result:
             raise Unavailable(f"mooncake peer {endpoint_id!r} at {session} did not answer "
                               f"within {self.connect_timeout_s:g} s")
-        if result[0] != 0:
+        if result[0]:
             raise Unavailable(f"mooncake peer {endpoint_id!r} at {session} is unreachable "
-                              f"(probe rc={result[0]})")
+                              f"({result[0]})")
 
     # ------------------------------------------------------------------ writes
 
@@ -256,10 +277,13 @@ class MooncakeTransport(Transport):
         for each to complete.
 
         Every run is range-checked before the first byte moves (InvalidArgument). No batch
-        is submitted after ``deadline`` (``time.monotonic()``); waiting ends at it
-        (DeadlineExceeded; the batch may still land until the engine's own bound, see
-        :meth:`drain`). An engine failure raises TransferFailed (UNAVAILABLE) and stops the
-        remaining batches. UnknownEndpoint if ``peer`` was disconnected.
+        is submitted after ``deadline`` (``time.monotonic()``). A batch still running at the
+        deadline cannot be cancelled: the call then waits for the engine to settle it (at most
+        ``transfer_timeout_s`` + 1 ns/byte + 1 s more) and raises DeadlineExceeded, so when
+        ``write`` returns or raises none of its bytes can land later (``details["in_flight"]``
+        is True only if the engine overran its own bound; :meth:`drain` then waits for it).
+        An engine failure raises TransferFailed (UNAVAILABLE) and stops the remaining
+        batches. UnknownEndpoint if ``peer`` was disconnected.
         """
         handle = self._check_peer(peer)
         pool = self._require_pool()
@@ -301,15 +325,27 @@ class MooncakeTransport(Transport):
             self._batch_finished()
             raise
         if not batch.done.wait(max(0.0, deadline - time.monotonic())):
+            # The engine cannot cancel a submitted batch. Returning now would let its bytes
+            # land after the caller's room is finished and its pages possibly reused, so wait
+            # for the engine's own bound first (it measures from submission, this from the
+            # deadline: a superset), then report the deadline.
+            settled = batch.done.wait(self._engine_bound_s(lengths))
+            if not settled:
+                log.error("mooncake batch to %s outlived the engine's own timeout; "
+                          "drain() before reusing its destination pages", handle.session)
             raise DeadlineExceeded(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session}: a batch of "
-                f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline; "
-                f"it may land until the engine gives up ({self.transfer_timeout_s} s)",
-                in_flight=True)
+                f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline"
+                + ("" if settled else "; it is still in the engine"),
+                in_flight=not settled)
         if batch.rc is None or batch.rc < 0:
             raise TransferFailed(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session} failed: "
                 f"{batch.reason}", rc=batch.rc)
+
+    def _engine_bound_s(self, lengths: list[int]) -> float:
+        # Mooncake gives up on a batch after MC_TRANSFER_TIMEOUT s + 1 ns per byte.
+        return self.transfer_timeout_s + sum(lengths) / 1e9 + 1.0
 
     def _submit_and_wait(self, batch: _Batch) -> None:
         # Runs on the waiter thread; the engine calls release the GIL.
@@ -331,8 +367,10 @@ class MooncakeTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller as TransferFailed
             batch.rc, batch.reason = -1, f"{type(exc).__name__}: {exc}"
         finally:
-            batch.done.set()
+            # Count it settled before waking the caller, so a caller that sees the result
+            # also sees in_flight without it.
             self._batch_finished()
+            batch.done.set()
 
     def _batch_finished(self) -> None:
         with self._lock:
@@ -370,6 +408,7 @@ class MooncakeTransport(Transport):
             return
         if self._pool is not None:
             self._engine.unregister_memory(self._pool.data_ptr())
+            self._engine.unregister_memory(self._scratch.data_ptr())
             self._pool = None
         self._engine = None  # type: ignore[assignment]  # destructor stops its threads
 

@@ -70,7 +70,8 @@ class BackendCase:
 
 BACKEND_CASES: list[BackendCase] = [
     BackendCase("shm"),
-    BackendCase("mooncake", marks=(pytest.mark.mooncake,)),
+    # The engine's own per-batch bound (minimum 5 s) caps the frozen-peer case.
+    BackendCase("mooncake", extra={"transfer_timeout_s": 5}, marks=(pytest.mark.mooncake,)),
     # AMD MORI-IO through the adapter, on the test stand-in (tests/standins/mori).
     BackendCase("mori", env={"DELTAKV_MORI_STANDIN": "1"}, pythonpath=("tests/standins",)),
 ]
@@ -481,9 +482,9 @@ def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peer, model)
 
 @pytest.mark.timeout(180)
 def test_frozen_peer_cannot_hang_the_writer(writer, peer, model):
-    """F7: with the peer process stopped (SIGSTOP) a write returns by its deadline — done
-    (one-sided engines need no peer CPU) or DeadlineExceeded — and nothing is left in
-    flight once the engine's own bound has passed."""
+    """F7: with the peer process stopped (SIGSTOP) a write ends — done (one-sided engines
+    need no peer CPU) or DeadlineExceeded within the backend's bound — and when it has
+    ended nothing of it is still in flight (checked with ``drain`` where offered)."""
     handle = writer.connect(peer.info)
     runs = [PageRun(0, 1500, 64), PageRun(100, 1600, 1)]
     peer.proc.send_signal(signal.SIGSTOP)
@@ -496,6 +497,9 @@ def test_frozen_peer_cannot_hang_the_writer(writer, peer, model):
             landed = False
     finally:
         peer.proc.send_signal(signal.SIGCONT)
+    in_flight = getattr(writer, "in_flight", None)
+    if in_flight is not None and not landed:
+        assert in_flight == 0, "write raised while a batch could still land"
     drain = getattr(writer, "drain", None)
     if drain is not None:
         assert drain(60.0), "a batch stayed in flight past the engine's bound"
