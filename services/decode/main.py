@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transfer lease: no write lands after receipt + lease")
     parser.add_argument("--quarantine-grace-ms", type=int, default=d.quarantine_grace_ms)
     parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms)
+    parser.add_argument("--prefill-connect-timeout-ms", type=int,
+                        default=d.prefill_connect_timeout_ms,
+                        help="how long a request waits for the prefill connection (re)established")
     parser.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
                         help="how long a request may wait for free pages")
     parser.add_argument("--connect-timeout-s", type=float, default=60.0,
@@ -81,7 +84,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import grpc
 
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
-    from services.common.aio_server import DEFAULT_OPTIONS, AioServer, install_stop_signals
+    from services.common.aio_server import CLIENT_OPTIONS, AioServer, install_stop_signals
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
     from services.common.worker import start_worker
@@ -95,13 +98,14 @@ async def _serve(args: argparse.Namespace) -> int:
         max_new_tokens_limit=args.max_new_tokens_limit,
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
         quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
+        prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
     try:
         worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
     except DeltaKVError as exc:
         log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
         return 2
-    channel = grpc.aio.insecure_channel(args.prefill_target, options=DEFAULT_OPTIONS)
+    channel = grpc.aio.insecure_channel(args.prefill_target, options=CLIENT_OPTIONS)
     try:
         await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     except DeltaKVError as exc:

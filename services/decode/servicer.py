@@ -60,6 +60,7 @@ class DecodeConfig:
     lease_ms: int = 60_000
     quarantine_grace_ms: int = 5_000
     abort_timeout_ms: int = 5_000
+    prefill_connect_timeout_ms: int = 3_000
     admission_timeout_s: float = 30.0
 
 
@@ -69,6 +70,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, worker: Worker, prefill_channel: grpc.aio.Channel,
                  config: DecodeConfig) -> None:
         self.worker = worker
+        self.prefill_channel = prefill_channel
         self.prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
         self.config = config
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
@@ -217,6 +219,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
+        await self._prefill_connected()
         state.sent_at = time.monotonic()
         state.transfer_pending = True
         try:
@@ -247,6 +250,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         seq.finish_reason = stop_rule(first, 1)
         state.seq = seq
         return first, response, seq
+
+    async def _prefill_connected(self) -> None:
+        """Wait (bounded) for the prefill connection, e.g. while it reconnects after a prefill
+        restart; UNAVAILABLE if it cannot be established. Nothing was sent yet, so nothing can
+        be written into the request's pages."""
+        timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
+        try:
+            await asyncio.wait_for(self.prefill_channel.channel_ready(), timeout=timeout_s)
+        except TimeoutError:
+            raise Unavailable(f"prefill is unreachable (no connection within {timeout_s:g} s)"
+                              ) from None
 
     async def _allocate(self, state: _RequestState, num_pages: int) -> list[int]:
         """Allocate, waiting up to ``admission_timeout_s`` for pages held by other requests."""
