@@ -210,33 +210,37 @@ def _load_config(source: _Source) -> Any:
     return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
 
 
+def _stamp(source: _Source) -> tuple[Any, ...]:
+    """Sizes and mtimes of a checkpoint's files: a replaced checkpoint misses the caches."""
+    if source.kind == "tiny-random":
+        return ()
+    assert source.directory is not None
+    paths = [*source.weight_files(), source.directory / "config.json"]
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.exists())
+
+
 @functools.lru_cache(maxsize=16)
-def _geometry_cached(source: _Source, stamp: tuple[Any, ...]) -> tuple[Any, KVGeometry]:
-    # `stamp` (file sizes and mtimes) makes a replaced checkpoint miss the cache.
+def _weights_identity(source: _Source, stamp: tuple[Any, ...]) -> tuple[Any, ...]:
+    if source.kind == "tiny-random":
+        return ({"tiny_random_seed": TINY_RANDOM_SEED, "generator": _TINY_RANDOM_VERSION},)
+    files = source.weight_files()
+    if not files:
+        raise InvalidArgument(f"model directory {source.directory} has no weight files")
+    return tuple(_file_digest(path) for path in files)
+
+
+@functools.lru_cache(maxsize=16)
+def _config_cached(source: _Source, stamp: tuple[Any, ...]) -> Any:
+    return _load_config(source)
+
+
+def _geometry(source: _Source, config: Any) -> KVGeometry:
     from services.model.llama import LlamaSpec
 
-    config = _load_config(source)
     spec = LlamaSpec.from_config(config)
-    if source.kind == "tiny-random":
-        identity: list[Any] = [{"tiny_random_seed": TINY_RANDOM_SEED,
-                                "generator": _TINY_RANDOM_VERSION}]
-    else:
-        files = source.weight_files()
-        if not files:
-            raise InvalidArgument(f"model directory {source.directory} has no weight files")
-        identity = [_file_digest(path) for path in files]
-    geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                          _fingerprint(config, identity))
-    return config, geometry
-
-
-def _config_and_geometry(source: _Source) -> tuple[Any, KVGeometry]:
-    stamp: tuple[Any, ...] = ()
-    if source.kind != "tiny-random":
-        stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                      for p in [*source.weight_files(), source.directory / "config.json"]
-                      if p.exists())
-    return _geometry_cached(source, stamp)
+    identity = list(_weights_identity(source, _stamp(source)))
+    return KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                      _fingerprint(config, identity))
 
 
 def kv_geometry(model: str) -> KVGeometry:
@@ -246,7 +250,8 @@ def kv_geometry(model: str) -> KVGeometry:
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown name or unsupported
     architecture, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    return _config_and_geometry(_resolve(model))[1]
+    source = _resolve(model)
+    return _geometry(source, _config_cached(source, _stamp(source)))
 
 
 @dataclass
@@ -335,7 +340,7 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
 
     module = PagedLlama.from_transformers(hf_model)
     if geometry is None:
-        geometry = kv_geometry(name)
+        geometry = _geometry(_resolve(name), hf_model.config)
     spec = module.spec
     if (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) != (
             spec.num_layers, spec.num_kv_heads, spec.head_dim):

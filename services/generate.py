@@ -1,0 +1,139 @@
+"""``deltakv generate``: one generation.
+
+``--local`` runs the paged model runner aggregated in this process (prefill and decode on one
+private pool, no sidecar, no transfer): the reference that disaggregated runs are compared
+against. The prompt is wrapped in the model's chat template unless ``--raw``. Output is the
+generated text, or with ``--json`` ``{"prompt_token_ids", "token_ids", "text",
+"finish_reason"}``; ``token_ids`` includes the EOS token when generation stopped on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``deltakv generate``."""
+    parser.add_argument("--local", action="store_true",
+                        help="run the paged runner in this process (aggregated reference)")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 | tiny-random | HF model dir | .gguf file (default smollm2)")
+    parser.add_argument("--prompt", required=True, help="user message (or raw text with --raw)")
+    parser.add_argument("--system", default=None, help="optional system message")
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="generated tokens at most (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past EOS until --max-new-tokens")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (local)")
+    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="KV pool dtype (local)")
+    parser.add_argument("--json", action="store_true",
+                        help="print {prompt_token_ids, token_ids, text, finish_reason} as JSON")
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    """Token ids of the prompt: chat-templated (with ``--system`` if given) unless ``--raw``.
+    Raises :class:`~services.common.errors.InvalidArgument` for an empty prompt."""
+    from services.common.errors import InvalidArgument
+    from services.model.tokenizer import encode_chat, encode_text
+
+    if not args.prompt or not args.prompt.strip():
+        raise InvalidArgument("empty prompt")
+    if args.raw:
+        return encode_text(tokenizer, args.prompt)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    return encode_chat(tokenizer, messages)
+
+
+def generate_local(args: argparse.Namespace,
+                   on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Generate in this process with the paged runner on a private pool sized for the request
+    (``ceil((prompt + max_new_tokens) / page_size)`` pages, owned and freed here).
+
+    ``on_text`` receives each new piece of text as it is decoded. Returns ``{"prompt_token_ids":
+    [...], "token_ids": [...], "text": str, "finish_reason": "stop" | "length"}``. Raises
+    :class:`~services.common.errors.InvalidArgument` (INVALID_ARGUMENT) for bad options or
+    prompt, :class:`~services.common.errors.NotFound` when the model's files are missing.
+    """
+    from services.common.errors import InvalidArgument
+    from services.model.loader import load_model
+    from services.model.runner import DecodeSeq, ModelRunner
+    from services.model.sampling import Sampler, should_stop
+    from services.model.tokenizer import IncrementalDetokenizer
+
+    if args.max_new_tokens < 1:
+        raise InvalidArgument(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.page_size < 1:
+        raise InvalidArgument(f"--page-size must be >= 1, got {args.page_size}")
+    sampler = Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed)
+    model = load_model(args.model)
+    prompt = prompt_ids(args, model.tokenizer)
+    total = len(prompt) + args.max_new_tokens
+    num_pages = -(-total // args.page_size)
+    runner = ModelRunner(model, model.new_pool(args.page_size, num_pages, args.kv_dtype))
+    page_table = list(range(num_pages))
+    detok = IncrementalDetokenizer(model.tokenizer, prompt_ids=prompt)
+    emit = on_text or (lambda _piece: None)
+
+    tokens: list[int] = []
+    pieces: list[str] = []
+    logits = runner.prefill(prompt, page_table, 0)
+    while True:
+        token = sampler.sample(logits)
+        tokens.append(token)
+        reason = should_stop(token, len(tokens), args.max_new_tokens, model.eos_token_ids,
+                             args.ignore_eos)
+        piece = detok.push(token)
+        if piece:
+            pieces.append(piece)
+            emit(piece)
+        if reason:
+            break
+        seq = DecodeSeq(token_id=token, seq_len=len(prompt) + len(tokens) - 1,
+                        page_table=page_table)
+        logits = runner.decode_step([seq])[0]
+    tail = detok.flush()
+    if tail:
+        pieces.append(tail)
+        emit(tail)
+    return {"prompt_token_ids": prompt, "token_ids": tokens, "text": "".join(pieces),
+            "finish_reason": reason}
+
+
+def print_result(result: dict[str, Any], as_json: bool, streamed: bool = False) -> None:
+    """Print a generation: JSON on one line, or the text (just a newline if it was streamed)."""
+    if as_json:
+        print(json.dumps(result, ensure_ascii=False))
+    elif streamed:
+        print(flush=True)
+    else:
+        print(result["text"], flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point: 0 on success, 2 on a usage or input error (message on stderr)."""
+    from services.common.errors import DeltaKVError
+
+    if not args.local:
+        print("deltakv generate: choose where to run: --local (in this process)", file=sys.stderr)
+        return 2
+    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    try:
+        result = generate_local(args, on_text=stream)
+    except DeltaKVError as exc:
+        print(f"deltakv generate: {exc}", file=sys.stderr)
+        return 2
+    print_result(result, args.json, streamed=stream is not None)
+    return 0
