@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import TextIO
 
 from services.client import DEFAULT_TARGET, DecodeClient, GenerateResult
+from services.common import tls as tls_files
 from services.common.errors import DeltaKVError, InvalidArgument
+from services.common.tls import TLSFiles
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -105,9 +107,10 @@ async def _connect(client: DecodeClient, timeout_s: float) -> None:
 
 def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
               max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-              timeout_s: float, connect_timeout_s: float) -> int:
+              timeout_s: float, connect_timeout_s: float, tls: TLSFiles | None = None) -> int:
     """Run the chat until ``/quit`` or EOF on ``stdin``; returns the exit code (0, or 2 when
-    the service is unreachable within ``connect_timeout_s`` seconds).
+    the service is unreachable within ``connect_timeout_s`` seconds — a refused TLS handshake
+    included). ``tls``: dial with TLS (see :class:`~services.client.DecodeClient`).
 
     Lines are read synchronously between turns (a chat is sequential, and a blocking read in
     the main thread keeps Ctrl-C immediate); each turn runs on one event loop that owns the
@@ -116,7 +119,7 @@ def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
     """
     interactive = stdin.isatty()
     loop = asyncio.new_event_loop()
-    client = DecodeClient(target, timeout_s=timeout_s)
+    client = DecodeClient(target, timeout_s=timeout_s, tls=tls)
     try:
         try:
             loop.run_until_complete(_connect(client, connect_timeout_s))
@@ -173,6 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline per turn (s)")
     parser.add_argument("--connect-timeout", type=float, default=30.0,
                         help="bound on reaching the service (s)")
+    tls_files.add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         return chat_loop(args.target, sys.stdin, sys.stdout, system=args.system,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, seed=args.seed, timeout_s=args.timeout,
-                         connect_timeout_s=args.connect_timeout)
+                         connect_timeout_s=args.connect_timeout,
+                         tls=tls_files.files_from_args(args))
     except InvalidArgument as exc:
         print(f"deltakv chat: {exc}", file=sys.stderr)
         return 2

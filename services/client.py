@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
+from services.common import tls as tls_files
 from services.common.errors import (
     DeadlineExceeded,
     DeltaKVError,
@@ -39,6 +40,7 @@ from services.common.errors import (
     Unavailable,
     from_rpc_error,
 )
+from services.common.tls import TLSFiles
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # A CPU-only cluster (2 cores) can take tens of seconds for a long prompt; generous but bounded.
@@ -278,22 +280,29 @@ class DecodeClient:
     ``timeout_s`` is the default deadline of each RPC (seconds, > 0); a generation that runs
     past it fails with :class:`DeadlineExceeded`. The gRPC channel is created lazily inside the
     running event loop and closed by :meth:`close` / ``async with``; the client owns it.
-    Raises :class:`InvalidArgument` for an empty target or a non-positive timeout.
+    ``tls``: dial with TLS — ``tls.ca`` verifies the service's certificate (which must name the
+    target's host), ``tls.cert``/``tls.key`` are the client certificate for a service run with
+    mutual TLS; ``None`` or empty = plain text. A TLS handshake that fails (wrong CA, missing
+    client certificate, plain-text server) surfaces as :class:`Unavailable`.
+    Raises :class:`InvalidArgument` for an empty target, a non-positive timeout, or unreadable /
+    mismatched TLS files (checked here, before any call).
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 tls: TLSFiles | None = None) -> None:
         if not target:
             raise InvalidArgument("target must be HOST:PORT or unix:PATH, got an empty string")
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = float(timeout_s)
+        self._credentials = tls_files.channel_credentials(tls) if tls is not None else None
         self._channel: grpc.aio.Channel | None = None
         self._stub: decode_pb2_grpc.DecodeServiceStub | None = None
 
     def _get_stub(self) -> decode_pb2_grpc.DecodeServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            self._channel = tls_files.aio_channel(self.target, self._credentials)
             self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
         return self._stub
 
@@ -396,6 +405,7 @@ __all__ = [
     "DeltaKVError",
     "GenerateResult",
     "GenerateStream",
+    "TLSFiles",
     "Usage",
     "build_request",
     "delta_pages",

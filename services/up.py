@@ -172,6 +172,12 @@ class LocalCluster:
     def _target_of(self, proc: _Proc) -> str:
         if proc.name.endswith("sidecar"):
             return f"unix:{self.sockets[proc.name.split('-')[0]]}"
+        # A worker given --health-port (e.g. by tests running it with TLS through
+        # prefill_args/decode_args) mirrors its status there in plain text.
+        if "--health-port" in proc.argv[:-1]:
+            port = proc.argv[proc.argv.index("--health-port") + 1]
+            if port != "0":
+                return f"{self.config.host}:{port}"
         return self.prefill_address if proc.name == "prefill" else self.decode_address
 
     def _wait_healthy(self, proc: _Proc, deadline: float) -> None:

@@ -38,7 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.client import DEFAULT_TARGET, DecodeClient, delta_pages
+from services.common import tls as tls_files
 from services.common.errors import DeltaKVError, InvalidArgument
+from services.common.tls import TLSFiles
 
 INCREMENTAL = "incremental"
 FULL = "full"
@@ -387,12 +389,14 @@ async def run_mode(client: DecodeClient, config: MultiturnConfig, mode: str,
 
 
 async def run_multiturn(target: str, config: MultiturnConfig,
-                        progress: Callable[[str], None] | None = None) -> dict:
+                        progress: Callable[[str], None] | None = None,
+                        tls: TLSFiles | None = None) -> dict:
     """Run the benchmark against the decode service at ``target`` and return the report dict
     (see :func:`build_report`). Waits at most ``config.connect_timeout_s`` for the service
     (raises :class:`~services.common.errors.Unavailable` after); request failures are counted
-    in the report, not raised."""
-    async with DecodeClient(target, timeout_s=config.timeout_s) as client:
+    in the report, not raised. ``tls``: dial with TLS (see
+    :class:`~services.client.DecodeClient`; bad files raise InvalidArgument)."""
+    async with DecodeClient(target, timeout_s=config.timeout_s, tls=tls) as client:
         await client.wait_ready(config.connect_timeout_s)
         records: list[RequestRecord] = []
         for mode in config.modes():
@@ -450,6 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="bound on reaching the service (s)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    tls_files.add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -460,7 +465,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args, compare=args.compare)
-        report = asyncio.run(run_multiturn(args.target, config, progress))
+        report = asyncio.run(run_multiturn(args.target, config, progress,
+                                           tls=tls_files.files_from_args(args)))
     except DeltaKVError as exc:
         print(f"deltakv bench multiturn: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

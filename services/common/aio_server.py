@@ -4,6 +4,11 @@ Shared by the prefill and decode services. Health starts NOT_SERVING for every r
 service and flips to SERVING when the caller says it is ready (after the sidecar, the model and
 the peer handshake are up); :meth:`AioServer.drain` flips it back before stopping so load
 balancers stop routing first.
+
+TLS: given ``credentials`` (see :mod:`services.common.tls`), the main port is a TLS port. A
+``health_address`` adds a second, plain-text server that carries only ``grpc.health.v1`` and
+shares the main server's health servicer, so it always reports the main port's status (kubelet
+gRPC probes cannot speak TLS) while the services themselves stay reachable only through TLS.
 """
 
 from __future__ import annotations
@@ -44,11 +49,17 @@ class AioServer:
 
     ``service_names`` are the fully-qualified names registered by ``add_servicers`` (used for
     health and reflection). ``interceptors`` are passed to the server (e.g. tracing).
+    ``credentials``: serve ``address`` with TLS (``None`` = plain text). ``health_address``
+    (``host:port``, port 0 picks a free one; ``None`` = none): a plain-text port serving only
+    ``grpc.health.v1`` with the main port's status; its bound address is ``health_address``
+    after construction. Raises ``OSError`` if a port cannot be bound.
     """
 
     def __init__(self, address: str, service_names: Iterable[str],
                  add_servicers: Callable[[grpc.aio.Server], None],
-                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *,
+                 credentials: grpc.ServerCredentials | None = None,
+                 health_address: str | None = None) -> None:
         self.server = grpc.aio.server(interceptors=list(interceptors), options=DEFAULT_OPTIONS)
         add_servicers(self.server)
         self.health = health_aio.HealthServicer()
@@ -59,15 +70,30 @@ class AioServer:
              reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(address)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"could not bind gRPC server to {address}")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        self.health_address: str | None = None
+        if health_address is not None:
+            # Same servicer object: one status table, two ports; nothing else is exposed here.
+            self.health_server = grpc.aio.server(options=DEFAULT_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            health_port = self.health_server.add_insecure_port(health_address)
+            if health_port == 0:
+                raise OSError(f"could not bind gRPC health port to {health_address}")
+            self.health_address = f"{health_address.rsplit(':', 1)[0]}:{health_port}"
 
     async def start(self) -> None:
         """Start serving; health reports NOT_SERVING until :meth:`set_serving`."""
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool = True) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING if serving
@@ -81,6 +107,9 @@ class AioServer:
         """NOT_SERVING, then stop accepting and give in-flight RPCs ``grace_s`` seconds."""
         await self.set_serving(False)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            # Probes keep seeing NOT_SERVING until the main port is gone.
+            await self.health_server.stop(0)
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    from services.common import tls
+
+    tls.add_server_arguments(parser)
+    tls.add_prefill_channel_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,9 +85,8 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    import grpc
-
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
+    from services.common import tls
     from services.common.aio_server import CLIENT_OPTIONS, AioServer, install_stop_signals
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
@@ -101,11 +104,15 @@ async def _serve(args: argparse.Namespace) -> int:
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
     try:
+        # Bad TLS files fail here, before the sidecar wait and the model load.
+        tls.check_health_port(args.health_port, args.port)
+        credentials = tls.server_credentials(tls.files_from_args(args))
+        prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
         worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
     except DeltaKVError as exc:
         log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
         return 2
-    channel = grpc.aio.insecure_channel(args.prefill_target, options=CLIENT_OPTIONS)
+    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=CLIENT_OPTIONS)
     try:
         await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     except DeltaKVError as exc:
@@ -117,10 +124,15 @@ async def _serve(args: argparse.Namespace) -> int:
     servicer.start()
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = AioServer(f"{args.host}:{args.port}", [name],
-                       lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+                       lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+                       credentials=credentials,
+                       health_address=f"{args.host}:{args.health_port}" if args.health_port
+                       else None)
     await server.start()
     await server.set_serving(True)
-    log.info("decode serving", address=server.address, prefill=args.prefill_target)
+    log.info("decode serving", address=server.address, prefill=args.prefill_target,
+             tls=credentials is not None, client_certs=bool(args.tls_ca),
+             prefill_tls=prefill_credentials is not None, health_address=server.health_address)
     await stop.wait()
     log.info("decode draining", grace_s=args.drain_timeout_s)
     await server.drain(args.drain_timeout_s)

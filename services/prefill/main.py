@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, give in-flight prefills this long to finish")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    from services.common import tls
+
+    tls.add_server_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +35,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
+    from services.common import tls
     from services.common.aio_server import AioServer, install_stop_signals
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
@@ -42,6 +46,9 @@ async def _serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
     try:
+        # Bad TLS files fail here, before the sidecar wait and the model load.
+        tls.check_health_port(args.health_port, args.port)
+        credentials = tls.server_credentials(tls.files_from_args(args))
         worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
     except DeltaKVError as exc:
         log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
@@ -49,10 +56,14 @@ async def _serve(args: argparse.Namespace) -> int:
     servicer = PrefillServicer(worker, args.model)
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
     server = AioServer(f"{args.host}:{args.port}", [name],
-                       lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s))
+                       lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+                       credentials=credentials,
+                       health_address=f"{args.host}:{args.health_port}" if args.health_port
+                       else None)
     await server.start()
     await server.set_serving(True)
-    log.info("prefill serving", address=server.address)
+    log.info("prefill serving", address=server.address, tls=credentials is not None,
+             client_certs=bool(args.tls_ca), health_address=server.health_address)
     await stop.wait()
     log.info("prefill draining", grace_s=args.drain_timeout_s)
     await server.drain(args.drain_timeout_s)

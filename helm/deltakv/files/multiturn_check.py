@@ -40,9 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="deadline of the readiness wait and of each turn (seconds)")
     parser.add_argument("--tls-ca", default="", help="CA bundle (PEM) when the service uses TLS")
+    parser.add_argument("--tls-cert", default="",
+                        help="client certificate (PEM) when the service requires one (mTLS)")
+    parser.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
     args = parser.parse_args(argv)
     if args.max_new_tokens <= 0 or args.timeout_s <= 0:
         parser.error("--max-new-tokens and --timeout-s must be positive")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key come together")
+    if args.tls_cert and not args.tls_ca:
+        parser.error("--tls-cert needs --tls-ca (the CA of the service's certificate)")
     return args
 
 
@@ -94,8 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
     if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key),
+                                                   read(args.tls_cert))
+        channel = grpc.secure_channel(args.target, credentials)
     else:
         channel = grpc.insecure_channel(args.target)
     with channel:
