@@ -6,6 +6,7 @@ from .engine import (
     EngineDesc,
     IOEngine,
     IOEngineConfig,
+    IOEngineSession,
     MemoryDesc,
     MemoryLocationType,
     PollCqMode,
@@ -17,7 +18,7 @@ from .engine import (
 )
 
 __all__ = [
-    "BackendType", "EngineDesc", "IOEngine", "IOEngineConfig", "MemoryDesc",
+    "BackendType", "EngineDesc", "IOEngine", "IOEngineConfig", "IOEngineSession", "MemoryDesc",
     "MemoryLocationType", "PollCqMode", "RdmaBackendConfig", "StatusCode", "TransferStatus",
     "XgmiBackendConfig", "set_log_level",
 ]

@@ -20,13 +20,21 @@ that the adapter's control flow, error mapping and byte offsets are exercised fo
 * ``wait_all(statuses, timeout_ms)``: empty -> ``SUCCESS``; first error in list order; a
   non-negative timeout returns ``IN_PROGRESS`` at its end.
 
-How bytes move ("the wire"): each engine's RDMA backend is a TCP listener. The initiator keeps
-one connection per registered remote engine and a worker thread that streams the source bytes
-straight from the registered local address (a ``memoryview`` over it, no staging copy); the
-target's handler validates the entries against its own registrations and ``recv_into``\\ s the
-bytes directly at ``region.data + offset``. So the destination memory is written by the target
-process on behalf of the initiator, as a NIC would, and a dead peer shows up as a failed
-connection (``ERR_RDMA_OP``), not as a silent success.
+How bytes move ("the wire"), one-sided like RDMA: ``register_memory`` looks the region up in
+``/proc/self/maps``; when it lies in a shared-memory file (deltakv's pool lives in ``/dev/shm``)
+the file, offset and inode travel inside ``MemoryDesc.ipc_handle``. The initiator's link
+worker maps that file and copies the source bytes straight from the registered local address
+into the target's region: the target's CPU takes no part, so a stopped (SIGSTOP) target still
+receives writes, as with RDMA. A region that is not mappable from here is a pair no backend
+can serve (``ERR_BAD_STATE``).
+
+Control plane: each engine's RDMA backend is a TCP listener. ``create_session`` (or the first
+``batch_write`` for a region pair) connects and asks the target about the remote region
+(session build: needs the target alive and running). That connection then plays the role of
+the reliable-connection QP: before each transfer the initiator checks, without the target's
+help, that the kernel still holds it open; a killed target closes it, and transfers fail with
+``ERR_RDMA_OP`` instead of landing in an orphaned segment. A file at the same path with another
+inode (a restarted target reusing the name) is refused the same way.
 
 Fault injection (stand-in only): the environment variable ``MORI_STANDIN_FAULTS`` (read when an
 engine is created) or ``IOEngine.standin_set_faults(spec)``; ``spec`` is ``key=value`` pairs
@@ -38,9 +46,7 @@ separated by commas:
 ``stuck=1``        affected transfers stay ``IN_PROGRESS`` forever, no byte moves.
 ``raise=1``        ``batch_write`` raises ``RuntimeError`` (remote-region size mismatch).
 ``delay_ms=N``     affected transfers complete N ms late.
-``reject=1``       target side: inbound writes are refused with ``ERR_RDMA_OP`` (remote access
-                   error), no byte lands.
-``after=N``        the first N batch calls (inbound writes for ``reject``) are unaffected.
+``after=N``        the first N batch calls are unaffected.
 ``count=K``        at most K calls are affected (0 = all after ``after``).
 """
 
@@ -52,8 +58,10 @@ import enum
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -63,15 +71,14 @@ from dataclasses import dataclass
 __all__ = [
     "BackendType", "EngineDesc", "IOEngine", "IOEngineConfig", "MemoryDesc",
     "MemoryLocationType", "PollCqMode", "RdmaBackendConfig", "StatusCode", "TransferStatus",
-    "XgmiBackendConfig", "set_log_level",
+    "XgmiBackendConfig", "set_log_level", "IOEngineSession",
 ]
 
 #: Largest size of one entry; MORI-IO rejects larger ones with ERR_INVALID_ARGS.
 MAX_ENTRY_BYTES = 2**32 - 1
-#: Bounds of the stand-in's own socket operations, so a vanished peer fails a transfer with
-#: ERR_RDMA_OP instead of hanging a worker thread.
+#: Bound of one control-plane exchange (connect + session build), so an unreachable target
+#: fails the session with ERR_RDMA_OP instead of hanging the caller.
 CONNECT_TIMEOUT_S = float(os.environ.get("MORI_STANDIN_CONNECT_TIMEOUT_S", "3"))
-IO_TIMEOUT_S = float(os.environ.get("MORI_STANDIN_IO_TIMEOUT_S", "30"))
 
 _LOG_LEVEL = "info"
 
@@ -326,7 +333,6 @@ class _Faults:
     stuck: bool = False
     raise_: bool = False
     delay_ms: int = 0
-    reject: bool = False
     after: int = 0
     count: int = 0
 
@@ -339,7 +345,7 @@ class _Faults:
                 raise ValueError(f"MORI_STANDIN_FAULTS: expected key=value, got {item!r}")
             if key == "fail":
                 faults.fail = StatusCode[value]
-            elif key in ("no_rdma_nic", "stuck", "raise", "reject"):
+            elif key in ("no_rdma_nic", "stuck", "raise"):
                 setattr(faults, "raise_" if key == "raise" else key, value not in ("0", ""))
             elif key in ("delay_ms", "after", "count"):
                 setattr(faults, key, int(value))
@@ -348,18 +354,17 @@ class _Faults:
         return faults
 
     def hits(self, call_index: int) -> bool:
-        """Whether the ``call_index``-th call (1-based) is affected."""
+        """Whether the ``call_index``-th batch call (1-based) is affected."""
         if call_index <= self.after:
             return False
         return self.count == 0 or call_index <= self.after + self.count
 
 
-# Wire format between stand-in engines (the "RDMA" data plane).
+# Control-plane wire format between stand-in engines (session build).
 _MAGIC = b"MSIN"
-_OP_LOOKUP, _OP_WRITE = 1, 2
-_HDR = struct.Struct("!4sBQQI")     # magic, op, remote mem id, transfer uid, entries
-_ENTRY = struct.Struct("!QQ")       # remote offset, size
-_REPLY = struct.Struct("!BQI")      # status code, region size (lookup), message length
+_OP_LOOKUP = 1
+_REQUEST = struct.Struct("!4sBQ")   # magic, op, remote memory id
+_REPLY = struct.Struct("!BQI")      # status code, region size, message length
 
 
 def _view(address: int, size: int) -> memoryview:
@@ -369,44 +374,50 @@ def _view(address: int, size: int) -> memoryview:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into_exact(sock, memoryview(buf))
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
     return bytes(buf)
 
 
-def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], len(view) - got)
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        got += n
-
-
-def _drain(sock: socket.socket, n: int) -> None:
-    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
-    while n > 0:
-        chunk = min(n, len(scratch))
-        _recv_into_exact(sock, scratch[:chunk])
-        n -= chunk
-
-
-def _reply(sock: socket.socket, code: StatusCode, size: int = 0, message: str = "") -> None:
-    body = message.encode()
-    sock.sendall(_REPLY.pack(code.value, size, len(body)) + body)
+def _shm_location(ptr: int, size: int) -> dict | None:
+    """Where ``[ptr, ptr + size)`` of this process lives if it is one shared-memory file
+    mapping: ``{"path", "offset", "inode", "node"}``; None otherwise."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        path = parts[5].strip()
+        if lo <= ptr and ptr + size <= hi and path.startswith("/dev/shm/"):
+            return {"path": path, "offset": int(parts[2], 16) + (ptr - lo),
+                    "inode": int(parts[4]), "node": _node_id()}
+    return None
 
 
 class _Server:
-    """Target side: accepts initiators and lands their writes in registered memory."""
+    """Target side of the control plane: answers session builds about its regions."""
 
     def __init__(self, engine: IOEngine, host: str, port: int) -> None:
         self._engine = engine
         self._listener = socket.create_server((host or "0.0.0.0", port))
+        # A blocked accept() is not woken by close() from another thread; shutdown() wakes it
+        # on Linux, and the timeout bounds the wait wherever it does not.
+        self._listener.settimeout(1.0)
         self.port = self._listener.getsockname()[1]
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._inbound_writes = 0
         accept = threading.Thread(target=self._accept_loop, daemon=True,
                                   name=f"mori-standin-accept-{engine._key}")
         accept.start()
@@ -416,59 +427,35 @@ class _Server:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
-            conn.settimeout(IO_TIMEOUT_S)
+            conn.settimeout(None)  # an idle initiator keeps its connection (its "QP") open
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
                 self._conns.add(conn)
                 worker = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                          name=f"mori-standin-target-{self._engine._key}")
+                                          name=f"mori-standin-ctrl-{self._engine._key}")
                 self._threads.append(worker)
             worker.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._closed:
-                # An idle initiator may stay connected indefinitely; only a started request
-                # is bounded (close() wakes this recv by shutting the socket down).
-                conn.settimeout(None)
-                header = _recv_exact(conn, _HDR.size)
-                conn.settimeout(IO_TIMEOUT_S)
-                magic, op, mem_id, _uid, n = _HDR.unpack(header)
-                if magic != _MAGIC:
+                magic, op, mem_id = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
+                if magic != _MAGIC or op != _OP_LOOKUP:
                     return
                 region = self._engine._mem.get(mem_id)
-                if op == _OP_LOOKUP:
-                    if region is None:
-                        _reply(conn, StatusCode.ERR_NOT_FOUND, 0, f"memory {mem_id} not found")
-                    else:
-                        _reply(conn, StatusCode.SUCCESS, region.size)
-                    continue
-                entries = [_ENTRY.unpack(_recv_exact(conn, _ENTRY.size)) for _ in range(n)]
-                total = sum(size for _, size in entries)
-                with self._lock:
-                    self._inbound_writes += 1
-                    index = self._inbound_writes
-                faults = self._engine._faults
                 if region is None:
-                    _drain(conn, total)
-                    _reply(conn, StatusCode.ERR_NOT_FOUND, 0,
-                           f"remote memory {mem_id} is not registered at {self._engine._key}")
-                elif any(off + size > region.size for off, size in entries):
-                    _drain(conn, total)
-                    _reply(conn, StatusCode.ERR_INVALID_ARGS, 0,
-                           "entry out of range of the remote memory region")
-                elif faults.reject and faults.hits(index):
-                    _drain(conn, total)
-                    _reply(conn, StatusCode.ERR_RDMA_OP, 0,
-                           "remote access error: target rejected the write (stand-in fault)")
+                    reply = (StatusCode.ERR_NOT_FOUND, 0, f"memory {mem_id} is not registered "
+                             f"at engine {self._engine._key!r}")
                 else:
-                    for off, size in entries:
-                        _recv_into_exact(conn, _view(region.data + off, size))
-                    _reply(conn, StatusCode.SUCCESS)
+                    reply = (StatusCode.SUCCESS, region.size, "")
+                body = reply[2].encode()
+                conn.sendall(_REPLY.pack(reply[0].value, reply[1], len(body)) + body)
         except (OSError, ConnectionError, struct.error):
             return
         finally:
@@ -480,15 +467,13 @@ class _Server:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        for conn in conns:
+        for sock in (self._listener, *conns):
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        # Handlers write into registered memory: make sure none is still running before the
-        # owner may unmap it.
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
         for thread in self._threads:
-            thread.join(timeout=IO_TIMEOUT_S)
+            thread.join(timeout=5.0)
 
 
 @dataclass
@@ -496,33 +481,25 @@ class _Job:
     status: TransferStatus
     local: MemoryDesc
     remote: MemoryDesc
-    uid: int
     entries: list[tuple[int, int, int]]  # (local offset, remote offset, size), merged
     fail: StatusCode | None = None
     delay_ms: int = 0
 
 
 class _Link:
-    """Initiator side: one connection and one worker thread per registered remote engine."""
+    """Initiator side, one per registered remote engine: the control connection (session
+    build, liveness), the mapped remote regions, and a worker thread that moves the bytes."""
 
     def __init__(self, engine: IOEngine, remote: EngineDesc) -> None:
         self.remote = remote
         self._sock: socket.socket | None = None
-        self._io = threading.Lock()
+        self._ctrl = threading.Lock()
+        self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"mori-standin-link-{engine._key}->{remote.key}")
         self._thread.start()
-
-    def _connected(self) -> socket.socket:
-        if self._sock is None:
-            sock = socket.create_connection((self.remote.host, self.remote.port),
-                                            timeout=CONNECT_TIMEOUT_S)
-            sock.settimeout(IO_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-        return self._sock
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -530,20 +507,62 @@ class _Link:
                 self._sock.close()
             self._sock = None
 
-    def _read_reply(self, sock: socket.socket) -> tuple[StatusCode, int, str]:
-        code, size, length = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-        return StatusCode(code), size, _recv_exact(sock, length).decode()
-
     def lookup(self, mem_id: int) -> tuple[StatusCode, int, str]:
-        """Ask the target about one of its regions (session build); OSError if unreachable."""
-        with self._io:
+        """Session build: ask the target about one of its regions. OSError/ConnectionError
+        if the target cannot be reached or does not answer within the bounds."""
+        with self._ctrl:
             try:
-                sock = self._connected()
-                sock.sendall(_HDR.pack(_MAGIC, _OP_LOOKUP, mem_id, 0, 0))
-                return self._read_reply(sock)
+                if self._sock is None:
+                    self._sock = socket.create_connection((self.remote.host, self.remote.port),
+                                                          timeout=CONNECT_TIMEOUT_S)
+                self._sock.settimeout(CONNECT_TIMEOUT_S)
+                self._sock.sendall(_REQUEST.pack(_MAGIC, _OP_LOOKUP, mem_id))
+                code, size, length = _REPLY.unpack(_recv_exact(self._sock, _REPLY.size))
+                return StatusCode(code), size, _recv_exact(self._sock, length).decode()
             except (OSError, ConnectionError):
                 self._reset()
                 raise
+
+    def alive(self) -> str | None:
+        """None if the control connection is still open (checked in the kernel, without the
+        target's CPU, like a QP that has not gone to the error state), else why not."""
+        with self._ctrl:
+            if self._sock is None:
+                return "no connection to the remote engine (session not built)"
+            try:
+                # Nothing readable: open and idle. Readable with nothing to read: closed.
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
+                    self._reset()
+                    return "remote engine closed the connection (process gone)"
+            except OSError as exc:
+                self._reset()
+                return f"connection to the remote engine failed: {exc}"
+            return None
+
+    def _target(self, remote: MemoryDesc) -> memoryview:
+        """Writable view of the remote region, mapped from its shared-memory file."""
+        cached = self._maps.get(remote.id)
+        if cached is not None:
+            return cached[1]
+        try:
+            where = json.loads(remote.ipc_handle.decode()) if remote.ipc_handle else None
+        except ValueError:
+            where = None
+        if not where or where.get("node") != _node_id():
+            raise LookupError("remote region is not reachable from this host")
+        fd = os.open(where["path"], os.O_RDWR)
+        try:
+            if os.fstat(fd).st_ino != where["inode"]:
+                raise ConnectionError(f"remote region {where['path']} was replaced (another "
+                                      f"inode): the registering process is gone")
+            start = where["offset"] - where["offset"] % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, where["offset"] - start + remote.size, offset=start)
+        finally:
+            os.close(fd)
+        view = memoryview(mm)[where["offset"] - start:]
+        self._maps[remote.id] = (mm, view)
+        return view
 
     def submit(self, job: _Job) -> None:
         if self._closed:
@@ -561,30 +580,27 @@ class _Link:
             if job.fail is not None:
                 job.status.Update(job.fail, f"{job.fail.name}: injected failure (stand-in)")
                 continue
-            if self._closed:
-                job.status.Update(StatusCode.ERR_RDMA_OP, "remote engine was deregistered")
+            reason = "remote engine was deregistered" if self._closed else self.alive()
+            if reason is not None:
+                job.status.Update(StatusCode.ERR_RDMA_OP, f"RDMA write to {self.remote.key} at "
+                                  f"{self.remote.host}:{self.remote.port}: {reason}")
                 continue
-            with self._io:
-                try:
-                    sock = self._connected()
-                    header = _HDR.pack(_MAGIC, _OP_WRITE, job.remote.id, job.uid,
-                                       len(job.entries))
-                    sock.sendall(header + b"".join(_ENTRY.pack(roff, size)
-                                                   for _, roff, size in job.entries))
-                    for loff, _, size in job.entries:
-                        sock.sendall(_view(job.local.data + loff, size))
-                    code, _, message = self._read_reply(sock)
-                except (OSError, ConnectionError) as exc:
-                    self._reset()
-                    code = StatusCode.ERR_RDMA_OP
-                    message = (f"RDMA write to {self.remote.key} at {self.remote.host}:"
-                               f"{self.remote.port} failed: {exc}")
-            job.status.Update(code, message)
+            try:
+                target = self._target(job.remote)
+            except LookupError as exc:
+                job.status.Update(StatusCode.ERR_BAD_STATE, f"No available backend: {exc}")
+                continue
+            except (OSError, ConnectionError) as exc:
+                job.status.Update(StatusCode.ERR_RDMA_OP, f"remote access error: {exc}")
+                continue
+            for loff, roff, size in job.entries:
+                target[roff:roff + size] = _view(job.local.data + loff, size)
+            job.status.Update(StatusCode.SUCCESS, "")
 
     def close(self) -> None:
         self._closed = True
         self._jobs.put(None)
-        self._thread.join(timeout=IO_TIMEOUT_S)
+        self._thread.join(timeout=30.0)
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -592,12 +608,41 @@ class _Link:
                 break
             if job is not None:
                 job.status.Update(StatusCode.ERR_RDMA_OP, "remote engine was deregistered")
-        with self._io:
+        with self._ctrl:
             self._reset()
+        for mm, view in self._maps.values():
+            view.release()
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._maps.clear()
 
 
 def _node_id() -> str:
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:16]
+
+
+class IOEngineSession:
+    """A built (local region, remote region) pair; MORI-IO's ``IOEngineSession`` surface."""
+
+    def __init__(self, engine: IOEngine, local: MemoryDesc, remote: MemoryDesc) -> None:
+        self._engine, self._local, self._remote = engine, local, remote
+
+    def allocate_transfer_uid(self) -> int:
+        return self._engine.allocate_transfer_uid()
+
+    def write(self, local_offset: int, remote_offset: int, size: int,
+              transfer_uid: int) -> TransferStatus:
+        return self._engine.write(self._local, local_offset, self._remote, remote_offset, size,
+                                  transfer_uid)
+
+    def batch_write(self, local_offsets, remote_offsets, sizes,  # noqa: ANN001
+                    transfer_uid: int) -> TransferStatus:
+        return self._engine.batch_write([self._local], [local_offsets], [self._remote],
+                                        [remote_offsets], [sizes], [transfer_uid])[0]
+
+    def alive(self) -> bool:
+        link = self._engine._links.get(self._remote.engine_key)
+        return link is not None and link.alive() is None
 
 
 class IOEngine:
@@ -657,7 +702,7 @@ class IOEngine:
 
     def remove_backend(self, type: BackendType) -> None:  # noqa: A002
         """Drop a backend; for RDMA this closes the listener and every link (the stand-in's
-        way of releasing its threads and sockets)."""
+        way of releasing its threads, sockets and mappings)."""
         with self._lock:
             self._backends.pop(type, None)
             if type is not BackendType.RDMA:
@@ -678,6 +723,8 @@ class IOEngine:
             old = self._remotes.get(engine_desc.key)
             self._remotes[engine_desc.key] = engine_desc
             stale = self._links.pop(engine_desc.key, None) if old != engine_desc else None
+            if stale is not None:
+                self._sessions = {s for s in self._sessions if s[0] != engine_desc.key}
         if stale is not None:
             stale.close()
 
@@ -696,8 +743,11 @@ class IOEngine:
             raise RuntimeError("stand-in registers CPU memory only (no ROCm here)")
         if not isinstance(ptr, int) or ptr <= 0 or not isinstance(size, int) or size <= 0:
             raise RuntimeError(f"invalid memory region ptr={ptr!r} size={size!r}")
+        where = _shm_location(ptr, size)
+        handle = json.dumps(where).encode() if where else b""
         with self._lock:
-            desc = MemoryDesc(self._key, next(self._mem_ids), device_id, ptr, size, mem_loc)
+            desc = MemoryDesc(self._key, next(self._mem_ids), device_id, ptr, size, mem_loc,
+                              ipc_handle=handle)
             self._mem[desc.id] = desc
         return desc
 
@@ -717,7 +767,41 @@ class IOEngine:
         with self._lock:
             return next(self._uids)
 
-    # -- transfers -------------------------------------------------------------------------
+    # -- sessions and transfers ------------------------------------------------------------
+    def create_session(self, local: MemoryDesc, remote: MemoryDesc) -> IOEngineSession | None:
+        """Build (or reuse) the session of a region pair: None if no backend can serve it
+        (no RDMA backend, unknown region or remote engine); RuntimeError if the target cannot
+        be reached or disagrees about the remote region."""
+        with self._lock:
+            if BackendType.RDMA not in self._backends or local.id not in self._mem:
+                return None
+            remote_engine = self._remotes.get(remote.engine_key)
+        if remote_engine is None:
+            return None
+        code, message = self._build_session(self._link(remote_engine), local, remote)
+        if code is not StatusCode.SUCCESS:
+            raise RuntimeError(f"session to {remote.engine_key!r}: {code.name}: {message}")
+        return IOEngineSession(self, local, remote)
+
+    def _build_session(self, link: _Link, local: MemoryDesc, remote: MemoryDesc
+                       ) -> tuple[StatusCode, str]:
+        session = (remote.engine_key, local.id, remote.id)
+        if session in self._sessions:
+            return StatusCode.SUCCESS, ""
+        try:
+            code, remote_size, message = link.lookup(remote.id)
+        except (OSError, ConnectionError) as exc:
+            return StatusCode.ERR_RDMA_OP, (f"cannot reach remote engine {remote.engine_key!r} "
+                                            f"at {link.remote.host}:{link.remote.port}: {exc}")
+        if code is not StatusCode.SUCCESS:
+            return code, message
+        if remote_size != remote.size:
+            raise RuntimeError(f"remote memory size mismatch: descriptor says {remote.size} "
+                               f"bytes, target registered {remote_size}")
+        with self._lock:
+            self._sessions.add(session)
+        return StatusCode.SUCCESS, ""
+
     def write(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc,
               remote_offset: int, size: int, transfer_uid: int) -> TransferStatus:
         """Single-op form of :meth:`batch_write`."""
@@ -746,12 +830,11 @@ class IOEngine:
             return statuses  # the later entries stay at INIT, as MORI-IO leaves them
         for i in range(n):
             self._submit_one(statuses[i], local_descs[i], local_offsets[i], remote_descs[i],
-                             remote_offsets[i], sizes[i], transfer_uids[i],
-                             faults if faulty else None)
+                             remote_offsets[i], sizes[i], faults if faulty else None)
         return statuses
 
     def _submit_one(self, status: TransferStatus, local: MemoryDesc, loffs, remote: MemoryDesc,  # noqa: ANN001
-                    roffs, sizes, uid: int, faults: _Faults | None) -> None:
+                    roffs, sizes, faults: _Faults | None) -> None:
         with self._lock:
             registered = self._mem.get(local.id)
             remote_engine = self._remotes.get(remote.engine_key)
@@ -783,28 +866,15 @@ class IOEngine:
             else:
                 merged.append((loff, roff, size))
         link = self._link(remote_engine)
-        session = (remote.engine_key, local.id, remote.id)
-        if session not in self._sessions:
-            try:
-                code, remote_size, message = link.lookup(remote.id)
-            except (OSError, ConnectionError) as exc:
-                status.Update(StatusCode.ERR_RDMA_OP,
-                              f"cannot reach remote engine {remote.engine_key!r} at "
-                              f"{remote_engine.host}:{remote_engine.port}: {exc}")
-                return
-            if code is not StatusCode.SUCCESS:
-                status.Update(code, message)
-                return
-            if remote_size != remote.size:
-                raise RuntimeError(f"remote memory size mismatch: descriptor says {remote.size} "
-                                   f"bytes, target registered {remote_size}")
-            with self._lock:
-                self._sessions.add(session)
+        code, message = self._build_session(link, registered, remote)
+        if code is not StatusCode.SUCCESS:
+            status.Update(code, message)
+            return
         status.Update(StatusCode.IN_PROGRESS, "")
         if faults is not None and faults.stuck:
             self._stuck.append(status)  # never completes, like a transfer lost on the wire
             return
-        link.submit(_Job(status, registered, remote, uid, merged,
+        link.submit(_Job(status, registered, remote, merged,
                          fail=faults.fail if faults else None,
                          delay_ms=faults.delay_ms if faults else 0))
 
