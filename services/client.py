@@ -281,8 +281,8 @@ class DecodeClient:
     past it fails with :class:`DeadlineExceeded`. The gRPC channel is created lazily inside the
     running event loop and closed by :meth:`close` / ``async with``; the client owns it.
     ``tls``: dial with TLS — ``tls.ca`` verifies the service's certificate (which must name the
-    target's host), ``tls.cert``/``tls.key`` are the client certificate for a service run with
-    mutual TLS; ``None`` or empty = plain text. A TLS handshake that fails (wrong CA, missing
+    target's host, or ``tls.server_name``), ``tls.cert``/``tls.key`` are the client certificate
+    for a service run with mutual TLS; ``None`` or empty = plain text. A TLS handshake that fails (wrong CA, missing
     client certificate, plain-text server) surfaces as :class:`Unavailable`.
     Raises :class:`InvalidArgument` for an empty target, a non-positive timeout, or unreadable /
     mismatched TLS files (checked here, before any call).
@@ -297,12 +297,14 @@ class DecodeClient:
         self.target = target
         self.timeout_s = float(timeout_s)
         self._credentials = tls_files.channel_credentials(tls) if tls is not None else None
+        self._server_name = tls.server_name if tls is not None else None
         self._channel: grpc.aio.Channel | None = None
         self._stub: decode_pb2_grpc.DecodeServiceStub | None = None
 
     def _get_stub(self) -> decode_pb2_grpc.DecodeServiceStub:
         if self._stub is None:
-            self._channel = tls_files.aio_channel(self.target, self._credentials)
+            self._channel = tls_files.aio_channel(self.target, self._credentials,
+                                                  server_name=self._server_name)
             self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
         return self._stub
 

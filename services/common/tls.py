@@ -38,12 +38,15 @@ class TLSFiles:
     ``cert``/``key``: this process's certificate chain and private key (a server's identity, or a
     client's certificate for mutual TLS); both or neither. ``ca``: CA bundle — for a server, the
     CA that client certificates must chain to (mutual TLS on); for a client, the CA that the
-    server's certificate must chain to.
+    server's certificate must chain to. ``server_name`` (clients only): the name the server's
+    certificate must carry when it differs from the target's host, e.g. the Service's DNS name
+    while dialing 127.0.0.1 through ``kubectl port-forward``.
     """
 
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -54,8 +57,8 @@ class TLSFiles:
 
     @property
     def any(self) -> bool:
-        """True when any file is given."""
-        return bool(self.cert or self.key or self.ca)
+        """True when any TLS setting is given (TLS on)."""
+        return bool(self.cert or self.key or self.ca or self.server_name)
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -134,12 +137,18 @@ def channel_credentials(files: TLSFiles) -> grpc.ChannelCredentials | None:
 
 
 def aio_channel(target: str, credentials: grpc.ChannelCredentials | None,
-                options=None) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel to ``target``: secure when ``credentials`` is given, else plain
-    text. The caller owns the channel and closes it."""
+                options=None, interceptors=None,
+                server_name: str | None = None) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``target``: secure when ``credentials`` is given (checking the
+    server's certificate for ``server_name`` instead of the target's host when given), else plain
+    text; ``interceptors`` (e.g. tracing) are installed on it. The caller owns the channel
+    and closes it."""
     if credentials is None:
-        return grpc.aio.insecure_channel(target, options=options)
-    return grpc.aio.secure_channel(target, credentials, options=options)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if server_name:
+        options = [*(options or ()), ("grpc.ssl_target_name_override", server_name)]
+    return grpc.aio.secure_channel(target, credentials, options=options,
+                                   interceptors=interceptors)
 
 
 # --------------------------------------------------------------------------- CLI flags
@@ -170,12 +179,17 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                              "(mutual TLS; needs --tls-key)")
     parser.add_argument("--tls-key", default=None, metavar="PATH",
                         help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="name the service's certificate must carry, when it differs from "
+                             "the target's host (e.g. the Service's DNS name while dialing "
+                             "127.0.0.1 through kubectl port-forward); implies TLS")
 
 
 def files_from_args(args: argparse.Namespace) -> TLSFiles:
     """:class:`TLSFiles` from parsed ``--tls-*`` flags (raises InvalidArgument)."""
     return TLSFiles(cert=getattr(args, "tls_cert", None), key=getattr(args, "tls_key", None),
-                    ca=getattr(args, "tls_ca", None))
+                    ca=getattr(args, "tls_ca", None),
+                    server_name=getattr(args, "tls_server_name", None))
 
 
 def check_health_port(port: int, main_port: int) -> None:

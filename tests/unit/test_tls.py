@@ -88,6 +88,31 @@ def test_tls_port_refuses_plain_text_and_mutual_tls_refuses_clients_without_a_ce
     asyncio.run(scenario())
 
 
+def test_server_name_overrides_the_host_checked_in_the_certificate(pki):
+    async def check(address: str, server_name: str) -> int:
+        creds = tls.channel_credentials(files(pki))
+        async with tls.aio_channel(address, creds, server_name=server_name) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5.0)
+            return reply.status
+
+    async def scenario():
+        server = _server(pki, mutual=False)
+        await server.start()
+        await server.set_serving(True)
+        try:
+            # The certificate names localhost and 127.0.0.1, not the Service name asked for.
+            assert await check(server.address, "localhost") == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await check(server.address, "decode.example.svc.cluster.local")
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.drain(0)
+
+    asyncio.run(scenario())
+    assert tls.TLSFiles(server_name="x").any
+
+
 def test_no_files_means_plain_text():
     assert tls.server_credentials(tls.TLSFiles()) is None
     assert tls.channel_credentials(tls.TLSFiles()) is None
@@ -174,5 +199,5 @@ def test_client_tools_accept_tls_flags(words):
     from services.cli import build_parser
 
     args = build_parser().parse_args([*words, "--tls-ca", "ca", "--tls-cert", "c",
-                                      "--tls-key", "k"])
-    assert tls.files_from_args(args) == tls.TLSFiles("c", "k", "ca")
+                                      "--tls-key", "k", "--tls-server-name", "n"])
+    assert tls.files_from_args(args) == tls.TLSFiles("c", "k", "ca", "n")
