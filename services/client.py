@@ -282,8 +282,9 @@ class DecodeClient:
     running event loop and closed by :meth:`close` / ``async with``; the client owns it.
     ``tls``: dial with TLS — ``tls.ca`` verifies the service's certificate (which must name the
     target's host, or ``tls.server_name``), ``tls.cert``/``tls.key`` are the client certificate
-    for a service run with mutual TLS; ``None`` or empty = plain text. A TLS handshake that fails (wrong CA, missing
-    client certificate, plain-text server) surfaces as :class:`Unavailable`.
+    for a service run with mutual TLS; ``None`` or empty = plain text. A TLS handshake that
+    fails (wrong CA, missing client certificate, plain-text server) surfaces as
+    :class:`Unavailable`.
     Raises :class:`InvalidArgument` for an empty target, a non-positive timeout, or unreadable /
     mismatched TLS files (checked here, before any call).
     """
