@@ -189,10 +189,10 @@ def _convert(key: str, spec: _Option, value: Any) -> Any:
         raise InvalidArgument(f"mori transport option {key}={value!r}: {exc}") from None
     if spec.minimum is not None and number < spec.minimum:
         raise InvalidArgument(f"mori transport option {key}={value!r}: must be >= "
-                              f"{spec.minimum:g}")
+                              f"{spec.minimum}")
     if spec.maximum is not None and number > spec.maximum:
         raise InvalidArgument(f"mori transport option {key}={value!r}: must be <= "
-                              f"{spec.maximum:g}")
+                              f"{spec.maximum}")
     return number
 
 
@@ -599,8 +599,8 @@ class MoriTransport(Transport):
         engine failure raises per the module's table and stops the remaining calls.
         UnknownEndpoint if ``peer`` was disconnected.
         """
-        handle = self._check_peer(peer)
         pool = self._require_pool()
+        handle = self._check_peer(peer)
         check_runs(runs, pool.layout.num_pages, handle.num_pages)
         if not runs:
             return
@@ -628,8 +628,8 @@ class MoriTransport(Transport):
         """One ``IOEngine.write`` of ``nbytes`` from local byte ``src_offset`` to the peer's
         ``dst_offset`` (no planning; the benchmark's reference). InvalidArgument if either
         range leaves its pool or ``nbytes`` > 2^32-1; otherwise errors as :meth:`write`."""
-        handle = self._check_peer(peer)
         pool = self._require_pool()
+        handle = self._check_peer(peer)
         check_block(src_offset, dst_offset, nbytes, pool.nbytes, handle.layout.pool_bytes)
         if nbytes > MAX_ENTRY_BYTES:
             raise InvalidArgument(f"write_block: one MORI-IO entry holds at most "
@@ -715,6 +715,12 @@ class MoriTransport(Transport):
         if pending:
             with self._lock:
                 self._abandoned.extend(pending)
+
+    @property
+    def registered_engines(self) -> list[str]:
+        """Keys of the remote engines currently registered with this engine (sorted)."""
+        with self._lock:
+            return sorted(self._registered)
 
     @property
     def in_flight(self) -> int:
