@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import math
 import re
 import shutil
@@ -348,11 +349,11 @@ def test_mooncake_nic_becomes_a_transport_option(chart):
     values["rdma"] = {"enabled": True, "nics": ["mlx5_0", "mlx5_1"],
                       "resources": {"rdma/hca": 1}}
     values["transport"]["options"] = {"protocol": "rdma"}
-    values["prefill"]["gpusPerPod"] = 2
     objects = render(chart, values)
     sidecars = deployment(objects, "prefill")["spec"]["template"]["spec"]["initContainers"]
+    # One GPU per pod: its one sidecar (rank 0) takes nics[0].
     assert [flag_values(c["args"], "--transport-option") for c in sidecars] == [
-        ["protocol=rdma", "device_name=mlx5_0"], ["protocol=rdma", "device_name=mlx5_1"]]
+        ["protocol=rdma", "device_name=mlx5_0"]]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -403,13 +404,55 @@ def test_tls_from_a_secret(rendered):
     for spec in pods:
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == secret
-    for _, c, is_sidecar in workload_containers(objects):
-        if not is_sidecar:
-            assert flag_value(c["args"], "--tls-cert") == "/etc/deltakv/tls/tls.crt"
-            assert flag_value(c["args"], "--tls-key") == "/etc/deltakv/tls/tls.key"
+    ca = "/etc/deltakv/tls/ca.crt"
+    for role, c, is_sidecar in workload_containers(objects):
+        if is_sidecar:
+            assert not [a for a in c["args"] if a.startswith("--tls")], "sidecars speak UDS"
+            continue
+        assert flag_value(c["args"], "--tls-cert") == "/etc/deltakv/tls/tls.crt"
+        assert flag_value(c["args"], "--tls-key") == "/etc/deltakv/tls/tls.key"
+        if role == "prefill":
+            # Internal port: client certificates required, so only decode can call Prefill.
+            assert flag_value(c["args"], "--tls-ca") == ca
+            assert "--prefill-tls-ca" not in c["args"]
+        else:
+            # Public port: TLS without client certificates by default; prefill verified by CA.
+            assert "--tls-ca" not in c["args"]
+            assert flag_value(c["args"], "--prefill-tls-ca") == ca
+    (pod,) = of_kind(objects, "Pod")
+    assert flag_value(pod["spec"]["containers"][0]["args"], "--tls-ca") == ca
+    assert "--tls-cert" not in pod["spec"]["containers"][0]["args"]
     for role in ("prefill", "decode"):
         assert "appProtocol" not in named(objects, "Service", f"{RELEASE}-deltakv-{role}")[
             "spec"]["ports"][0]
+
+
+def test_tls_require_client_cert_on_decode_and_in_the_test_pod(chart):
+    values = values_of("tls-metrics")
+    values["tls"]["requireClientCert"] = True
+    objects = render(chart, values)
+    worker = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]
+    assert flag_value(worker["args"], "--tls-ca") == "/etc/deltakv/tls/ca.crt"
+    assert flag_value(worker["args"], "--prefill-tls-ca") == "/etc/deltakv/tls/ca.crt"
+    (pod,) = of_kind(objects, "Pod")
+    args = pod["spec"]["containers"][0]["args"]
+    assert flag_value(args, "--tls-cert") == "/etc/deltakv/tls/tls.crt"
+    assert flag_value(args, "--tls-key") == "/etc/deltakv/tls/tls.key"
+    # The test pod's flags are the ones the script parses.
+    script = _load_multiturn_check()
+    parsed = script.parse_args(args)
+    assert (parsed.tls_ca, parsed.tls_cert, parsed.tls_key) == (
+        "/etc/deltakv/tls/ca.crt", "/etc/deltakv/tls/tls.crt", "/etc/deltakv/tls/tls.key")
+
+
+def _load_multiturn_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multiturn_check",
+                                                  CHART / "files" / "multiturn_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("case", ["defaults", "mooncake"])
@@ -457,6 +500,7 @@ def test_image_tag_follows_the_accelerator_variant(chart):
 SCHEMA_REJECTIONS = [
     ({"transport": {"backend": "rdma"}}, "/transport/backend"),
     ({"prefill": {"gpusPerPod": 0}}, "/prefill/gpusPerPod"),
+    ({"decode": {"gpusPerPod": 2}}, "/decode/gpusPerPod"),
     ({"decode": {"port": 70000}}, "/decode/port"),
     ({"decode": {"numPages": "many"}}, "/decode/numPages"),
     ({"kvCache": {"pageSize": 0}}, "/kvCache/pageSize"),
@@ -496,9 +540,11 @@ CROSS_FIELD_REJECTIONS = [
     ({"accelerator": {"type": "nvidia"}}, "transport.backend=shm"),
     ({"accelerator": {"type": "nvidia"}, "transport": {"backend": "mori"}}, "MORI-IO"),
     ({"prefill": {"port": 17000}}, "port 17000 is used twice"),
-    ({"decode": {"gpusPerPod": 2}, "sidecar": {"healthPort": 17001}}, "is used twice"),
+    ({"sidecar": {"healthPort": 17000}}, "is used twice"),
+    ({"tls": {"enabled": True, "secretName": "s", "healthPort": 50060}},
+     "prefill pods: port 50061 is used twice"),
     ({"termination": {"gracePeriodSeconds": 30}}, "must exceed sidecar.drainTimeoutSeconds"),
-    ({"sidecar": {"enginePort": 65535}, "prefill": {"gpusPerPod": 2}}, "past 65535"),
+    ({"telemetry": {"metrics": {"enabled": True, "port": 65535}}}, "past 65535"),
 ]
 
 
@@ -508,6 +554,29 @@ def test_cross_field_rules_fail_rendering_with_a_clear_message(chart, values, me
     with pytest.raises(helm_python.HelmRenderError) as info:
         chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
     assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_more_than_one_gpu_per_pod_is_refused_with_the_reason(chart, role, tmp_path):
+    """Workers drive one GPU each (no tensor parallelism): gpusPerPod 2 is refused by the schema
+    and, where schema validation is skipped (`--skip-schema-validation`; here: a copy of the
+    chart without its schema), by the chart's own check with the reason."""
+    values = {role: {"gpusPerPod": 2}}
+    with pytest.raises(helm_python.HelmValuesError) as info:
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    assert f"/{role}/gpusPerPod" in str(info.value)
+    unchecked = shutil.copytree(CHART, tmp_path / "deltakv")
+    (unchecked / "values.schema.json").unlink()
+    with helm_python.Chart.load(unchecked) as loaded, \
+            pytest.raises(helm_python.HelmRenderError) as info:
+        loaded.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    text = str(info.value)
+    assert f"{role}.gpusPerPod=2: must be 1" in text, text
+    assert "tensor parallelism across a pod's GPUs is not implemented" in text, text
+    assert f"Scale with {role}.replicas" in text, text
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    prop = schema["properties"][role]["properties"]["gpusPerPod"]
+    assert prop["const"] == 1 and "tensor parallelism" in prop["description"]
 
 
 # --------------------------------------------------------------------------- the CLI contract

@@ -88,8 +88,8 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 
 {{/*
-Size of a pod's memory-backed /dev/shm in MiB (rounded up): on CPU the KV pools of all its
-sidecars live there (gpusPerPod * numPages * pageSize * kvBytesPerToken), plus shm.extraBytes.
+Size of a pod's memory-backed /dev/shm in MiB (rounded up): on CPU the KV pool of its sidecar
+lives there (gpusPerPod (= 1) * numPages * pageSize * kvBytesPerToken), plus shm.extraBytes.
 On GPUs the pools are device memory, so only the extra bytes are needed.
 Argument: dict "root" $ "pool" <pool values>.
 */}}
@@ -136,6 +136,12 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 */}}
 {{- define "deltakv.validate" -}}
 {{- $v := .Values }}
+{{- range $role := list "prefill" "decode" }}
+{{- $gpus := int64 (get $v $role).gpusPerPod }}
+{{- if ne $gpus 1 }}
+{{- fail (printf "%s.gpusPerPod=%d: must be 1. A deltakv worker process drives exactly one GPU through one sidecar; tensor parallelism across a pod's GPUs is not implemented. Scale with %s.replicas instead" $role $gpus $role) }}
+{{- end }}
+{{- end }}
 {{- if and (eq $v.accelerator.type "cpu") (eq (int64 (include "deltakv.kvBytesPerToken" .)) 0) }}
 {{- fail (printf "model.kvBytesPerToken is required for model %q on accelerator.type=cpu: it sizes the memory-backed /dev/shm that holds the KV pools (bytes per token over all layers, K and V)" $v.model.name) }}
 {{- end }}

@@ -1,15 +1,17 @@
 {{/*
 One worker pool (prefill or decode) as a Deployment. Argument: dict "root" $ "role" "prefill|decode".
 
-Pod layout (DESIGN §2: one worker and one sidecar per GPU):
-  initContainers  sidecar-0 .. sidecar-<G-1>   native sidecars (restartPolicy: Always): each owns one
-                                               rank's KV pool, radix index and transfer engine, and
-                                               serves the worker on <socketDir>/sidecar-<rank>.sock
-  containers      worker                       `deltakv serve <role>`, given every rank's socket
-Shared volumes: the socket directory, /dev/shm (memory-backed; on CPU it holds the KV pools that the
-worker maps zero-copy) and /tmp. The kubelet starts the worker only after every sidecar's startup
-probe passed, and on termination stops the sidecars only after the worker exited, so the worker
-never runs without its sidecars and in-flight transfers can drain.
+Pod layout (DESIGN §2: one worker and one sidecar per GPU, one GPU per pod):
+  initContainers  sidecar-0    native sidecar (restartPolicy: Always): owns the GPU's KV pool,
+                               radix index and transfer engine, and serves the worker on
+                               <socketDir>/sidecar-0.sock
+  containers      worker       `deltakv serve <role>`, given that socket
+gpusPerPod is validated to be 1: a worker drives one GPU (tensor parallelism is not implemented).
+Names and ports keep the rank suffix (sidecar-<rank>, port + rank) so they stay stable.
+Shared volumes: the socket directory, /dev/shm (memory-backed; on CPU it holds the KV pool that the
+worker maps zero-copy) and /tmp. The kubelet starts the worker only after the sidecar's startup
+probe passed, and on termination stops the sidecar only after the worker exited, so the worker
+never runs without its sidecar and in-flight transfers can drain.
 */}}
 {{- define "deltakv.deployment" -}}
 {{- $root := .root }}
@@ -192,10 +194,7 @@ spec:
             {{- include "deltakv.volumeMounts" $root | nindent 12 }}
         {{- end }}
       containers:
-        {{- $wargs := list "serve" $role "--model" $v.model.name }}
-        {{- range $rank := until $gpus }}
-        {{- $wargs = concat $wargs (list "--sidecar-socket" (printf "%s/sidecar-%d.sock" $socketDir $rank)) }}
-        {{- end }}
+        {{- $wargs := list "serve" $role "--model" $v.model.name "--sidecar-socket" (printf "%s/sidecar-0.sock" $socketDir) }}
         {{- if eq $role "decode" }}
         {{- $wargs = concat $wargs (list "--prefill-target" (include "deltakv.prefillTarget" $root)) }}
         {{- end }}
@@ -208,7 +207,16 @@ spec:
         {{- $wargs = concat $wargs (list "--metrics-port" (toString (int64 $metrics.port))) }}
         {{- end }}
         {{- if $v.tls.enabled }}
-        {{- $wargs = concat $wargs (list "--tls-cert" "/etc/deltakv/tls/tls.crt" "--tls-key" "/etc/deltakv/tls/tls.key" "--tls-ca" "/etc/deltakv/tls/ca.crt" "--health-port" (toString $workerHealthPort)) }}
+        {{- $wargs = concat $wargs (list "--tls-cert" "/etc/deltakv/tls/tls.crt" "--tls-key" "/etc/deltakv/tls/tls.key" "--health-port" (toString $workerHealthPort)) }}
+        {{- /* --tls-ca on a server = client certificates required: always on the internal prefill
+               port (only decode calls it), on decode's public port when asked. Decode verifies
+               prefill against the same CA and presents the Secret's certificate to it. */}}
+        {{- if or (eq $role "prefill") $v.tls.requireClientCert }}
+        {{- $wargs = concat $wargs (list "--tls-ca" "/etc/deltakv/tls/ca.crt") }}
+        {{- end }}
+        {{- if eq $role "decode" }}
+        {{- $wargs = concat $wargs (list "--prefill-tls-ca" "/etc/deltakv/tls/ca.crt") }}
+        {{- end }}
         {{- end }}
         - name: worker
           image: {{ include "deltakv.image" $root | quote }}
