@@ -70,6 +70,14 @@ class ClusterConfig:
     decode_sidecar_args: list[str] = field(default_factory=list)
     log_level: str = "info"
     env: dict[str, str] = field(default_factory=dict)
+    # --otel-* flags passed to every process; metrics_port: Prometheus base port, each
+    # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
+    telemetry_args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+
+
+# Distinct scrape ports for the four processes of `deltakv up --metrics-port P`.
+METRICS_PORT_OFFSETS = {"decode": 0, "prefill": 1, "decode-sidecar": 2, "prefill-sidecar": 3}
 
 
 @dataclass
@@ -134,7 +142,16 @@ class LocalCluster:
             "--prefill-target", self.prefill_address, "--host", c.host,
             "--port", str(c.decode_port), "--log-level", c.log_level, "--log-format", "json",
             *c.decode_args), self.run_dir / "decode.log"))
+        for proc in procs:
+            proc.argv += c.telemetry_args
+            if c.metrics_port:
+                proc.argv += ["--metrics-port", str(self.metrics_ports()[proc.name])]
         return procs
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Prometheus scrape port of each process ({} when ``metrics_port`` is 0)."""
+        base = self.config.metrics_port
+        return {name: base + off for name, off in METRICS_PORT_OFFSETS.items()} if base else {}
 
     def proc(self, name: str) -> _Proc:
         return next(p for p in self.procs if p.name == name)
@@ -142,7 +159,13 @@ class LocalCluster:
     # -- start / health -------------------------------------------------------------------------
 
     def _spawn(self, proc: _Proc) -> None:
-        env = {**os.environ, **self.config.env, "PYTHONUNBUFFERED": "1"}
+        env = dict(os.environ)
+        # Four processes cannot share one service name: each names itself
+        # (deltakv-decode, deltakv-prefill, deltakv-sidecar) unless config.env says otherwise.
+        env.pop("OTEL_SERVICE_NAME", None)
+        env.setdefault("OTEL_EXPORTER_PROMETHEUS_HOST", self.config.host)
+        env.update(self.config.env)
+        env["PYTHONUNBUFFERED"] = "1"
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         log = open(proc.log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
@@ -311,14 +334,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
+    from services.common import telemetry
+
+    telemetry.add_arguments(parser, metrics_port_help=(
+        "Prometheus base port: decode P, prefill P+1, decode sidecar P+2, prefill sidecar P+3 "
+        "(0 = off)"))
+
+
+def _metrics_base_port(args: argparse.Namespace) -> int:
+    """--metrics-port, or the OTEL_EXPORTER_PROMETHEUS_PORT (default 9464) base when the
+    environment asks for the prometheus exporter (the four processes need distinct ports)."""
+    from services.common import telemetry
+
+    if args.metrics_port is not None:
+        return args.metrics_port
+    exporters = (os.environ.get("OTEL_METRICS_EXPORTER") or "").lower()
+    if args.otel_metrics_exporter is not None:
+        exporters = args.otel_metrics_exporter.lower()
+    if "prometheus" not in exporters:
+        return 0
+    raw = os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT") or ""
+    return int(raw) if raw.isdigit() else telemetry.DEFAULT_PROMETHEUS_PORT
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common import telemetry
+    from services.common.errors import DeltaKVError
+
+    try:  # the same check every process makes, once, before anything starts
+        telemetry.config_from_args(args, "decode", "worker")
+    except DeltaKVError as exc:
+        print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
+        return 2
     config = ClusterConfig(model=args.model, transport=args.transport, page_size=args.page_size,
                            num_pages=args.num_pages, decode_port=args.decode_port,
                            prefill_port=args.prefill_port, run_dir=args.run_dir,
                            start_timeout_s=args.start_timeout_s,
-                           transport_options=args.transport_option, log_level=args.log_level)
+                           transport_options=args.transport_option, log_level=args.log_level,
+                           telemetry_args=telemetry.forwarded_args(args),
+                           metrics_port=_metrics_base_port(args))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

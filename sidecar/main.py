@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
+    from services.common import telemetry
+
+    telemetry.add_arguments(parser)
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -100,12 +103,15 @@ def build_layout(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Start the sidecar, serve until SIGTERM/SIGINT, shut down gracefully."""
+    from services.common import telemetry
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
     from sidecar.server import SidecarConfig, SidecarServer
 
     log = configure_logging(f"{args.role}-sidecar", level=args.log_level, fmt=args.log_format)
+    tel = None
     try:
+        tel = telemetry.setup_from_args(args, args.role, "sidecar")
         layout = build_layout(args)
         config = SidecarConfig(
             role=args.role, transport=args.transport, socket_path=args.socket, layout=layout,
@@ -116,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         server = SidecarServer(config)
     except (ValueError, DeltaKVError) as exc:
         print(f"deltakv serve sidecar: error: {exc}", file=sys.stderr)
+        if tel is not None:
+            tel.shutdown()
         return 2
 
     stop_requested = threading.Event()
@@ -130,9 +138,11 @@ def run(args: argparse.Namespace) -> int:
         server.start()
     except DeltaKVError as exc:
         log.error("sidecar_start_failed", error=str(exc), code=exc.code.name)
+        tel.shutdown()
         return 1
     except OSError as exc:
         log.error("sidecar_start_failed", error=str(exc))
+        tel.shutdown()
         return 1
     try:
         # Wake regularly so signal handlers run promptly on the main thread.
@@ -140,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             pass
     finally:
         server.stop()
+        tel.shutdown()  # after the drain: the last transfers' spans are exported too
     log.info("sidecar_exit", pid=os.getpid())
     return 0
 

@@ -29,7 +29,8 @@ import grpc
 import structlog
 
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
-from services.common import grpc_util
+from services.common import grpc_util, telemetry
+from services.common import metrics as deltakv_metrics
 from services.common.errors import (
     Aborted,
     DeltaKVError,
@@ -217,6 +218,14 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         return sidecar_pb2.PageChecksumsResponse(
             crc32=self.pool.page_crc32([int(p) for p in request.page_indices]))
 
+    def pool_page_counts(self) -> dict[str, int]:
+        """Pages by state (free, cached, live, quarantined, locked, evictable) for the
+        ``deltakv.pool.pages`` gauge; thread-safe (the exporter's thread calls it)."""
+        with self._pm_lock:
+            st = self.pm.stats()
+        return {"free": st.free, "cached": st.cached, "live": st.live,
+                "quarantined": st.quarantined, "locked": st.locked, "evictable": st.evictable}
+
     def GetStats(self, request: kv_pb2.GetStatsRequest,
                  context: grpc.ServicerContext) -> sidecar_pb2.SidecarStats:
         """Pool accounting (free + cached + live + quarantined == num_pages) and transfer
@@ -249,7 +258,39 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         or a cancelled call (ABORTED); an engine error fails the room at once and stops the
         remaining batches (UNAVAILABLE with the reason). Returns TransferStats only after
         every write completed.
+
+        Traced as the ``kv.transfer`` span (child of this call's server span; attributes in
+        docs/telemetry.md; a failure sets status ERROR with the reason) and counted in the
+        ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
         """
+        info = request.transfer_info
+        dpl = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
+        instruments = deltakv_metrics.current()
+        with telemetry.span(
+                "kv.transfer", room=info.room, request_id=info.request_id or None,
+                prompt_len=info.prompt_len, decode_prefix_len=dpl,
+                delta_pages=len(info.dst_page_indices),
+                pages_skipped=dpl // self.layout.page_size, lease_ms=info.lease_ms,
+                backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
+            try:
+                response = self._write_pages(request, context)
+            except Exception as exc:
+                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
+                raise
+            stats = response.stats
+            seconds = stats.duration_us / 1e6
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(
+                    pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
+                    batches=stats.batches, duration_ms=stats.duration_us / 1e3,
+                    gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
+            instruments.transfers.add(1, {"outcome": "ok"})
+            instruments.transfer_duration.record(seconds)
+            instruments.transfer_size.record(stats.bytes)
+        return response
+
+    def _write_pages(self, request: sidecar_pb2.WritePagesRequest,
+                     context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
         receipt = time.monotonic()
         if self.role != "prefill":
             raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
@@ -272,6 +313,8 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         plan = plan_delta(info, src, self.layout, remote, self.transport.limits)
         lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
         deadline = receipt + lease_ms / 1e3
+        telemetry.annotate(bytes=plan.bytes, runs=len(plan.runs), batches=len(plan.batches),
+                           lease_remaining_ms=lease_ms)
         rpc_left = context.time_remaining()
         if rpc_left is not None:
             deadline = min(deadline, time.monotonic() + rpc_left)
@@ -301,6 +344,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         except DeltaKVError as exc:
             rlog.warning("write_failed", code=exc.code.name, error=exc.message,
                          batches_started=ticket.batches_started, pages_written=pages_done)
+            telemetry.annotate(batches_started=ticket.batches_started, pages_written=pages_done)
             raise
         finally:
             state = self.rooms.finish(ticket, ok)
@@ -400,6 +444,7 @@ class SidecarServer:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopping = False
+        self._unobserve_pool: Any = None
 
     @property
     def address(self) -> str:
@@ -431,7 +476,11 @@ class SidecarServer:
                 role=cfg.role, layout=cfg.layout, pool=self.pool, page_manager=page_manager,
                 transport=self.transport, endpoint=endpoint, rooms=self.rooms,
                 max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s)
-            self.server = grpc_util.make_server(max_workers=cfg.max_workers, logger=self.log)
+            self.server = grpc_util.make_server(
+                max_workers=cfg.max_workers, logger=self.log,
+                outer_interceptors=telemetry.server_interceptors())
+            self._unobserve_pool = deltakv_metrics.current().observe_pool(
+                self.service.pool_page_counts, pool=cfg.role)
             sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(self.service, self.server)
             self.health = grpc_util.add_health_and_reflection(self.server, [SERVICE_NAME])
             if self.server.add_insecure_port(address) == 0:
@@ -485,6 +534,9 @@ class SidecarServer:
         return drained
 
     def _release_resources(self) -> None:
+        if self._unobserve_pool is not None:
+            self._unobserve_pool()
+            self._unobserve_pool = None
         for srv in (self.server, self.health_server):
             if srv is not None:
                 srv.stop(grace=1.0).wait(5.0)

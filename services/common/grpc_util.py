@@ -135,15 +135,18 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
 
 def make_server(max_workers: int = 32, interceptors: Iterable[grpc.ServerInterceptor] = (),
-                options: Iterable[tuple[str, Any]] = (), logger: Any = None) -> grpc.Server:
+                options: Iterable[tuple[str, Any]] = (), logger: Any = None,
+                outer_interceptors: Iterable[grpc.ServerInterceptor] = ()) -> grpc.Server:
     """A sync ``grpc.server`` on a thread pool of ``max_workers`` with
     :class:`ErrorMappingInterceptor` first (logging with ``logger``, e.g. one bound to the
     process role: worker threads do not see the main thread's structlog contextvars), then
-    ``interceptors``. Blocking handlers (a WritePages waiting on its lease) each hold one
-    worker, so size the pool for the peak number of concurrent long calls."""
+    ``interceptors``. ``outer_interceptors`` go before the error mapping (tracing: its span
+    must see the status the mapping aborts with). Blocking handlers (a WritePages waiting on
+    its lease) each hold one worker, so size the pool for the peak number of concurrent long
+    calls."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[ErrorMappingInterceptor(logger), *interceptors],
+        interceptors=[*outer_interceptors, ErrorMappingInterceptor(logger), *interceptors],
         options=[*DEFAULT_OPTIONS, *options],
     )
 

@@ -3,7 +3,8 @@
 JSON lines on stderr by default (console-friendly rendering when stderr is a terminal, or with
 ``fmt="console"``). Every line carries ``role`` (sidecar/prefill/decode/...) bound at start-up;
 request code binds ``request_id`` and ``room`` with :func:`bind_request` so every line about a
-request carries them (contextvars, so it works across asyncio tasks).
+request carries them (contextvars, so it works across asyncio tasks). A line logged inside an
+OpenTelemetry span also carries ``trace_id`` and ``span_id`` (:func:`add_trace_context`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import sys
 
 import structlog
+from opentelemetry import trace
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -33,6 +35,7 @@ def configure_logging(role: str, level: str = "info", fmt: str = "auto") -> stru
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_context,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -44,6 +47,17 @@ def configure_logging(role: str, level: str = "info", fmt: str = "auto") -> stru
     )
     structlog.contextvars.bind_contextvars(role=role)
     return structlog.get_logger()
+
+
+def add_trace_context(logger: object, method_name: str, event_dict: dict) -> dict:
+    """structlog processor: a line logged while a span is current carries its ``trace_id``
+    (32 hex digits) and ``span_id`` (16), the ids an OTLP backend shows, so logs and traces
+    join. Nothing is added when no valid span is current (tracing off)."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
 
 
 def bind_request(request_id: str, room: int | None = None) -> None:

@@ -60,10 +60,13 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
     """
+    from services.common import telemetry
     from services.model.loader import load_model
     from services.model.runner import ModelRunner
 
-    sidecar = SidecarClient(sidecar_socket)
+    # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
+    # the request's trace.
+    sidecar = SidecarClient(sidecar_socket, interceptors=telemetry.aio_client_interceptors())
     await sidecar.wait_ready(timeout_s=ready_timeout_s)
     describe = await sidecar.describe()
     layout = KVLayout.from_proto(describe.endpoint.layout)

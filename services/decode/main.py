@@ -39,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from services.common import tls
+    from services.common import telemetry, tls
 
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
+    telemetry.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +87,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
-    from services.common import tls
+    from services.common import telemetry, tls
     from services.common.aio_server import CLIENT_OPTIONS, AioServer, install_stop_signals
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
@@ -103,7 +104,9 @@ async def _serve(args: argparse.Namespace) -> int:
         quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
+    tel = None
     try:
+        tel = telemetry.setup_from_args(args, "decode", "worker")
         # Bad TLS files fail here, before the sidecar wait and the model load.
         tls.check_health_port(args.health_port, args.port)
         credentials = tls.server_credentials(tls.files_from_args(args))
@@ -111,20 +114,25 @@ async def _serve(args: argparse.Namespace) -> int:
         worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
     except DeltaKVError as exc:
         log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
+        if tel is not None:
+            tel.shutdown()
         return 2
-    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=CLIENT_OPTIONS)
+    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=CLIENT_OPTIONS,
+                              interceptors=telemetry.aio_client_interceptors())
     try:
         await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     except DeltaKVError as exc:
         log.error("refusing to pair with prefill", reason=str(exc), code=exc.code.name)
         await channel.close()
         await worker.close()
+        tel.shutdown()
         return 3
     servicer = DecodeServicer(worker, channel, config)
     servicer.start()
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = AioServer(f"{args.host}:{args.port}", [name],
                        lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+                       interceptors=telemetry.aio_server_interceptors(),
                        credentials=credentials,
                        health_address=f"{args.host}:{args.health_port}" if args.health_port
                        else None)
@@ -139,5 +147,6 @@ async def _serve(args: argparse.Namespace) -> int:
     await servicer.stop()
     await channel.close()
     await worker.close()
+    tel.shutdown()  # after the drain, so the last requests' spans are flushed
     log.info("decode stopped")
     return 0

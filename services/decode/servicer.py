@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import grpc
 
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common import metrics as deltakv_metrics
+from services.common import telemetry
 from services.common.errors import (
     DeadlineExceeded,
     DeltaKVError,
@@ -98,11 +100,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         bind_request(request_id)
         t_start = time.monotonic()
         state = _RequestState(request_id=request_id, sidecar_id=f"{request_id}/{uuid.uuid4().hex[:8]}")
+        telemetry.annotate(request_id=request_id)  # on the Generate server span
+        instruments = deltakv_metrics.current()
         try:
             prompt, sampling = self._parse(request)
             first, response, seq = await self._admit_and_prefill(
                 state, prompt, sampling, request.disable_decode_prefix_reuse, context)
             ttft_ms = (time.monotonic() - t_start) * 1000.0
+            telemetry.annotate(ttft_ms=ttft_ms, room=state.room, prompt_len=state.prompt_len,
+                               decode_prefix_len=state.decode_prefix_len)
+            instruments.ttft.record(ttft_ms / 1000.0)
             detok = IncrementalDetokenizer(self.tokenizer)
             yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(
                 token_ids=[first], text=detok.push(first)))
@@ -121,8 +128,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             tail = detok.flush()
             if tail:
                 yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(text=tail))
-            await self._finish(state, seq)
-            usage = self._usage(state, seq, response, ttft_ms, t_start)
+            with telemetry.span("decode.finish", completion_tokens=len(seq.generated),
+                                finish_reason=seq.finish_reason or "stop") as sp:
+                await self._finish(state, seq)
+                usage = self._usage(state, seq, response, ttft_ms, t_start)
+                if sp.is_recording():
+                    sp.set_attributes(telemetry.prefixed(dict(
+                        prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                        transferred_bytes=usage.transferred_bytes, total_ms=usage.total_ms)))
+            self._record_usage(usage)
             self.counters["requests_ok"] += 1
             log.info("request done", prompt_tokens=usage.prompt_tokens,
                      cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
@@ -130,12 +144,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield decode_pb2.GenerateResponse(usage=usage)
         except DeltaKVError as exc:
             self.counters["requests_failed"] += 1
+            instruments.requests.add(1, {"outcome": "rejected"})
+            instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
             log.warning("request failed", code=exc.code.name, reason=str(exc))
             # Release before the client sees the error, so its next request finds the pages.
             await asyncio.shield(self._cleanup_once(state))
             await context.abort(*status_of(exc))
         except asyncio.CancelledError:
             self.counters["requests_cancelled"] += 1
+            instruments.requests.add(1, {"outcome": "cancelled"})
             log.info("request cancelled by the client")
             raise
         finally:
@@ -200,12 +217,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"tokens, page_size {ps}) but the decode pool has only {layout.num_pages}")
         state.prompt_len = n
         state.holds_pages = True  # from here on, Release is owed exactly once
-        if no_reuse:
-            prefix_len, prefix_pages = 0, []
-        else:
-            prefix_len, prefix_pages = await sidecar.match_prefix(state.sidecar_id, prompt)
+        with telemetry.span("decode.match_prefix", prompt_len=n, reuse=not no_reuse) as sp:
+            if no_reuse:
+                prefix_len, prefix_pages = 0, []
+            else:
+                prefix_len, prefix_pages = await sidecar.match_prefix(state.sidecar_id, prompt)
+            if sp.is_recording():
+                sp.set_attributes(telemetry.prefixed(dict(
+                    decode_prefix_len=prefix_len, matched_pages=len(prefix_pages))))
         state.decode_prefix_len = prefix_len
-        pages = await self._allocate(state, total_pages - len(prefix_pages))
+        with telemetry.span("decode.allocate", pages=total_pages - len(prefix_pages),
+                            admission_timeout_s=self.config.admission_timeout_s):
+            pages = await self._allocate(state, total_pages - len(prefix_pages))
         delta = layout.pages_for(n) - len(prefix_pages)
         page_table = prefix_pages + pages
         room = secrets.randbits(63) or 1
@@ -219,23 +242,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
-        await self._prefill_connected()
-        state.sent_at = time.monotonic()
-        state.transfer_pending = True
-        try:
-            response = await self.prefill.Prefill(
-                prefill_pb2.PrefillRequest(token_ids=prompt, sampling=sampling, transfer_info=info),
-                timeout=timeout_s)
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                err = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
-            elif isinstance(err, Unavailable):
-                err = Unavailable(f"prefill failed: {exc.details()}")
-            raise err from None
-        state.transfer_pending = False
-        canonical, _ = await sidecar.commit(state.sidecar_id, prompt, page_table)
-        page_table[: len(canonical)] = canonical
+        # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
+        with telemetry.span("decode.first_token", room=room, prompt_len=n,
+                            decode_prefix_len=prefix_len, delta_pages=delta,
+                            lease_ms=self.config.lease_ms) as sp:
+            await self._prefill_connected()
+            state.sent_at = time.monotonic()
+            state.transfer_pending = True
+            try:
+                response = await self.prefill.Prefill(
+                    prefill_pb2.PrefillRequest(token_ids=prompt, sampling=sampling,
+                                               transfer_info=info),
+                    timeout=timeout_s)
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    err = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
+                elif isinstance(err, Unavailable):
+                    err = Unavailable(f"prefill failed: {exc.details()}")
+                raise err from None
+            state.transfer_pending = False
+            canonical, _ = await sidecar.commit(state.sidecar_id, prompt, page_table)
+            page_table[: len(canonical)] = canonical
+            if sp.is_recording():
+                sp.set_attributes(telemetry.prefixed(dict(
+                    first_token_id=response.first_token_id, transferred_pages=response.stats.pages,
+                    transferred_bytes=response.stats.bytes, prefill_ms=response.prefill_ms,
+                    transfer_ms=response.transfer_ms,
+                    prefill_cached_len=response.stats.prefill_cached_len)))
         state.response = response
         first = response.first_token_id
         eos = self.worker.model.eos_token_ids
@@ -350,6 +384,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             async with self.pages_freed:
                 self.pages_freed.notify_all()
+
+    def _record_usage(self, usage: decode_pb2.Usage) -> None:
+        """Metrics of a completed request: outcome, cached-token ratio, bytes saved by
+        prefix reuse (``cached_tokens / page_size`` pages that did not cross the network)."""
+        instruments = deltakv_metrics.current()
+        instruments.requests.add(1, {"outcome": "ok"})
+        if usage.prompt_tokens:
+            instruments.cached_ratio.record(usage.cached_tokens / usage.prompt_tokens)
+        instruments.prefix_bytes_saved.add(
+            usage.cached_tokens // self.worker.page_size * self.worker.page_bytes)
 
     def _usage(self, state: _RequestState, seq: Sequence, response: prefill_pb2.PrefillResponse,
                ttft_ms: float, t_start: float) -> decode_pb2.Usage:

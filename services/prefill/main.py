@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, give in-flight prefills this long to finish")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from services.common import tls
+    from services.common import telemetry, tls
 
     tls.add_server_arguments(parser)
+    telemetry.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +36,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
-    from services.common import tls
+    from services.common import telemetry, tls
     from services.common.aio_server import AioServer, install_stop_signals
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
@@ -45,18 +46,23 @@ async def _serve(args: argparse.Namespace) -> int:
     log = configure_logging("prefill", args.log_level, args.log_format)
     stop = asyncio.Event()
     install_stop_signals(stop)
+    tel = None
     try:
+        tel = telemetry.setup_from_args(args, "prefill", "worker")
         # Bad TLS files fail here, before the sidecar wait and the model load.
         tls.check_health_port(args.health_port, args.port)
         credentials = tls.server_credentials(tls.files_from_args(args))
         worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
     except DeltaKVError as exc:
         log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
+        if tel is not None:
+            tel.shutdown()
         return 2
     servicer = PrefillServicer(worker, args.model)
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
     server = AioServer(f"{args.host}:{args.port}", [name],
                        lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+                       interceptors=telemetry.aio_server_interceptors(),
                        credentials=credentials,
                        health_address=f"{args.host}:{args.health_port}" if args.health_port
                        else None)
@@ -69,5 +75,6 @@ async def _serve(args: argparse.Namespace) -> int:
     await server.drain(args.drain_timeout_s)
     servicer.close()
     await worker.close()
+    tel.shutdown()  # after the drain, so the last requests' spans are flushed
     log.info("prefill stopped")
     return 0

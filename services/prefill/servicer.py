@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common import metrics as deltakv_metrics
+from services.common import telemetry
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -127,6 +129,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         receipt = time.monotonic()
         info = request.transfer_info
         bind_request(info.request_id, info.room)
+        telemetry.annotate(request_id=info.request_id, room=info.room,
+                           prompt_len=len(request.token_ids))  # on the Prefill server span
         try:
             validate_prefill_request(request, self.worker.page_size, self.worker.model.vocab_size)
             if info.room in self.attempts:
@@ -203,9 +207,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             logits = runner.prefill(tokens, page_table, cached_len)
             return sampler.sample(logits)
 
-        attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
-        first_token = await attempt.forward
-        prefill_ms = (time.monotonic() - t0) * 1000.0
+        with telemetry.span("prefill.forward", prompt_len=len(tokens),
+                            prefill_cached_len=cached_len,
+                            computed_tokens=len(tokens) - cached_len,
+                            pages=len(page_table)) as sp:
+            attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
+            first_token = await attempt.forward
+            prefill_ms = (time.monotonic() - t0) * 1000.0
+            if sp.is_recording():
+                sp.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
+                                                          first_token_id=first_token)))
+        instruments = deltakv_metrics.current()
+        instruments.prefill_duration.record(prefill_ms / 1000.0)
+        instruments.prefill_tokens.add(len(tokens) - cached_len, {"kind": "computed"})
+        instruments.prefill_tokens.add(cached_len, {"kind": "cached"})
         self._check_alive(attempt, lease_end, context, "before the transfer")
 
         lease_left_ms = int((lease_end - time.monotonic()) * 1000)
