@@ -3,26 +3,25 @@
 The two sidecars run deltakv's MORI-IO adapter on the test stand-in (``tests/standins``, with
 ``DELTAKV_MORI_STANDIN=1``): page writes go prefill -> decode through ``IOEngine.batch_write``
 with byte offsets into the registered pools. Toy geometry T through ``tiny-random``
-(page_bytes 32,768). Also: without amd-mori, ``deltakv up --transport mori`` fails fast with
-one clear line and leaves no process and no pool segment behind.
+(page_bytes 32,768).
+
+Against the real library on an AMD node (amd-mori installed, ROCm, an active RDMA NIC), run
+the same tests with ``DELTAKV_MORI_REAL=1``: the stand-in is then left off the path (see
+docs/mori.md).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.up import ClusterConfig, ClusterError, LocalCluster
+from services.up import LocalCluster
 from tests.e2e.conftest import (
-    TOY_NUM_PAGES,
     TOY_PAGE_BYTES,
-    TOY_PAGE_SIZE,
     generate,
     make_cluster,
     run,
@@ -31,7 +30,9 @@ from tests.e2e.conftest import (
 from tests.e2e.reference import reference_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STANDIN_ENV = {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"), "DELTAKV_MORI_STANDIN": "1"}
+# The sidecars' import path: the stand-in, unless DELTAKV_MORI_REAL=1 asks for amd-mori itself.
+STANDIN_ENV = ({} if os.environ.get("DELTAKV_MORI_REAL") == "1" else
+               {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"), "DELTAKV_MORI_STANDIN": "1"})
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -80,56 +81,3 @@ def test_g3_short_prompts_are_never_skipped_over_mori(mori_cluster) -> None:
         expect_usage(result, prompt=5, cached=0, pages=1)
         assert result.token_ids == reference_tokens(prompt, 3)
     wait_for_baseline(addr)
-
-
-def _no_mori_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "DELTAKV_MORI_STANDIN")}
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
-@pytest.mark.timeout(180)
-def test_up_without_amd_mori_exits_nonzero_with_one_clear_line(tmp_path) -> None:
-    run_dir = tmp_path / "up-run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--transport", "mori", "--model",
-         "tiny-random", "--decode-port", "0", "--prefill-port", "0", "--run-dir", str(run_dir),
-         "--start-timeout-s", "120"],
-        cwd=REPO_ROOT, env=_no_mori_env(), capture_output=True, text=True, timeout=150)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if "amd-mori" in line]
-    assert lines, proc.stderr
-    assert all(fragment in lines[0] for fragment in ("3.10", "3.12", "ROCm", "pip install"))
-    assert "deltakv ready" not in proc.stdout
-    assert _processes_mentioning(str(run_dir)) == []  # no sidecar or worker survived
-
-
-@pytest.mark.timeout(180)
-def test_failed_mori_cluster_start_leaves_no_process_and_no_segment(tmp_path,
-                                                                    monkeypatch) -> None:
-    for key in ("PYTHONPATH", "DELTAKV_MORI_STANDIN"):
-        monkeypatch.delenv(key, raising=False)
-    config = ClusterConfig(model="tiny-random", transport="mori", page_size=TOY_PAGE_SIZE,
-                           num_pages=TOY_NUM_PAGES, decode_port=0, prefill_port=0,
-                           run_dir=str(tmp_path / "cluster"), start_timeout_s=120.0)
-    cluster = LocalCluster(config)
-    with pytest.raises(ClusterError) as exc_info:
-        cluster.start()
-    assert "amd-mori" in str(exc_info.value)
-    assert all(p.popen is None or p.popen.poll() is not None for p in cluster.procs)
-    for name in cluster.shm_names.values():
-        assert not os.path.exists(f"/dev/shm/{name}")
-    for path in cluster.sockets.values():
-        assert not os.path.exists(path)

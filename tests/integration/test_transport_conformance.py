@@ -72,8 +72,10 @@ BACKEND_CASES: list[BackendCase] = [
     BackendCase("shm"),
     # The engine's own per-batch bound (minimum 5 s) caps the frozen-peer case.
     BackendCase("mooncake", extra={"transfer_timeout_s": 5}, marks=(pytest.mark.mooncake,)),
-    # AMD MORI-IO through the adapter, on the test stand-in (tests/standins/mori).
-    BackendCase("mori", env={"DELTAKV_MORI_STANDIN": "1"}, pythonpath=("tests/standins",)),
+    # AMD MORI-IO through the adapter, on the test stand-in (tests/standins/mori); with
+    # DELTAKV_MORI_REAL=1 on an AMD node, on the installed amd-mori instead (docs/mori.md).
+    BackendCase("mori", env={"DELTAKV_MORI_STANDIN": "1"}, pythonpath=("tests/standins",))
+    if os.environ.get("DELTAKV_MORI_REAL") != "1" else BackendCase("mori"),
 ]
 
 # Small pages keep > max_entries distinct runs cheap: page_bytes = 2*2*4*1*8*4 = 512 B.
