@@ -531,6 +531,14 @@ def mark_failed(span: trace.Span, exc: BaseException | str) -> None:
     span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
 
 
+def fail_current(exc: BaseException | str) -> None:
+    """:func:`mark_failed` on the current span, e.g. a request's gRPC server span before the
+    handler aborts: the gRPC conventions leave server spans of client-side codes
+    (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) UNSET, but a request that failed must show
+    as failed."""
+    mark_failed(trace.get_current_span(), exc)
+
+
 class _NoopSpanContext(contextlib.AbstractContextManager):
     """What :func:`span` returns while tracing is off: no allocation, no context switch."""
 
@@ -655,22 +663,40 @@ def _aio_client_interceptor(tracer_provider: Any) -> Any:
     from opentelemetry.instrumentation.grpc import _aio_client
 
     class CancelAwareUnaryClientInterceptor(_aio_client.UnaryUnaryAioClientInterceptor):
-        """The stock unary client interceptor, plus: a call abandoned because its awaiting
-        task was cancelled (or any non-gRPC error) ends its span with ERROR instead of
-        leaving it open forever."""
+        """The stock unary client interceptor, plus: when the awaiting task is cancelled, the
+        RPC itself is cancelled (the stock code only stops waiting for it, so the server
+        would run on) and the span ends with ERROR; any other failure before the call's
+        done-callback is installed also ends the span instead of leaking it."""
 
         async def _wrap_unary_response(self, continuation: Any, sp: trace.Span) -> Any:
-            # The stock code ends the span only from the call's done-callback; every path
-            # that raises before that callback is installed must end it here.
-            try:
-                return await super()._wrap_unary_response(continuation, sp)
-            except BaseException as exc:
-                import grpc
+            import grpc
 
-                if isinstance(exc, asyncio.CancelledError):
-                    _mark_cancelled(sp)
-                elif not isinstance(exc, grpc.aio.AioRpcError):  # already annotated if it is
-                    mark_failed(sp, exc)
+            call = None
+            try:
+                call = await continuation()
+                # As the stock code: code and details are awaited here because the done
+                # callback cannot await.
+                code = await call.code()
+                details = await call.details()
+                callback = _aio_client._unary_done_callback(sp, code, details,
+                                                            self._call_response_hook)
+                try:
+                    call.add_done_callback(callback)
+                except NotImplementedError:
+                    callback(call)
+                return call
+            except asyncio.CancelledError:
+                if call is not None:
+                    call.cancel()
+                _mark_cancelled(sp)
+                sp.end()
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self.add_error_details_to_span(sp, exc)
+                sp.end()
+                raise
+            except Exception as exc:
+                mark_failed(sp, exc)
                 sp.end()
                 raise
 

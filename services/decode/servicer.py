@@ -146,6 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.counters["requests_failed"] += 1
             instruments.requests.add(1, {"outcome": "rejected"})
             instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
+            telemetry.fail_current(exc)  # the request's root span shows why it failed
             log.warning("request failed", code=exc.code.name, reason=str(exc))
             # Release before the client sees the error, so its next request finds the pages.
             await asyncio.shield(self._cleanup_once(state))

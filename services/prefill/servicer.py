@@ -137,6 +137,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise AlreadyExists(f"room {info.room} is already being prefilled")
         except DeltaKVError as exc:
             self.counters["requests_failed"] += 1
+            telemetry.fail_current(exc)
             await context.abort(*status_of(exc))
         attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}")
         self.attempts[info.room] = attempt
@@ -148,6 +149,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except DeltaKVError as exc:
             self.counters["requests_failed"] += 1
             log.warning("prefill failed", code=exc.code.name, reason=str(exc))
+            telemetry.fail_current(exc)
             await context.abort(*status_of(exc))
         except asyncio.CancelledError:
             self.counters["requests_failed"] += 1

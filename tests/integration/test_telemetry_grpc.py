@@ -1,0 +1,272 @@
+"""The gRPC instrumentation of services/common/telemetry.py on real gRPC servers and channels.
+
+Real ``grpc.aio`` and sync servers on Unix sockets under a tmp dir, with the deltakv protocol's
+services; spans go to an in-memory exporter on the real TracerProvider. Checked: context
+crosses the hop (one trace, server span child of client span); health checks are not traced;
+an aborted call is ERROR with its details; a call cancelled by its client ends both the client
+and the server span with ERROR (unary and server-streaming: the stock aio interceptor misses
+this); in the sync server (the sidecar's) the tracing interceptor sits outside the
+error-mapping one, so a typed error's code and message reach the span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from deltakv.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    sidecar_pb2,
+    sidecar_pb2_grpc,
+)
+from services.common import grpc_util, telemetry
+from services.common.aio_server import AioServer
+from services.common.errors import ResourceExhausted, Unavailable, status_of
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFILL = "/deltakv.v1.PrefillService/Prefill"
+GET_STATS = "/deltakv.v1.PrefillService/GetStats"
+ABORT = "/deltakv.v1.PrefillService/AbortTransfer"
+GENERATE = "/deltakv.v1.DecodeService/Generate"
+ALLOCATE = "/deltakv.v1.SidecarService/Allocate"
+
+
+@pytest.fixture
+def traced():
+    before = telemetry._current
+    config = telemetry.resolve_config("decode", "worker", traces_exporter="console", environ={})
+    tel = telemetry.setup_telemetry(config, install_globals=False)
+    memory = InMemorySpanExporter()
+    tel.tracer_provider.add_span_processor(SimpleSpanProcessor(memory))
+    yield tel, memory
+    tel.shutdown()
+    telemetry._current = before
+
+
+def wait_spans(memory: InMemorySpanExporter, predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = memory.get_finished_spans()
+        if predicate(spans):
+            return spans
+        assert time.monotonic() < deadline, [s.name for s in spans]
+        time.sleep(0.02)
+
+
+def by_kind(spans, name: str, kind: trace.SpanKind):
+    found = [s for s in spans if s.name == name and s.kind == kind]
+    assert len(found) == 1, [(s.name, s.kind) for s in spans]
+    return found[0]
+
+
+class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Prefill hangs until cancelled (records that it was); GetStats answers; AbortTransfer
+    fails: UNAVAILABLE for room 14, RESOURCE_EXHAUSTED otherwise (reported like the real
+    handlers do: ``fail_current`` then abort)."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def Prefill(self, request, context):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return prefill_pb2.PrefillResponse()
+
+    async def GetStats(self, request, context):
+        return prefill_pb2.PrefillStats(live_requests=1)
+
+    async def AbortTransfer(self, request, context):
+        exc = (Unavailable("engine of room 14 is gone") if request.room == 14
+               else ResourceExhausted("no room for 9 pages"))
+        telemetry.fail_current(exc)
+        await context.abort(*status_of(exc))
+
+
+class Decode(decode_pb2_grpc.DecodeServiceServicer):
+    """Generate streams a token every 20 ms for as long as the client reads."""
+
+    async def Generate(self, request, context):
+        for i in range(10_000):
+            yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=[i]))
+            await asyncio.sleep(0.02)
+
+
+async def serve(tmp_path, tel):
+    prefill, decode = Prefill(), Decode()
+
+    def add(server):
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, server)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, server)
+
+    names = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
+             decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
+    server = AioServer(f"unix:{tmp_path}/w.sock", names, add,
+                       interceptors=tel.aio_server_interceptors())
+    await server.start()
+    await server.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"unix:{tmp_path}/w.sock",
+                                        interceptors=tel.aio_client_interceptors())
+    return server, channel, prefill
+
+
+def test_one_trace_across_the_hop_and_no_health_spans(traced, tmp_path) -> None:
+    tel, memory = traced
+
+    async def main():
+        server, channel, _ = await serve(tmp_path, tel)
+        try:
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(3):
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            with telemetry.span("decode.first_token"):
+                reply = await prefill_pb2_grpc.PrefillServiceStub(channel).GetStats(
+                    kv_pb2.GetStatsRequest(), timeout=5)
+            assert reply.live_requests == 1
+        finally:
+            await channel.close()
+            await server.drain(0.5)
+
+    asyncio.run(main())
+    spans = wait_spans(memory, lambda s: len(s) >= 3)
+    assert not [s for s in spans if "grpc.health" in s.name]
+    outer = next(s for s in spans if s.name == "decode.first_token")
+    client = by_kind(spans, GET_STATS, trace.SpanKind.CLIENT)
+    server = by_kind(spans, GET_STATS, trace.SpanKind.SERVER)
+    assert len({outer.context.trace_id, client.context.trace_id, server.context.trace_id}) == 1
+    assert client.parent.span_id == outer.context.span_id
+    assert server.parent.span_id == client.context.span_id
+    assert server.status.status_code == trace.StatusCode.UNSET
+
+
+@pytest.mark.parametrize(("room", "code", "reason"), [
+    (14, grpc.StatusCode.UNAVAILABLE, "engine of room 14 is gone"),
+    (8, grpc.StatusCode.RESOURCE_EXHAUSTED, "no room for 9 pages"),
+])
+def test_aborted_call_is_error_with_its_details(traced, tmp_path, room, code, reason) -> None:
+    tel, memory = traced
+
+    async def main():
+        server, channel, _ = await serve(tmp_path, tel)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await prefill_pb2_grpc.PrefillServiceStub(channel).AbortTransfer(
+                    prefill_pb2.AbortTransferRequest(room=room), timeout=5)
+            assert err.value.code() == code
+        finally:
+            await channel.close()
+            await server.drain(0.5)
+
+    asyncio.run(main())
+    spans = wait_spans(memory, lambda s: len(s) >= 2)
+    for kind in (trace.SpanKind.CLIENT, trace.SpanKind.SERVER):
+        span = by_kind(spans, ABORT, kind)
+        # The gRPC conventions leave server spans of client-side codes UNSET; fail_current
+        # makes every failed request ERROR, with the reason.
+        assert span.status.status_code == trace.StatusCode.ERROR, kind
+        assert reason in span.status.description
+        assert span.attributes["rpc.grpc.status_code"] == code.value[0]
+
+
+def test_unary_call_cancelled_by_the_client_ends_both_spans_with_error(traced, tmp_path) -> None:
+    tel, memory = traced
+
+    async def main():
+        server, channel, prefill = await serve(tmp_path, tel)
+        try:
+            call = asyncio.ensure_future(prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
+                prefill_pb2.PrefillRequest(token_ids=[1, 2, 3]), timeout=20))
+            await asyncio.sleep(0.3)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.wait_for(prefill.cancelled.wait(), timeout=10)
+        finally:
+            await channel.close()
+            await server.drain(0.5)
+
+    asyncio.run(main())
+    spans = wait_spans(memory, lambda s: sum(x.name == PREFILL for x in s) == 2)
+    for kind in (trace.SpanKind.CLIENT, trace.SpanKind.SERVER):
+        span = by_kind(spans, PREFILL, kind)
+        assert span.status.status_code == trace.StatusCode.ERROR, kind
+        assert span.status.description == "cancelled by the client"
+        assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+
+
+def test_stream_cancelled_by_the_client_is_error(traced, tmp_path) -> None:
+    tel, memory = traced
+
+    async def main():
+        server, channel, _ = await serve(tmp_path, tel)
+        try:
+            call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+                decode_pb2.GenerateRequest(), timeout=20)
+            received = 0
+            async for _ in call:
+                received += 1
+                if received == 3:
+                    call.cancel()
+                    break
+            # The server span ends once the handler has unwound.
+            await asyncio.to_thread(wait_spans, memory,
+                                    lambda s: any(x.name == GENERATE for x in s))
+        finally:
+            await channel.close()
+            await server.drain(0.5)
+
+    asyncio.run(main())
+    span = by_kind(memory.get_finished_spans(), GENERATE, trace.SpanKind.SERVER)
+    assert span.status.status_code == trace.StatusCode.ERROR
+    assert span.status.description == "cancelled by the client"
+
+
+class Sidecar(sidecar_pb2_grpc.SidecarServiceServicer):
+    def Allocate(self, request, context):
+        with telemetry.span("sidecar.allocate_inner"):
+            raise Unavailable(f"engine gone while allocating {request.num_pages} pages")
+
+
+def test_sync_server_span_sees_the_mapped_error(traced, tmp_path) -> None:
+    tel, memory = traced
+    server = grpc_util.make_server(max_workers=4,
+                                   outer_interceptors=tel.server_interceptors())
+    sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(Sidecar(), server)
+    health = grpc_util.add_health_and_reflection(server, ["deltakv.v1.SidecarService"])
+    grpc_util.set_serving(health, ["deltakv.v1.SidecarService"], serving=True)
+    address = grpc_util.uds_address(tmp_path / "sc.sock")
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        grpc_util.wait_serving(address, timeout_s=10)
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                sidecar_pb2_grpc.SidecarServiceStub(channel).Allocate(
+                    sidecar_pb2.AllocateRequest(request_id="r", num_pages=9), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0).wait(5)
+    spans = wait_spans(memory, lambda s: any(x.name == ALLOCATE for x in s))
+    assert not [s for s in spans if "grpc.health" in s.name]
+    rpc = by_kind(spans, ALLOCATE, trace.SpanKind.SERVER)
+    assert rpc.status.status_code == trace.StatusCode.ERROR
+    # The tracing interceptor sits outside the error mapping: it sees the mapped status.
+    assert rpc.status.description.endswith("engine gone while allocating 9 pages")
+    assert rpc.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    inner = next(s for s in spans if s.name == "sidecar.allocate_inner")
+    assert inner.parent.span_id == rpc.context.span_id
+    assert inner.attributes["deltakv.failure_code"] == "UNAVAILABLE"
