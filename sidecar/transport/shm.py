@@ -36,6 +36,16 @@ from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, 
 _DESCRIPTOR_VERSION = 1
 
 
+def _node_id() -> str:
+    """Identity of the running kernel (``/proc/sys/kernel/random/boot_id``): equal for every
+    container on one machine, different across machines; falls back to the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def _proc_start_time(pid: int) -> int | None:
     """Start time (clock ticks since boot) of a live process, None if it is gone or a zombie.
     Together with the PID it identifies one process (PIDs are reused, start times are not)."""
@@ -123,6 +133,7 @@ class ShmTransport(Transport):
             "segment": pool.name,
             "nbytes": pool.nbytes,
             "host": host,
+            "node": _node_id(),
             "pidns": _pid_namespace(),
             "pid": os.getpid(),
             "start_time": _proc_start_time(os.getpid()),
@@ -155,9 +166,13 @@ class ShmTransport(Transport):
             cached = self._peers.get(peer.endpoint_id)
             if cached is not None and not cached.closed:
                 return cached
-        if desc["host"] != socket.gethostname():
+        # Same kernel, not same hostname: pods on one node have their own hostnames but can
+        # share the node's /dev/shm (the Helm chart's shm mode mounts it).
+        peer_node = desc.get("node") or desc["host"]
+        local_node = _node_id() if desc.get("node") else socket.gethostname()
+        if peer_node != local_node:
             raise FailedPrecondition(
-                f"shm backend needs both sidecars on one host: peer is on {desc['host']!r}, "
+                f"shm backend needs both sidecars on one machine: peer is on {desc['host']!r}, "
                 f"this one on {socket.gethostname()!r}; use mooncake or mori across hosts")
         if desc["nbytes"] != remote.pool_bytes:
             raise InvalidArgument(

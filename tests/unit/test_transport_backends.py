@@ -73,11 +73,31 @@ def test_descriptor_size_must_match_the_layout(name, pools):
 
 
 @pytest.mark.timeout(60)
-def test_shm_refuses_a_peer_on_another_host(pools):
+def test_shm_refuses_a_peer_on_another_machine(pools):
     ta, tb, info = _pair("shm", pools)
     try:
-        with pytest.raises(FailedPrecondition, match="one host"):
-            ta.connect(_with_descriptor(info, host="some-other-node"))
+        with pytest.raises(FailedPrecondition, match="one machine"):
+            ta.connect(_with_descriptor(info, host="some-other-node", node="another-boot-id"))
+        # An old descriptor without a node id falls back to the host name.
+        legacy = _with_descriptor(info, host="some-other-node")
+        desc = json.loads(legacy.descriptor)
+        del desc["node"]
+        legacy.descriptor = json.dumps(desc).encode()
+        with pytest.raises(FailedPrecondition, match="one machine"):
+            ta.connect(legacy)
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_accepts_a_peer_in_another_pod_on_the_same_machine(pools):
+    # Pods on one node have their own host names but share the kernel (boot id) and, with the
+    # chart's hostPath mount, /dev/shm.
+    ta, tb, info = _pair("shm", pools)
+    try:
+        handle = ta.connect(_with_descriptor(info, host="decode-pod-7f9c"))
+        ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
     finally:
         ta.close()
         tb.close()
