@@ -9,7 +9,8 @@
 #           docker run --rm deltakv:0.1.0-cpu python -m pytest tests
 #           docker run --rm -p 50051:50051 deltakv:0.1.0-cpu deltakv up
 #   cuda  NVIDIA CUDA runtime + Python 3.12, CUDA torch; backends shm and mooncake (CUDA build).
-#   rocm  AMD ROCm runtime + Python 3.12, ROCm torch; backends shm, mooncake and mori (amd-mori).
+#   rocm  AMD ROCm 7 runtime + Python 3.10, ROCm torch; backends shm, mooncake and mori (amd-mori
+#         1.2.x: its wheels link libamdhip64.so.7 and exist for CPython 3.10 on glibc 2.35).
 #           docker build --build-arg VARIANT=rocm -t deltakv:0.1.0-rocm .
 #
 # The chart's default image tag is "<appVersion>-<variant>". TORCH_INDEX_URL overrides where the
@@ -40,18 +41,20 @@ ENV DELTAKV_TORCH_INDEX=${TORCH_INDEX_URL} \
     DELTAKV_EXTRA_PACKAGES=mooncake-transfer-engine \
     DELTAKV_PYTHON=python3.12
 
-FROM rocm/dev-ubuntu-24.04:6.4.1 AS base-rocm
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/rocm6.4
+# Not built here (no Docker engine): base tag and torch index follow amd-mori's requirements
+# (ROCm 7, Python 3.10) and must be checked on a ROCm build host; see docs/mori.md.
+FROM rocm/dev-ubuntu-22.04:7.0 AS base-rocm
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/rocm7.0
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-# amd-mori publishes wheels for CPython 3.10 and 3.12 only; Ubuntu 24.04 ships 3.12.
+# amd-mori 1.2.x publishes wheels for CPython 3.10 (manylinux_2_35); Ubuntu 22.04 ships 3.10.
 ENV DELTAKV_TORCH_INDEX=${TORCH_INDEX_URL} \
     DELTAKV_EXTRAS=mooncake,mori \
     DELTAKV_EXTRA_PACKAGES="" \
-    DELTAKV_PYTHON=python3.12
+    DELTAKV_PYTHON=python3.10
 
 # --------------------------------------------------------------------------- the image
 # hadolint ignore=DL3006
