@@ -73,11 +73,15 @@ class Usage:
     prefill_cached_tokens: int = 0
     request_id: str = ""
     total_ms: float = 0.0
+    #: the prompt's token ids, only when the request set ``echo_prompt_token_ids``
+    prompt_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: decode_pb2.Usage) -> Usage:
         """Copy a ``deltakv.v1.Usage`` message field by field (names are identical)."""
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
+        values["prompt_token_ids"] = tuple(msg.prompt_token_ids)
+        return cls(**values)
 
     def delta_pages(self) -> int:
         """Pages the handoff had to move: ``ceil(prompt/page_size) - cached/page_size``.
@@ -219,6 +223,7 @@ def build_request(
     seed: int | None = None,
     ignore_eos: bool = False,
     disable_decode_prefix_reuse: bool = False,
+    echo_prompt_token_ids: bool = False,
     request_id: str = "",
 ) -> decode_pb2.GenerateRequest:
     """Build a ``GenerateRequest`` with exactly one input.
@@ -250,6 +255,7 @@ def build_request(
         request_id=request_id or uuid.uuid4().hex[:16],
         sampling=sampling,
         disable_decode_prefix_reuse=disable_decode_prefix_reuse,
+        echo_prompt_token_ids=echo_prompt_token_ids,
     )
     if text is not None:
         if not text:

@@ -2,9 +2,11 @@
 
 ``--local`` runs the paged model runner aggregated in this process (prefill and decode on one
 private pool, no sidecar, no transfer): the reference that disaggregated runs are compared
-against. The prompt is wrapped in the model's chat template unless ``--raw``. Output is the
-generated text, or with ``--json`` ``{"prompt_token_ids", "token_ids", "text",
-"finish_reason"}``; ``token_ids`` includes the EOS token when generation stopped on one.
+against. ``--target HOST:PORT`` sends the same request to a cluster's decode service (the
+cluster applies the chat template). The prompt is wrapped in the model's chat template unless
+``--raw``. Output is the generated text, or with ``--json`` ``{"prompt_token_ids", "token_ids",
+"text", "finish_reason"}`` (plus ``"usage"`` with ``--target``); ``token_ids`` includes the EOS
+token when generation stopped on one.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``deltakv generate``."""
-    parser.add_argument("--local", action="store_true",
-                        help="run the paged runner in this process (aggregated reference)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true",
+                       help="run the paged runner in this process (aggregated reference)")
+    where.add_argument("--target", metavar="HOST:PORT",
+                       help="send the request to a cluster's decode service")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="deadline of the request with --target (seconds)")
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 | tiny-random | HF model dir | .gguf file (default smollm2)")
     parser.add_argument("--prompt", required=True, help="user message (or raw text with --raw)")
@@ -37,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="KV pool dtype (local)")
     parser.add_argument("--json", action="store_true",
-                        help="print {prompt_token_ids, token_ids, text, finish_reason} as JSON")
+                        help="print {prompt_token_ids, token_ids, text, finish_reason[, usage]} "
+                             "as JSON")
+    from services.common.tls import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
@@ -112,6 +123,56 @@ def generate_local(args: argparse.Namespace,
             "finish_reason": reason}
 
 
+def generate_remote(args: argparse.Namespace,
+                    on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Send the request to the decode service at ``args.target`` and stream its answer.
+
+    Same keys as :func:`generate_local` plus ``"usage"`` (the server's accounting: prompt and
+    cached tokens, transferred pages and bytes, TTFT, prefill/transfer ms). Raises the typed
+    error of the RPC's status (e.g. Unavailable when the cluster is down, InvalidArgument for a
+    bad prompt).
+    """
+    import asyncio
+    import dataclasses
+
+    from services.client import DecodeClient
+    from services.common.errors import InvalidArgument
+    from services.common.tls import files_from_args
+
+    if args.max_new_tokens < 1:
+        raise InvalidArgument(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt or not args.prompt.strip():
+        raise InvalidArgument("empty prompt")
+    if args.raw:
+        request: dict[str, Any] = {"text": args.prompt}
+    else:
+        chat = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            chat.insert(0, {"role": "system", "content": args.system})
+        request = {"chat": chat}
+    tls = files_from_args(args)
+    emit = on_text or (lambda _piece: None)
+
+    async def call() -> dict[str, Any]:
+        async with DecodeClient(args.target, timeout_s=args.timeout_s,
+                                tls=tls if tls.any else None) as client:
+            stream = client.stream(
+                **request, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                echo_prompt_token_ids=True)
+            async with stream:
+                async for chunk in stream:
+                    if chunk.text:
+                        emit(chunk.text)
+                result = await stream.result()
+        usage = dataclasses.asdict(result.usage)
+        prompt = list(usage.pop("prompt_token_ids"))
+        return {"prompt_token_ids": prompt, "token_ids": result.token_ids, "text": result.text,
+                "finish_reason": result.usage.finish_reason, "usage": usage}
+
+    return asyncio.run(call())
+
+
 def print_result(result: dict[str, Any], as_json: bool, streamed: bool = False) -> None:
     """Print a generation: JSON on one line, or the text (just a newline if it was streamed)."""
     if as_json:
@@ -126,14 +187,14 @@ def run(args: argparse.Namespace) -> int:
     """Entry point: 0 on success, 2 on a usage or input error (message on stderr)."""
     from services.common.errors import DeltaKVError
 
-    if not args.local:
-        print("deltakv generate: choose where to run: --local (in this process)", file=sys.stderr)
-        return 2
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     try:
-        result = generate_local(args, on_text=stream)
+        if args.target:
+            result = generate_remote(args, on_text=stream)
+        else:
+            result = generate_local(args, on_text=stream)
     except DeltaKVError as exc:
-        print(f"deltakv generate: {exc}", file=sys.stderr)
+        print(f"deltakv generate: {exc.code.name}: {exc}", file=sys.stderr)
         return 2
     print_result(result, args.json, streamed=stream is not None)
     return 0

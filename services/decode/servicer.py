@@ -132,6 +132,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                                 finish_reason=seq.finish_reason or "stop") as sp:
                 await self._finish(state, seq)
                 usage = self._usage(state, seq, response, ttft_ms, t_start)
+                if request.echo_prompt_token_ids:
+                    usage.prompt_token_ids.extend(seq.tokens[: seq.prompt_len])
                 if sp.is_recording():
                     sp.set_attributes(telemetry.prefixed(dict(
                         prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,

@@ -28,20 +28,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "disable_decode_prefix_reuse")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "disable_decode_prefix_reuse", "echo_prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISABLE_DECODE_PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
+    ECHO_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
     token_ids: TokenIds
     sampling: _kv_pb2.SamplingParams
     disable_decode_prefix_reuse: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., disable_decode_prefix_reuse: _Optional[bool] = ...) -> None: ...
+    echo_prompt_token_ids: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., disable_decode_prefix_reuse: _Optional[bool] = ..., echo_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -52,7 +54,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "transferred_pages", "transferred_bytes", "page_size", "page_bytes", "ttft_ms", "prefill_ms", "transfer_ms", "finish_reason", "prefill_cached_tokens", "request_id", "total_ms")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "transferred_pages", "transferred_bytes", "page_size", "page_bytes", "ttft_ms", "prefill_ms", "transfer_ms", "finish_reason", "prefill_cached_tokens", "request_id", "total_ms", "prompt_token_ids")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class Usage(_message.Message):
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -81,7 +84,8 @@ class Usage(_message.Message):
     prefill_cached_tokens: int
     request_id: str
     total_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., page_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., page_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., total_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "usage")
