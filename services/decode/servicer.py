@@ -110,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             telemetry.annotate(ttft_ms=ttft_ms, room=state.room, prompt_len=state.prompt_len,
                                decode_prefix_len=state.decode_prefix_len)
             instruments.ttft.record(ttft_ms / 1000.0)
-            detok = IncrementalDetokenizer(self.tokenizer)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt)
             yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(
                 token_ids=[first], text=detok.push(first)))
             if seq.finish_reason is None:
