@@ -8,7 +8,8 @@ Both run in this process on the same weights, the same prompts, the same thread 
   B * S / time of the steps. transformers uses its ``DynamicCache``; the runner its page-major pool
   with page tables.
 
-Each measurement is the median of ``--repeats`` runs after one warm-up. Ratios are
+Each measurement is the median of ``--repeats`` runs after one warm-up, the two sides taking
+turns so that a busy machine slows both alike. Ratios are
 runner / transformers (> 1: the runner is faster). Numbers, never assertions: tests do not time.
 """
 
@@ -56,20 +57,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context", type=int, default=256,
                         help="tokens already cached per sequence before decoding (default 256)")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps (default 32)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per point (median)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up: allocator, thread pool, lazy kernels
-    times = []
+def _timed(fn: Callable[[], float | None]) -> float:
+    """Seconds ``fn`` took, or the seconds it reports itself (to leave setup out)."""
+    start = time.perf_counter()
+    reported = fn()
+    return reported if reported is not None else time.perf_counter() - start
+
+
+def _paired_medians(ours: Callable[[], float | None], theirs: Callable[[], float | None],
+                    repeats: int) -> tuple[float, float]:
+    """Median seconds of both sides, run alternately so that load from other processes on a
+    shared machine hits both alike."""
+    ours()  # warm-up: allocator, thread pool, lazy kernels
+    theirs()
+    ours_s, theirs_s = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        ours_s.append(_timed(ours))
+        theirs_s.append(_timed(theirs))
+    return statistics.median(ours_s), statistics.median(theirs_s)
 
 
 def _prompts(tokenizer: Any, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -133,8 +144,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
                 hf_model(input_ids=ids, logits_to_keep=1, use_cache=True,
                          **_hf_cache_kwargs(hf_model, cache))
 
-            t_ours = _median_seconds(ours_prefill, args.repeats)
-            t_hf = _median_seconds(hf_prefill, args.repeats)
+            t_ours, t_hf = _paired_medians(ours_prefill, hf_prefill, args.repeats)
             record("prefill", 1, length, 0, length / t_ours, length / t_hf)
 
         ctx, steps = args.decode_context, args.decode_steps
@@ -163,9 +173,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
                     nxt = torch.argmax(out.logits[:, -1], dim=-1, keepdim=True)
                 return time.perf_counter() - start
 
-            t_ours = _median_seconds(ours_decode, args.repeats)
-            hf_decode()
-            t_hf = statistics.median(hf_decode() for _ in range(args.repeats))
+            t_ours, t_hf = _paired_medians(ours_decode, hf_decode, args.repeats)
             record("decode", batch, ctx, steps, batch * steps / t_ours, batch * steps / t_hf)
     return {"model": args.model, "threads": torch.get_num_threads(), "page_size": ps,
             "results": results}

@@ -72,7 +72,6 @@ class ModelRunner:
         self.page_size = int(page_size)
         self.num_pages = int(num_pages)
         self._module = module
-        self._num_kv_heads = spec.num_kv_heads
         # Token rows between consecutive pages in the pool's [rows, Hkv, D] view.
         self._page_rows = spec.num_layers * 2 * self.page_size
 
@@ -148,9 +147,7 @@ class ModelRunner:
                 write_rows = self._token_rows(table, torch.arange(start, n, device=device))
             prefix_rows = None
             if start > 0:
-                rows = self._token_rows(table, torch.arange(start, device=device))
-                heads = torch.arange(self._num_kv_heads, device=device)
-                prefix_rows = rows[None, :] * self._num_kv_heads + heads[:, None]  # [Hkv, start]
+                prefix_rows = self._token_rows(table, torch.arange(start, device=device))
             ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=device)
             return self._module.prefill(self.pool, ids, start, write_rows, prefix_rows,
                                         return_all_logits)
@@ -196,8 +193,6 @@ class ModelRunner:
             positions = torch.arange(s, device=device)
             rows = (padded[:, positions // self.page_size] * self._page_rows
                     + positions % self.page_size)  # [B, S]
-            heads = torch.arange(self._num_kv_heads, device=device)
-            context_rows = rows[:, None, :] * self._num_kv_heads + heads[None, :, None]
             write_rows = rows.gather(1, lengths[:, None])[:, 0]
             mask = None
             if int(lengths.min()) + 1 < s:
@@ -207,4 +202,4 @@ class ModelRunner:
             ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
                                device=device)
             return self._module.decode(self.pool, ids, lengths, write_rows,
-                                       context_rows.contiguous(), mask)
+                                       rows.contiguous(), mask)
