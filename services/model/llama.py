@@ -179,7 +179,7 @@ class PagedLlama:
         """Take the weights of a transformers ``*ForCausalLM`` (Llama/Mistral/Qwen2 layout).
 
         Embedding, norms and output head are shared with ``hf_model`` (no copy); q/k/v and
-        gate/up are concatenated into new tensors. Raises :class:`InvalidArgument`
+        gate/up are concatenated into new tensors and the output head gets a transposed copy. Raises :class:`InvalidArgument`
         (INVALID_ARGUMENT) for an unsupported architecture.
         """
         config = hf_model.config
