@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model.loader import load_transformers_model, loaded_from_transformers
+from services.model.loader import kv_geometry, load_transformers_model, loaded_from_transformers
 from services.model.runner import DecodeSeq, ModelRunner
 from services.model.sampling import Sampler, should_stop
 from services.model.tokenizer import IncrementalDetokenizer, encode_chat
@@ -84,6 +84,8 @@ def test_geometry_and_tokens(smollm2):
     assert model.vocab_size == 49152
     assert model.eos_token_ids == {2}  # <|im_end|>
     assert model.module.spec.tie_word_embeddings
+    # The sidecar sizes its pool from the name alone; it must agree with the loaded weights.
+    assert kv_geometry("smollm2") == model.geometry
 
 
 @pytest.mark.parametrize("index", range(len(CHATS)))
