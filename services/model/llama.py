@@ -266,7 +266,7 @@ class PagedLlama:
             return (h[None] @ self.lm_head_t)[0].float()
         if h.shape[0] == 1:
             return (h @ self.lm_head_t).float()
-        return (self.lm_head @ h.t()).t().float()
+        return (self.lm_head @ h.t()).t().float().contiguous()
 
     # ---- paged forwards ----------------------------------------------------------------------
 
