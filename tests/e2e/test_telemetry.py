@@ -111,8 +111,11 @@ def _trace_of(receiver: OtlpReceiver, request_id: str, *, names: tuple[str, ...]
                      and s.attributes.get("deltakv.request_id") == request_id), None)
 
     def ready(spans: list[ReceivedSpan]) -> bool:
+        # A name may be "span" or "span@service" (the Prefill RPC is a client span in decode
+        # and a server span in prefill: waiting for the name alone races the latter).
         tid = trace_id(spans)
         present = {s.name for s in spans if s.trace_id == tid}
+        present |= {f"{s.name}@{s.service}" for s in spans if s.trace_id == tid}
         return tid is not None and all(n in present for n in names)
 
     spans = receiver.wait_for(ready, timeout_s=timeout_s)
@@ -136,7 +139,8 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
                           request_id="otel-g2"))
     assert (result.usage.cached_tokens, result.usage.transferred_bytes) == (32, 65_536)
 
-    spans = _trace_of(receiver, "otel-g2", names=("kv.transfer", "decode.finish", PREFILL))
+    spans = _trace_of(receiver, "otel-g2", names=("kv.transfer", "decode.finish",
+                                                  f"{PREFILL}@deltakv-prefill"))
     # decode, prefill, and both sidecars (one service name, told apart by deltakv.role)
     processes = {(s.service, s.role, s.process) for s in spans}
     assert processes == {("deltakv-decode", "decode", "worker"),
