@@ -14,6 +14,7 @@ sides share a PID namespace, that the owner process is alive.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import socket
@@ -233,14 +234,18 @@ class ShmTransport(Transport):
         if not runs:
             return
         src = self._require_pool().as_bytes()
-        dst = self._live_view(handle)
+        dst = self._live_view(handle)  # held: keeps the peer's mapping alive while copying
+        page_bytes = handle.layout.page_bytes
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
         for run in runs:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
                     f"shm write to {handle.endpoint_id!r}: deadline passed before run "
                     f"{run} started")
-            s, d, n = run.src_page, run.dst_page, run.num_pages
-            dst[d:d + n].copy_(src[s:s + n])
+            # libc memmove (GIL released by ctypes) runs at memcpy speed; torch's uint8
+            # copy_ measured about half of it here.
+            ctypes.memmove(dst_base + run.dst_page * page_bytes,
+                           src_base + run.src_page * page_bytes, run.num_pages * page_bytes)
 
     def write_block(self, peer: PeerHandle, src_offset: int, dst_offset: int, nbytes: int,
                     deadline: float) -> None:
@@ -252,9 +257,9 @@ class ShmTransport(Transport):
         check_block(src_offset, dst_offset, nbytes, pool.nbytes, handle.layout.pool_bytes)
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"shm write_block to {handle.endpoint_id!r}: deadline passed")
-        src = pool.as_bytes().view(-1)
-        dst = self._live_view(handle).view(-1)
-        dst[dst_offset:dst_offset + nbytes].copy_(src[src_offset:src_offset + nbytes])
+        src = pool.as_bytes()
+        dst = self._live_view(handle)
+        ctypes.memmove(dst.data_ptr() + dst_offset, src.data_ptr() + src_offset, nbytes)
 
     def close(self) -> None:
         """Unmap every peer pool (never the local one: the sidecar owns it). Idempotent."""
