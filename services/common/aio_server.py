@@ -112,6 +112,18 @@ class AioServer:
             await self.health_server.stop(0)
 
 
+def worker_server(args, service_name: str, add_servicers: Callable[[grpc.aio.Server], None],
+                  credentials: grpc.ServerCredentials | None) -> AioServer:
+    """The AioServer of a prefill or decode worker from its parsed ``--host``, ``--port`` and
+    ``--health-port`` flags, traced when telemetry is on, with TLS when ``credentials``."""
+    from services.common import telemetry
+
+    health = f"{args.host}:{args.health_port}" if args.health_port else None
+    return AioServer(f"{args.host}:{args.port}", [service_name], add_servicers,
+                     interceptors=telemetry.aio_server_interceptors(), credentials=credentials,
+                     health_address=health)
+
+
 def install_stop_signals(stop: asyncio.Event) -> None:
     """Set ``stop`` on SIGTERM or SIGINT (graceful shutdown of an asyncio service)."""
     loop = asyncio.get_running_loop()

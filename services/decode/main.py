@@ -88,7 +88,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
     from services.common import telemetry, tls
-    from services.common.aio_server import CLIENT_OPTIONS, AioServer, install_stop_signals
+    from services.common.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
     from services.common.worker import start_worker
@@ -130,12 +130,9 @@ async def _serve(args: argparse.Namespace) -> int:
     servicer = DecodeServicer(worker, channel, config)
     servicer.start()
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-    server = AioServer(f"{args.host}:{args.port}", [name],
-                       lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-                       interceptors=telemetry.aio_server_interceptors(),
-                       credentials=credentials,
-                       health_address=f"{args.host}:{args.health_port}" if args.health_port
-                       else None)
+    server = worker_server(
+        args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+        credentials)
     await server.start()
     await server.set_serving(True)
     log.info("decode serving", address=server.address, prefill=args.prefill_target,

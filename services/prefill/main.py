@@ -37,7 +37,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
     from services.common import telemetry, tls
-    from services.common.aio_server import AioServer, install_stop_signals
+    from services.common.aio_server import install_stop_signals, worker_server
     from services.common.errors import DeltaKVError
     from services.common.logging import configure_logging
     from services.common.worker import start_worker
@@ -60,12 +60,9 @@ async def _serve(args: argparse.Namespace) -> int:
         return 2
     servicer = PrefillServicer(worker, args.model)
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-    server = AioServer(f"{args.host}:{args.port}", [name],
-                       lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-                       interceptors=telemetry.aio_server_interceptors(),
-                       credentials=credentials,
-                       health_address=f"{args.host}:{args.health_port}" if args.health_port
-                       else None)
+    server = worker_server(
+        args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        credentials)
     await server.start()
     await server.set_serving(True)
     log.info("prefill serving", address=server.address, tls=credentials is not None,
