@@ -245,8 +245,12 @@ def build_request(
     if temperature < 0 or top_k < 0 or not 0.0 <= top_p <= 1.0:
         raise InvalidArgument(
             f"bad sampling: temperature={temperature} top_k={top_k} top_p={top_p}")
-    if seed is not None and seed < 0:
-        raise InvalidArgument(f"seed must be >= 0, got {seed}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
+    # uint32 fields of the protocol: a larger value cannot be sent at all.
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
+        if value >= 2**32:
+            raise InvalidArgument(f"{name} must be < 2**32, got {value}")
     sampling = kv_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                      max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     if seed is not None:

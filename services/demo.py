@@ -45,6 +45,7 @@ from services.bench.multiturn import (
 from services.chat import ChatSession, format_turn_stats
 from services.client import DecodeClient, GenerateResult
 from services.common.errors import DeltaKVError, InvalidArgument, Unavailable
+from services.up import sigterm_on_parent_death
 
 # Incremental rounds >= 1 must move at most this fraction of the full-transfer bytes.
 MAX_BYTES_RATIO = 1 / 3
@@ -143,8 +144,11 @@ class UpProcess:
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
+        # PDEATHSIG: if the demo is killed (SIGTERM from `timeout`, a cancelled job), `up` gets
+        # SIGTERM and stops its cluster instead of being orphaned with it.
         self._proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                      preexec_fn=sigterm_on_parent_death)
         assert self._proc.stdout is not None
         self._reader = threading.Thread(target=self._pump, args=(self._proc.stdout, log),
                                         name="deltakv-up-log", daemon=True)
@@ -305,6 +309,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, DEMO_WORKLOAD)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``deltakv demo``: 0 pass, 1 a check failed, 2 no cluster / bad flags."""
     out = sys.stdout
@@ -321,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         print(f"deltakv demo: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the cluster in order.
+    signal.signal(signal.SIGTERM, _interrupt)
     own_dir = args.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="deltakv-demo-")) if own_dir else args.run_dir
     # Free ports: the demo must not collide with a cluster already on the default ports.

@@ -29,9 +29,39 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.argtypes import port_number
+
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_PREFILL_PORT = 50061
 _PR_SET_PDEATHSIG = 1
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ClusterError if ``host:port`` cannot be bound now (another cluster or program owns it):
+    said before any process starts, instead of a child failing later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ClusterError(f"cannot use {host}:{port}: {exc.strerror}; choose another "
+                               f"port (0 picks a free one)") from None
+
+
+def check_transport(name: str) -> None:
+    """ClusterError with the registry's one-line reason if the backend cannot run here
+    (unknown name, or its optional dependency is missing)."""
+    from services.common.errors import DeltaKVError
+    from sidecar.transport.registry import available_backends
+
+    try:
+        reason = available_backends().get(name, "")
+    except DeltaKVError as exc:
+        raise ClusterError(str(exc)) from None
+    if reason == "":
+        raise ClusterError(f"unknown transport {name!r}; choose one of "
+                           f"{', '.join(sorted(available_backends()))}")
+    if reason is not None:
+        raise ClusterError(reason)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,10 +71,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGTERM it when `up` dies, whatever the cause.
+def sigterm_on_parent_death() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the process that started it dies, whatever
+    the cause (Linux PR_SET_PDEATHSIG), so no child outlives its parent."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _die_with_parent() -> None:
+    sigterm_on_parent_death()
     os.setsid()  # Ctrl-C reaches `up` only, which stops the children in order
 
 
@@ -102,6 +137,9 @@ class LocalCluster:
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="deltakv-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster_id = uuid.uuid4().hex[:8]
+        for port in (config.decode_port, config.prefill_port):
+            if port:
+                check_port_free(config.host, port)
         if config.decode_port == 0:
             config.decode_port = free_port(config.host)
         if config.prefill_port == 0:
@@ -113,6 +151,7 @@ class LocalCluster:
         self.shm_names = {role: f"deltakv-{self.cluster_id}-{role}" for role in ("prefill", "decode")}
         self.procs = self._plan()
         self._stopped = False
+        self._interrupted = lambda: False
 
     # -- process plan -------------------------------------------------------------------------
 
@@ -176,9 +215,11 @@ class LocalCluster:
         finally:
             log.close()
 
-    def start(self, progress=None) -> None:
+    def start(self, progress=None, interrupted=None) -> None:
         """Start sidecars, then prefill, then decode, each waited for (bounded by
-        ``start_timeout_s`` in total). Raises ClusterError (and stops everything) on failure."""
+        ``start_timeout_s`` in total). Raises ClusterError (and stops everything) on failure,
+        or as soon as ``interrupted()`` returns true (e.g. SIGTERM during start-up)."""
+        self._interrupted = interrupted or (lambda: False)
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
             for group in (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",)):
@@ -215,6 +256,8 @@ class LocalCluster:
                 if code is not None:
                     raise ClusterError(f"{proc.name} exited with code {code} during start-up"
                                        f"\n{self.log_tail(proc)}")
+                if self._interrupted():
+                    raise ClusterError(f"start-up interrupted while waiting for {proc.name}")
                 if time.monotonic() > deadline:
                     raise ClusterError(f"{proc.name} not healthy within "
                                        f"{self.config.start_timeout_s:.0f} s\n{self.log_tail(proc)}")
@@ -325,11 +368,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=c.page_size, help="tokens per page")
     parser.add_argument("--num-pages", type=int, default=c.num_pages,
                         help="pages per KV pool (each sidecar)")
-    parser.add_argument("--decode-port", type=int, default=c.decode_port, help="0 = free port")
-    parser.add_argument("--prefill-port", type=int, default=c.prefill_port, help="0 = free port")
+    parser.add_argument("--decode-port", type=port_number, default=c.decode_port, help="0 = free port")
+    parser.add_argument("--prefill-port", type=port_number, default=c.prefill_port, help="0 = free port")
     parser.add_argument("--run-dir", default=None,
                         help="sockets and logs (default: a temporary dir, removed on exit)")
-    parser.add_argument("--start-timeout-s", type=float, default=c.start_timeout_s)
+    parser.add_argument("--start-timeout-s", type=float, default=c.start_timeout_s,
+                        help="bound on the whole start-up: sidecars, model loads, handshake")
+    parser.add_argument("--prefill-timeout-ms", type=int, default=None,
+                        help="decode's deadline for one Prefill (compute + transfer); long "
+                             "prompts on a slow CPU may need more than the 60 s default")
+    parser.add_argument("--lease-ms", type=int, default=None,
+                        help="transfer lease (default: the decode service's, 60 s)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--log-level", default=c.log_level,
@@ -357,6 +406,15 @@ def _metrics_base_port(args: argparse.Namespace) -> int:
     return int(raw) if raw.isdigit() else telemetry.DEFAULT_PROMETHEUS_PORT
 
 
+def _decode_bounds(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    if args.prefill_timeout_ms is not None:
+        out += ["--prefill-timeout-ms", str(args.prefill_timeout_ms)]
+    if args.lease_ms is not None:
+        out += ["--lease-ms", str(args.lease_ms)]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from services.common import telemetry
     from services.common.errors import DeltaKVError
@@ -372,16 +430,24 @@ def run(args: argparse.Namespace) -> int:
                            start_timeout_s=args.start_timeout_s,
                            transport_options=args.transport_option, log_level=args.log_level,
                            telemetry_args=telemetry.forwarded_args(args),
+                           decode_args=_decode_bounds(args),
                            metrics_port=_metrics_base_port(args))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cluster = LocalCluster(config)
     try:
-        cluster.start()
+        check_transport(config.transport)
+        cluster = LocalCluster(config)
     except ClusterError as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 1
+    try:
+        cluster.start(interrupted=stop.is_set)
+    except ClusterError as exc:
+        kept = cluster.run_dir.exists()
+        print(f"deltakv up: {exc}" + (f"\nlogs: {cluster.run_dir}" if kept else ""),
+              file=sys.stderr, flush=True)
+        return 130 if stop.is_set() else 1
     except Exception as exc:  # e.g. a grpc import failure: report, never leave children
         cluster.stop()
         print(f"deltakv up: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import Any
 
+from services.common.argtypes import port_number
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``deltakv serve sidecar``."""
@@ -38,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("transfer engine")
     eng.add_argument("--host", default="127.0.0.1",
                      help="address peers use to reach this engine (never loopback in a cluster)")
-    eng.add_argument("--port", type=int, default=0, help="engine port (0 = a free one)")
+    eng.add_argument("--port", type=port_number, default=0, help="engine port (0 = a free one)")
     eng.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                      help="backend option, repeatable (e.g. protocol=rdma for mooncake)")
     parser.add_argument("--shm-name", default=None,
                         help="pool segment name (default: derived from --socket, so a restart "
                              "reclaims a leftover segment)")
-    parser.add_argument("--health-port", type=int, default=0,
+    parser.add_argument("--health-port", type=port_number, default=0,
                         help="TCP port serving only grpc.health.v1 for probes (0 = off)")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
                         help="on SIGTERM, wait this long for in-flight writes (default 10)")

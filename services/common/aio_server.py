@@ -22,6 +22,8 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.errors import Unavailable
+
 # Keepalive so a silently dead peer is noticed in seconds, not at the TCP timeout.
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 20_000),
@@ -30,6 +32,16 @@ DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+
+# Servers: one process per port (gRPC's default SO_REUSEPORT lets a second `deltakv up` bind
+# the same ports silently and steal half the traffic), and accept the clients' keepalive
+# pings (every 20 s, also while idle) instead of answering GOAWAY "too_many_pings".
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    *DEFAULT_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
 )
 
 # Client channels to a peer service: reconnect within a second of a peer restart instead of
@@ -44,6 +56,21 @@ CLIENT_OPTIONS: tuple[tuple[str, object], ...] = (
 )
 
 
+def _bind(server: grpc.aio.Server, address: str,
+          credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``address`` (TLS with ``credentials``); the bound port. Raises Unavailable
+    (UNAVAILABLE) naming the address when it is taken or invalid."""
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError as exc:  # grpc raises on a failed bind
+        raise Unavailable(f"cannot listen on {address}: port in use or address invalid "
+                          f"({exc})") from None
+    if port == 0:
+        raise Unavailable(f"cannot listen on {address}: port in use or address invalid")
+    return port
+
+
 class AioServer:
     """One ``grpc.aio`` server bound to ``address`` (``host:port``; port 0 picks a free one).
 
@@ -52,7 +79,7 @@ class AioServer:
     ``credentials``: serve ``address`` with TLS (``None`` = plain text). ``health_address``
     (``host:port``, port 0 picks a free one; ``None`` = none): a plain-text port serving only
     ``grpc.health.v1`` with the main port's status; its bound address is ``health_address``
-    after construction. Raises ``OSError`` if a port cannot be bound.
+    after construction. Raises Unavailable if a port cannot be bound.
     """
 
     def __init__(self, address: str, service_names: Iterable[str],
@@ -60,7 +87,7 @@ class AioServer:
                  interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *,
                  credentials: grpc.ServerCredentials | None = None,
                  health_address: str | None = None) -> None:
-        self.server = grpc.aio.server(interceptors=list(interceptors), options=DEFAULT_OPTIONS)
+        self.server = grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
         add_servicers(self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -70,22 +97,15 @@ class AioServer:
              reflection.SERVICE_NAME],
             self.server,
         )
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise OSError(f"could not bind gRPC server to {address}")
+        self.port = _bind(self.server, address, credentials)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.health_server: grpc.aio.Server | None = None
         self.health_address: str | None = None
         if health_address is not None:
             # Same servicer object: one status table, two ports; nothing else is exposed here.
-            self.health_server = grpc.aio.server(options=DEFAULT_OPTIONS)
+            self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            health_port = self.health_server.add_insecure_port(health_address)
-            if health_port == 0:
-                raise OSError(f"could not bind gRPC health port to {health_address}")
+            health_port = _bind(self.health_server, health_address, None)
             self.health_address = f"{health_address.rsplit(':', 1)[0]}:{health_port}"
 
     async def start(self) -> None:

@@ -38,6 +38,8 @@ MAX_UDS_PATH = 107
 DEFAULT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # One process per TCP port (the optional health port): no silent SO_REUSEPORT sharing.
+    ("grpc.so_reuseport", 0),
 ]
 
 

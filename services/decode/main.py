@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.argtypes import port_number
+
 DEFAULT_PORT = 50051
 
 
@@ -18,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-target", required=True,
                         help="prefill service address, HOST:PORT or a gRPC target (dns:///...)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 = free)")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
                         help="sequences per decode step (continuous batching)")
     parser.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
@@ -130,9 +132,17 @@ async def _serve(args: argparse.Namespace) -> int:
     servicer = DecodeServicer(worker, channel, config)
     servicer.start()
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-    server = worker_server(
-        args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-        credentials)
+    try:
+        server = worker_server(
+            args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+            credentials)
+    except DeltaKVError as exc:
+        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
+        await servicer.stop()
+        await channel.close()
+        await worker.close()
+        tel.shutdown()
+        return 2
     await server.start()
     await server.set_serving(True)
     log.info("decode serving", address=server.address, prefill=args.prefill_target,

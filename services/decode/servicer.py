@@ -204,6 +204,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidArgument(f"temperature must be >= 0, got {sampling.temperature}")
         if not 0.0 <= sampling.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in [0, 1], got {sampling.top_p}")
+        # Rejected here, before pages are allocated or prefill computes anything.
+        context = getattr(self.worker.model.config, "max_position_embeddings", 0)
+        if context and len(prompt) + sampling.max_new_tokens > context:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds the model's context of {context} positions")
         return prompt, sampling
 
     async def _admit_and_prefill(self, state: _RequestState, prompt: list[int],

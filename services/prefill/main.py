@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.argtypes import port_number
+
 DEFAULT_PORT = 50061
 
 
@@ -13,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role prefill)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0 = free)")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
     parser.add_argument("--sidecar-timeout-s", type=float, default=60.0,
                         help="wait at most this long for the sidecar to become healthy")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
@@ -60,9 +62,17 @@ async def _serve(args: argparse.Namespace) -> int:
         return 2
     servicer = PrefillServicer(worker, args.model)
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-    server = worker_server(
-        args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        credentials)
+    try:
+        server = worker_server(
+            args, name,
+            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+            credentials)
+    except DeltaKVError as exc:
+        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
+        servicer.close()
+        await worker.close()
+        tel.shutdown()
+        return 2
     await server.start()
     await server.set_serving(True)
     log.info("prefill serving", address=server.address, tls=credentials is not None,

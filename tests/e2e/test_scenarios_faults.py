@@ -220,5 +220,10 @@ def test_malformed_requests_get_invalid_argument(slow_cluster) -> None:
         run(generate(addr, token_ids=[10, 10**6], max_new_tokens=2))
     with pytest.raises(InvalidArgument):
         run(generate(addr, token_ids=[10, 11], max_new_tokens=10**6))
+    before = run(prefill_stats(slow_cluster.prefill_address))
+    with pytest.raises(InvalidArgument, match="context"):  # tiny-random: 4096 positions
+        run(generate(addr, token_ids=tokens(4000, seed=312), max_new_tokens=200))
+    assert run(prefill_stats(slow_cluster.prefill_address)).requests_failed == (
+        before.requests_failed)  # refused by decode; prefill never saw it
     wait_for_baseline(addr)
     assert run(stats(addr)).requests_failed >= 2  # and the service is still up
