@@ -1,4 +1,4 @@
-"""The ``deltakv`` command.
+"""The deltakv command: prefill/decode-disaggregated LLM serving with incremental KV transfer.
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them together (a registry, not an if-chain).
