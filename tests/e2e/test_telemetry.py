@@ -111,11 +111,14 @@ def _trace_of(receiver: OtlpReceiver, request_id: str, *, names: tuple[str, ...]
                      and s.attributes.get("deltakv.request_id") == request_id), None)
 
     def ready(spans: list[ReceivedSpan]) -> bool:
-        # A name may be "span" or "span@service" (the Prefill RPC is a client span in decode
-        # and a server span in prefill: waiting for the name alone races the latter).
+        # A name may be "span", "span@service" or "span@service/role": each process exports
+        # on its own schedule, and an RPC's name is both a client span in the caller and a
+        # server span in the callee, so waiting for a bare name races the other side.
         tid = trace_id(spans)
-        present = {s.name for s in spans if s.trace_id == tid}
-        present |= {f"{s.name}@{s.service}" for s in spans if s.trace_id == tid}
+        mine = [s for s in spans if s.trace_id == tid]
+        present = {s.name for s in mine}
+        present |= {f"{s.name}@{s.service}" for s in mine}
+        present |= {f"{s.name}@{s.service}/{s.role}" for s in mine}
         return tid is not None and all(n in present for n in names)
 
     spans = receiver.wait_for(ready, timeout_s=timeout_s)
@@ -139,8 +142,9 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
                           request_id="otel-g2"))
     assert (result.usage.cached_tokens, result.usage.transferred_bytes) == (32, 65_536)
 
-    spans = _trace_of(receiver, "otel-g2", names=("kv.transfer", "decode.finish",
-                                                  f"{PREFILL}@deltakv-prefill"))
+    spans = _trace_of(receiver, "otel-g2", names=(
+        "kv.transfer", "decode.finish", "prefill.forward", f"{PREFILL}@deltakv-prefill",
+        f"{MATCH_PREFIX}@deltakv-sidecar/decode", f"{WRITE_PAGES}@deltakv-sidecar/prefill"))
     # decode, prefill, and both sidecars (one service name, told apart by deltakv.role)
     processes = {(s.service, s.role, s.process) for s in spans}
     assert processes == {("deltakv-decode", "decode", "worker"),
@@ -207,7 +211,9 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
 
 def test_failed_transfer_is_an_error_span_with_the_reason(otel) -> None:
     receiver, _ = otel
-    spans = _trace_of(receiver, FAILED_REQUEST, names=("kv.transfer", PREFILL))
+    spans = _trace_of(receiver, FAILED_REQUEST, names=(
+        "kv.transfer", "decode.first_token", f"{PREFILL}@deltakv-prefill",
+        f"{WRITE_PAGES}@deltakv-sidecar/prefill"))
     transfer = one(spans, "kv.transfer")
     assert transfer.status == STATUS_ERROR
     assert "injected engine error on batch 1" in transfer.status_message
