@@ -49,17 +49,15 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_transport(name: str) -> None:
     """ClusterError with the registry's one-line reason if the backend cannot run here
-    (unknown name, or its optional dependency is missing)."""
-    from services.common.errors import DeltaKVError
-    from sidecar.transport.registry import available_backends
+    (unknown name, or its optional dependency is missing). Probes that backend only."""
+    from services.common.errors import InvalidArgument
+    from sidecar.transport.registry import BACKENDS, unavailable_reason
 
     try:
-        reason = available_backends().get(name, "")
-    except DeltaKVError as exc:
-        raise ClusterError(str(exc)) from None
-    if reason == "":
+        reason = unavailable_reason(name)
+    except InvalidArgument:
         raise ClusterError(f"unknown transport {name!r}; choose one of "
-                           f"{', '.join(sorted(available_backends()))}")
+                           f"{', '.join(sorted(BACKENDS))}") from None
     if reason is not None:
         raise ClusterError(reason)
 

@@ -105,14 +105,18 @@ def available_backends() -> dict[str, str | None]:
 
     Imports each backend module (not its engine); never raises for an unavailable backend.
     """
-    result: dict[str, str | None] = {}
-    for name in BACKENDS:
-        try:
-            cls = backend_class(name)
-            probe = getattr(cls, "probe", None)
-            result[name] = probe() if callable(probe) else None
-        except BackendUnavailable as exc:
-            result[name] = exc.message
-        except Exception as exc:  # noqa: BLE001 - report, never fail the listing
-            result[name] = f"{type(exc).__name__}: {exc}"
-    return result
+    return {name: unavailable_reason(name) for name in BACKENDS}
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None if backend ``name`` can be used here, else why not (one line). Imports that one
+    backend's module and runs its probe, nothing else. InvalidArgument for an unknown name."""
+    _target(name)  # unknown names are an error, not a reason
+    try:
+        cls = backend_class(name)
+        probe = getattr(cls, "probe", None)
+        return probe() if callable(probe) else None
+    except BackendUnavailable as exc:
+        return exc.message
+    except Exception as exc:  # noqa: BLE001 - report, never fail the listing
+        return f"{type(exc).__name__}: {exc}"
