@@ -12,13 +12,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from services.common.errors import InvalidArgument, ResourceExhausted
+from deltakv.errors import InvalidArgument, ResourceExhausted
 
 
 class PageAllocator:
     """Free list over pages ``[0, num_pages)``; all pages start free.
 
-    Not thread-safe: the owner (:class:`sidecar.page_manager.PageManager`) serialises calls.
+    Not thread-safe: the owner (:class:`deltakv.sidecar.page_manager.PageManager`) serialises calls.
     Costs: ``alloc`` O(runs + n log n), ``free`` O(k log k + k * runs) for k pages.
     """
 

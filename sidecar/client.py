@@ -2,7 +2,7 @@
 
 Used by the prefill and decode services. Every call carries a bounded deadline (the client's
 ``timeout_s`` unless a call says otherwise) and every failed RPC is re-raised as the typed
-deltakv error of its status code (``services.common.errors.from_rpc_error``), so callers catch
+deltakv error of its status code (``deltakv.errors.from_rpc_error``), so callers catch
 ``ResourceExhausted``, ``Aborted``, ... rather than ``grpc.RpcError``.
 
 KV bytes never travel through this client: :meth:`SidecarClient.map_pool` maps the sidecar's
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltakv.errors import InvalidArgument, Unavailable, from_rpc_error
+from deltakv.rpc import grpc_util
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
-from services.common import grpc_util
-from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
 
 if TYPE_CHECKING:
-    from sidecar.pool import SharedKVPool
+    from deltakv.sidecar.pool import SharedKVPool
 
 # Reconnect quickly: the sidecar is local; a restart should be noticed in well under a second.
 _CHANNEL_OPTIONS = [*grpc_util.DEFAULT_OPTIONS,
@@ -175,8 +175,8 @@ class SidecarClient:
         """Attach the sidecar's pool zero-copy (non-owner: never unlinks it). The caller
         closes the returned pool. UnknownEndpoint (FAILED_PRECONDITION) if the segment is
         gone, InvalidArgument if its size disagrees with the layout."""
-        from sidecar.layout import KVLayout
-        from sidecar.pool import SharedKVPool
+        from deltakv.layout import KVLayout
+        from deltakv.sidecar.pool import SharedKVPool
 
         layout = KVLayout.from_proto(describe.endpoint.layout)
         if describe.pool_bytes and describe.pool_bytes != layout.pool_bytes:

@@ -23,7 +23,7 @@ SPEC is a comma-separated list of ``key=value``:
 =================  ===========================================================================
 
 Batch counting is per room: the server binds the room being written with
-:meth:`sidecar.rooms.RoomRegistry.running`; calls outside a room (``write_block``, used by the
+:meth:`deltakv.sidecar.rooms.RoomRegistry.running`; calls outside a room (``write_block``, used by the
 benchmark) are never faulted.
 """
 
@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from deltakv.errors import DeadlineExceeded, InvalidArgument, TransferFailed
+from deltakv.layout import KVLayout
+from deltakv.sidecar.rooms import RoomTicket, current_ticket
+from deltakv.sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport
 from deltakv.v1 import kv_pb2
-from services.common.errors import DeadlineExceeded, InvalidArgument, TransferFailed
-from sidecar.layout import KVLayout
-from sidecar.rooms import RoomTicket, current_ticket
-from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport
 
 if TYPE_CHECKING:
-    from sidecar.pool import SharedKVPool
+    from deltakv.sidecar.pool import SharedKVPool
 
 ENV_VAR = "DELTAKV_FAULT_INJECT"
 

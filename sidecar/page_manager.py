@@ -2,8 +2,8 @@
 
 Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
 
-* **free** — in the :class:`~sidecar.allocator.PageAllocator`, ready to hand out;
-* **cached** — owned by the :class:`~sidecar.radix.RadixIndex` (a full page of some prefix),
+* **free** — in the :class:`~deltakv.sidecar.allocator.PageAllocator`, ready to hand out;
+* **cached** — owned by the :class:`~deltakv.sidecar.radix.RadixIndex` (a full page of some prefix),
   possibly locked by requests reading it; never the destination of a write (I4): a cached page
   is never handed out by :meth:`PageManager.allocate`, and a locked one is never evicted;
 * **live** — owned by one request (allocated delta / decode pages not yet in the index);
@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
-from sidecar.allocator import PageAllocator
-from sidecar.radix import RadixIndex, RadixNode
+from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from deltakv.sidecar.allocator import PageAllocator
+from deltakv.sidecar.radix import RadixIndex, RadixNode
 
 _MAX_REQUEST_ID_LEN = 256
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deltakv.errors import FailedPrecondition, InvalidArgument
+from deltakv.layout import KVLayout
+from deltakv.sidecar.transport.base import BatchLimits, PageRun
 from deltakv.v1 import kv_pb2
-from services.common.errors import FailedPrecondition, InvalidArgument
-from sidecar.layout import KVLayout
-from sidecar.transport.base import BatchLimits, PageRun
 
 
 @dataclass(frozen=True)

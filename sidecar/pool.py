@@ -36,8 +36,8 @@ from types import FrameType
 
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
-from sidecar.layout import KVLayout
+from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
+from deltakv.layout import KVLayout
 
 #: Where Linux keeps POSIX shared-memory objects (``shm_open`` names map to files here).
 SHM_DIR = "/dev/shm"

@@ -17,7 +17,7 @@ locked page's prefix resident.
 
 The index only tracks pages; the caller owns the free list and must free the pages
 :meth:`RadixIndex.evict` returns and the duplicates :meth:`RadixIndex.insert` reports.
-Not thread-safe: :class:`sidecar.page_manager.PageManager` serialises calls.
+Not thread-safe: :class:`deltakv.sidecar.page_manager.PageManager` serialises calls.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 
-from services.common.errors import InvalidArgument
+from deltakv.errors import InvalidArgument
 
 
 class RadixNode:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from services.common.errors import (
+from deltakv.errors import (
     Aborted,
     AlreadyExists,
     DeadlineExceeded,
@@ -39,7 +39,7 @@ from services.common.errors import (
 )
 
 # The room whose batches the current thread is writing (set by the server around the write
-# loop); transport wrappers such as sidecar.faults read it to act per room.
+# loop); transport wrappers such as deltakv.sidecar.faults read it to act per room.
 _CURRENT: contextvars.ContextVar[RoomTicket | None] = contextvars.ContextVar(
     "deltakv_current_room", default=None)
 

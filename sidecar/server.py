@@ -1,13 +1,13 @@
 """The sidecar's gRPC server: ``SidecarService`` over a Unix domain socket (DESIGN §2, §5, §6).
 
 :class:`SidecarService` implements every RPC of ``proto/deltakv/v1/sidecar.proto`` on top of
-the pool (:class:`~sidecar.pool.SharedKVPool`), the page manager (allocator + radix index),
+the pool (:class:`~deltakv.sidecar.pool.SharedKVPool`), the page manager (allocator + radix index),
 the transport backend and the room registry. Handlers raise typed errors
-(``services/common/errors.py``); :class:`~services.common.grpc_util.ErrorMappingInterceptor`
+(``proto/deltakv/errors.py``); :class:`~deltakv.rpc.grpc_util.ErrorMappingInterceptor`
 turns them into status codes in one place, and anything unexpected into INTERNAL.
 
 :class:`SidecarServer` assembles a whole sidecar process: creates (or reclaims) the pool,
-builds the page manager and the transport (optionally wrapped by :mod:`sidecar.faults`),
+builds the page manager and the transport (optionally wrapped by :mod:`deltakv.sidecar.faults`),
 registers the pool with the engine, serves the UDS gRPC server with health and reflection
 (plus an optional TCP health-only port for Kubernetes probes), and shuts down gracefully.
 
@@ -28,10 +28,9 @@ from typing import Any
 import grpc
 import structlog
 
-from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
-from services.common import grpc_util, telemetry
-from services.common import metrics as deltakv_metrics
-from services.common.errors import (
+from deltakv import metrics as deltakv_metrics
+from deltakv import telemetry
+from deltakv.errors import (
     Aborted,
     DeltaKVError,
     FailedPrecondition,
@@ -39,10 +38,12 @@ from services.common.errors import (
     TransferFailed,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.planner import plan_delta
-from sidecar.rooms import RoomRegistry, RoomState, check_room
-from sidecar.transport.base import Transport
+from deltakv.layout import KVLayout
+from deltakv.rpc import grpc_util
+from deltakv.sidecar.planner import plan_delta
+from deltakv.sidecar.rooms import RoomRegistry, RoomState, check_room
+from deltakv.sidecar.transport.base import Transport
+from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -380,7 +381,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
 
 @dataclass
 class SidecarConfig:
-    """Everything ``deltakv serve sidecar`` configures (see sidecar/main.py for the flags).
+    """Everything ``deltakv serve sidecar`` configures (see services/cli/serve/sidecar.py for the flags).
 
     ``layout``: pool geometry (``num_pages`` = pool size); ``socket_path``: the UDS path;
     ``host``/``port``: the transfer engine's advertised address (port 0 = free);
@@ -453,11 +454,11 @@ class SidecarServer:
 
     def start(self) -> None:
         """Build and serve (see class docstring)."""
-        from sidecar.faults import maybe_wrap, spec_from_env_or_flag
-        from sidecar.page_manager import PageManager
-        from sidecar.pool import SharedKVPool
-        from sidecar.transport.base import TransportOptions
-        from sidecar.transport.registry import create_transport
+        from deltakv.sidecar.faults import maybe_wrap, spec_from_env_or_flag
+        from deltakv.sidecar.page_manager import PageManager
+        from deltakv.sidecar.pool import SharedKVPool
+        from deltakv.sidecar.transport.base import TransportOptions
+        from deltakv.sidecar.transport.registry import create_transport
 
         cfg = self.config
         address = self.address  # validates the path length before anything is built

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from services.common.errors import DeltaKVError, Internal
-from services.common.logging import get_logger
-from services.model.runner import DecodeSeq, ModelRunner
-from services.model.sampling import Sampler
+from deltakv.errors import DeltaKVError, Internal
+from deltakv.services.model.runner import DecodeSeq, ModelRunner
+from deltakv.services.model.sampling import Sampler
+from deltakv.services.runtime.logs import get_logger
 
 log = get_logger()
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
-from services.common import metrics as deltakv_metrics
-from services.common import telemetry
-from services.common.errors import (
+from deltakv import metrics as deltakv_metrics
+from deltakv import telemetry
+from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     InvalidArgument,
@@ -38,11 +37,12 @@ from services.common.errors import (
     from_rpc_error,
     status_of,
 )
-from services.common.logging import bind_request, get_logger
-from services.common.worker import Worker
-from services.decode.scheduler import DecodeScheduler, Sequence
-from services.model.sampling import Sampler, should_stop
-from services.model.tokenizer import IncrementalDetokenizer, encode_chat, encode_text
+from deltakv.services.decode.scheduler import DecodeScheduler, Sequence
+from deltakv.services.model.sampling import Sampler, should_stop
+from deltakv.services.model.tokenizer import IncrementalDetokenizer, encode_chat, encode_text
+from deltakv.services.runtime.logs import bind_request, get_logger
+from deltakv.services.worker import Worker
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = get_logger()
 

@@ -9,7 +9,7 @@ caller owns (normally the sidecar's shared memory) and passes to every forward.
 Addressing: the pool is viewed flat as token rows ``[num_pages * num_layers * 2 * page_size,
 num_kv_heads, head_dim]``; token position ``pos`` of a sequence with page table ``table`` has
 K of layer ``l`` at row ``((table[pos // page_size] * L + l) * 2 + 0) * page_size + pos %
-page_size`` and V ``page_size`` rows further. :class:`services.model.runner.ModelRunner` turns
+page_size`` and V ``page_size`` rows further. :class:`deltakv.services.model.runner.ModelRunner` turns
 page tables into those row indices (validating them first); this module trusts them.
 
 The module keeps no mutable state, so concurrent forwards on disjoint pages are safe.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.common.errors import InvalidArgument
+from deltakv.errors import InvalidArgument
 
 # Model types whose transformers implementation is exactly the architecture below.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

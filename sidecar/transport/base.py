@@ -14,7 +14,7 @@ Lifecycle::
     t.write(peer, batch, deadline)                           # one batch of page runs
     t.close()
 
-Errors (services/common/errors.py): InvalidArgument for out-of-range entries (checked before
+Errors (proto/deltakv/errors.py): InvalidArgument for out-of-range entries (checked before
 any byte moves), LayoutMismatch / UnknownEndpoint (FAILED_PRECONDITION) from ``connect``,
 TransferFailed (UNAVAILABLE) for engine errors, DeadlineExceeded when the deadline passes.
 """
@@ -25,11 +25,11 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltakv.layout import KVLayout
 from deltakv.v1 import kv_pb2
-from sidecar.layout import KVLayout
 
 if TYPE_CHECKING:
-    from sidecar.pool import SharedKVPool
+    from deltakv.sidecar.pool import SharedKVPool
 
 
 @dataclass(frozen=True)

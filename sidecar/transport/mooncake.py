@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from mooncake.engine import TransferEngine
 
-from deltakv.v1 import kv_pb2
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -45,10 +44,17 @@ from services.common.errors import (
     Unavailable,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.planner import check_block, check_runs
-from sidecar.pool import SharedKVPool
-from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, TransportOptions
+from deltakv.layout import KVLayout
+from deltakv.sidecar.planner import check_block, check_runs
+from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.transport.base import (
+    BatchLimits,
+    PageRun,
+    PeerHandle,
+    Transport,
+    TransportOptions,
+)
+from deltakv.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 

@@ -69,8 +69,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from deltakv.v1 import kv_pb2
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     FailedPrecondition,
@@ -79,13 +78,20 @@ from services.common.errors import (
     Unavailable,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.planner import check_block, check_runs
-from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, TransportOptions
-from sidecar.transport.registry import BackendUnavailable
+from deltakv.layout import KVLayout
+from deltakv.sidecar.planner import check_block, check_runs
+from deltakv.sidecar.transport.base import (
+    BatchLimits,
+    PageRun,
+    PeerHandle,
+    Transport,
+    TransportOptions,
+)
+from deltakv.sidecar.transport.registry import BackendUnavailable
+from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
-    from sidecar.pool import SharedKVPool
+    from deltakv.sidecar.pool import SharedKVPool
 
 log = logging.getLogger(__name__)
 

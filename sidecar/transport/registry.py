@@ -14,16 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from services.common.errors import FailedPrecondition, Internal, InvalidArgument
+from deltakv.errors import FailedPrecondition, Internal, InvalidArgument
 
 if TYPE_CHECKING:
-    from sidecar.transport.base import Transport, TransportOptions
+    from deltakv.sidecar.transport.base import Transport, TransportOptions
 
 #: Registry name -> "module:Class". Adding a backend is one line here.
 BACKENDS: dict[str, str] = {
-    "shm": "sidecar.transport.shm:ShmTransport",
-    "mooncake": "sidecar.transport.mooncake:MooncakeTransport",
-    "mori": "sidecar.transport.mori:MoriTransport",
+    "shm": "deltakv.sidecar.transport.shm:ShmTransport",
+    "mooncake": "deltakv.sidecar.transport.mooncake:MooncakeTransport",
+    "mori": "deltakv.sidecar.transport.mori:MoriTransport",
 }
 
 #: What to install when a backend's optional dependency is missing (one line each).
@@ -94,7 +94,7 @@ def create_transport(name: str, options: TransportOptions | None = None) -> Tran
     whatever the backend's constructor raises for bad options (InvalidArgument) or an engine
     that fails to start (Unavailable).
     """
-    from sidecar.transport.base import TransportOptions
+    from deltakv.sidecar.transport.base import TransportOptions
 
     cls = backend_class(name)
     return cls(options if options is not None else TransportOptions())

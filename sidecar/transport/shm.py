@@ -21,18 +21,24 @@ import socket
 import threading
 import time
 
-from deltakv.v1 import kv_pb2
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.planner import check_block, check_runs
-from sidecar.pool import SHM_DIR, SharedKVPool
-from sidecar.transport.base import BatchLimits, PageRun, PeerHandle, Transport, TransportOptions
+from deltakv.layout import KVLayout
+from deltakv.sidecar.planner import check_block, check_runs
+from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.transport.base import (
+    BatchLimits,
+    PageRun,
+    PeerHandle,
+    Transport,
+    TransportOptions,
+)
+from deltakv.v1 import kv_pb2
 
 _DESCRIPTOR_VERSION = 1
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.client import DecodeClient
-from services.up import ClusterConfig, LocalCluster
+from deltakv.client import DecodeClient
+from deltakv.services.cli.up import ClusterConfig, LocalCluster
 
 TOY_PAGE_SIZE = 16
 TOY_PAGE_BYTES = 32_768

@@ -6,8 +6,8 @@ from functools import lru_cache
 
 import torch
 
-from services.model.loader import load_model
-from services.model.runner import DecodeSeq, ModelRunner
+from deltakv.services.model.loader import load_model
+from deltakv.services.model.runner import DecodeSeq, ModelRunner
 
 
 @lru_cache(maxsize=2)

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.multiturn import FULL, INCREMENTAL, MultiturnConfig, report_ok, run_multiturn
+from deltakv.services.cli.bench.multiturn import (
+    FULL,
+    INCREMENTAL,
+    MultiturnConfig,
+    report_ok,
+    run_multiturn,
+)
 from tests.e2e.conftest import TOY_PAGE_BYTES, TOY_PAGE_SIZE, make_cluster, run, wait_for_baseline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +68,7 @@ def test_bench_multiturn_compare_exact_bytes(shm_cluster) -> None:
 def test_bench_multiturn_cli_json(shm_cluster, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "multiturn", "--target",
+        [sys.executable, "-m", "deltakv.services.cli.main", "bench", "multiturn", "--target",
          shm_cluster.decode_address, "--clients", "2", "--rounds", "2", "--request-length", "40",
          "--sub-question-length", "8", "--output-length", "4", "--vocab-low", "3",
          "--vocab-high", "259", "--compare", "--json", str(out)],
@@ -78,7 +84,7 @@ def test_bench_multiturn_cli_json(shm_cluster, tmp_path: Path) -> None:
 def test_chat_piped_reuses_the_conversation(shm_cluster) -> None:
     lines = "Tell me about a weekend in Lisbon, with old trams and pastries.\nAnd Porto?\n/quit\n"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chat", "--target", shm_cluster.decode_address,
+        [sys.executable, "-m", "deltakv.services.cli.main", "chat", "--target", shm_cluster.decode_address,
          "--max-new-tokens", "12"],
         cwd=ROOT, input=lines, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -98,7 +104,7 @@ def test_chat_piped_reuses_the_conversation(shm_cluster) -> None:
 def test_demo_end_to_end_on_tiny_random(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "demo", "--model", "tiny-random",
+        [sys.executable, "-m", "deltakv.services.cli.main", "demo", "--model", "tiny-random",
          "--run-dir", str(tmp_path / "run"), "--json", str(out), "--clients", "2",
          "--rounds", "3", "--request-length", "64", "--sub-question-length", "8",
          "--output-length", "8", "--up-arg=--num-pages", "--up-arg=256"],

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.model.loader import load_model
-from services.model.tokenizer import encode_chat
+from deltakv.services.model.loader import load_model
+from deltakv.services.model.tokenizer import encode_chat
 from tests.e2e.reference import reference_tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def deltakv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the ``deltakv`` command in a child process; killed if it outlives ``timeout``."""
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "deltakv.services.cli.main", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from deltakv.services.cli.up import ClusterConfig, LocalCluster, free_port
 from deltakv.v1 import decode_pb2
-from services.up import ClusterConfig, LocalCluster, free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "helm" / "deltakv" / "files" / "multiturn_check.py"
 

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from services.client import DecodeClient
-from services.common.errors import DeltaKVError
+from deltakv.client import DecodeClient
+from deltakv.errors import DeltaKVError
 from tests.e2e.conftest import TOY_PAGE_BYTES, make_cluster, run, wait_for_baseline
 from tests.e2e.reference import reference_tokens
 

@@ -14,15 +14,15 @@ import time
 import grpc
 import pytest
 
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2_grpc
-from services.client import DecodeClient
-from services.common.errors import (
+from deltakv.client import DecodeClient
+from deltakv.errors import (
     DeadlineExceeded,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
-from services.up import ClusterError
+from deltakv.services.cli.up import ClusterError
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2_grpc
 from tests.e2e.conftest import (
     TOY_NUM_PAGES,
     generate,

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from sidecar.client import SidecarClient
+from deltakv.sidecar.client import SidecarClient
 from tests.e2e.conftest import TOY_PAGE_BYTES, generate, run, wait_for_baseline
 from tests.e2e.reference import reference_tokens
 

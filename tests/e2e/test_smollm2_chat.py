@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.client import DecodeClient
+from deltakv.client import DecodeClient
 from tests.e2e.conftest import make_cluster, run
 from tests.e2e.reference import reference_tokens
 
@@ -56,7 +56,7 @@ def test_two_turn_chat_equals_reference_and_reuses_turn_one(cluster) -> None:
 def test_generate_cli_against_cluster_equals_local(cluster) -> None:
     def cli(*where: str) -> dict:
         out = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", *where, "--prompt",
+            [sys.executable, "-m", "deltakv.services.cli.main", "generate", *where, "--prompt",
              "Name three primary colors.", "--max-new-tokens", "24", "--json"],
             capture_output=True, text=True, timeout=600, check=True)
         return json.loads(out.stdout)

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.client import DecodeClient
-from services.common.errors import InvalidArgument, Unavailable
+from deltakv.client import DecodeClient
+from deltakv.errors import InvalidArgument, Unavailable
 from tests.e2e.conftest import (
     TOY_NUM_PAGES,
     TOY_PAGE_BYTES,

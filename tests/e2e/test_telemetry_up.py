@@ -2,7 +2,7 @@
 sends the traces of every request to that collector, and ``--metrics-port`` serves Prometheus
 on four ports.
 
-``deltakv up`` runs as a subprocess (services.demo.UpProcess, as a user would run it) with a
+``deltakv up`` runs as a subprocess (deltakv.services.cli.demo.UpProcess, as a user would run it) with a
 tiny-random model. The span batch delay is set far beyond the test's length, so every span
 that arrives was flushed by the processes' graceful shutdown: stopping ``up`` loses nothing.
 """
@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from services.demo import UpProcess
+from deltakv.services.cli.demo import UpProcess
 from tests.e2e.conftest import generate, run
 from tests.e2e.test_telemetry import GENERATE, _free_port_block
 from tests.otlp_receiver import OtlpReceiver

@@ -10,7 +10,7 @@ Reusable by integration and e2e tests::
         stub = prefill.stub()            # sync SidecarService stub on the UDS
         info = decode.describe()         # DescribeResponse
 
-Each process runs ``sys.executable -m sidecar.main ...`` (the same as ``deltakv serve
+Each process runs ``sys.executable -m deltakv.services.cli.serve.sidecar ...`` (the same as ``deltakv serve
 sidecar``, without importing the other subcommands) with its socket in a short private
 directory under /tmp (a Unix socket path must stay under 107 bytes, pytest's tmp paths often do
 not), logs to a file beside it (no pipe to fill up), and is stopped by the fixture's
@@ -32,9 +32,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deltakv.layout import TOY_LAYOUT, KVLayout
+from deltakv.rpc import grpc_util
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
-from services.common import grpc_util
-from sidecar.layout import TOY_LAYOUT, KVLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,9 +102,9 @@ class SidecarProcess:
     def describe(self, timeout_s: float = 10.0) -> sidecar_pb2.DescribeResponse:
         return self.stub().Describe(sidecar_pb2.DescribeRequest(), timeout=timeout_s)
 
-    def map_pool(self):  # -> sidecar.pool.SharedKVPool (imported lazily: torch)
+    def map_pool(self):  # -> deltakv.sidecar.pool.SharedKVPool (imported lazily: torch)
         """Attach this sidecar's pool (zero-copy, non-owner); the caller closes it."""
-        from sidecar.pool import SharedKVPool
+        from deltakv.sidecar.pool import SharedKVPool
 
         d = self.describe()
         return SharedKVPool.attach(d.pool_shm_name, KVLayout.from_proto(d.endpoint.layout))
@@ -146,7 +146,7 @@ def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
     tail) if the process dies or is not SERVING within ``ready_timeout_s``.
     """
     log_path = log_path or f"{socket_path}.log"
-    cmd = [sys.executable, "-m", "sidecar.main", "--role", role,
+    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
            "--transport", transport, "--socket", socket_path, *layout_args(layout),
            "--log-level", "info", *extra_args]
     if fault_inject:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.common.aio_server import AioServer
-from services.common.errors import Unavailable
+from deltakv.errors import Unavailable
+from deltakv.rpc.aio_server import AioServer
 
 
 @pytest.mark.timeout(30)

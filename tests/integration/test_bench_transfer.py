@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.transfer import bench_layout
+from deltakv.services.cli.bench.transfer import bench_layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
@@ -24,7 +24,7 @@ KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
 def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "transfer", "--backend", "all",
+        [sys.executable, "-m", "deltakv.services.cli.main", "bench", "transfer", "--backend", "all",
          "--pages", "3", "--page-bytes", "4096", "--repeats", "2", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -54,7 +54,7 @@ def test_bench_layout_page_bytes() -> None:
 @pytest.mark.timeout(60)
 def test_bench_transfer_rejects_bad_arguments() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "transfer", "--pages", "0"],
+        [sys.executable, "-m", "deltakv.services.cli.main", "bench", "transfer", "--pages", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert "--pages" in proc.stderr

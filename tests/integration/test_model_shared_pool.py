@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.model.loader import load_transformers_model, loaded_from_transformers
-from services.model.runner import DecodeSeq, ModelRunner
-from sidecar.pool import SharedKVPool
+from deltakv.services.model.loader import load_transformers_model, loaded_from_transformers
+from deltakv.services.model.runner import DecodeSeq, ModelRunner
+from deltakv.sidecar.pool import SharedKVPool
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190, 200,
@@ -23,9 +23,9 @@ TABLE = [9, 3, 6]
 
 CHILD = textwrap.dedent("""
     import json, sys
-    from services.model.loader import load_model
-    from services.model.runner import ModelRunner
-    from sidecar.pool import SharedKVPool
+    from deltakv.services.model.loader import load_model
+    from deltakv.services.model.runner import ModelRunner
+    from deltakv.sidecar.pool import SharedKVPool
 
     name, prompt, table = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     model = load_model("tiny-random")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from services.up import ClusterConfig, ClusterError, LocalCluster
-from sidecar.layout import TOY_LAYOUT
-from sidecar.pool import SHM_DIR
-from sidecar.server import default_shm_name
+from deltakv.layout import TOY_LAYOUT
+from deltakv.services.cli.up import ClusterConfig, ClusterError, LocalCluster
+from deltakv.sidecar.pool import SHM_DIR
+from deltakv.sidecar.server import default_shm_name
 from tests.integration.sidecar_proc import layout_args, short_tmp_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_serve_sidecar_without_amd_mori_exits_with_one_clear_line() -> None:
     socket_path = os.path.join(base, "decode.sock")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "services.cli", "serve", "sidecar", "--role", "decode",
+            [sys.executable, "-m", "deltakv.services.cli.main", "serve", "sidecar", "--role", "decode",
              "--transport", "mori", "--socket", socket_path, *layout_args(TOY_LAYOUT)],
             cwd=REPO_ROOT, env=_no_mori_env(), capture_output=True, text=True, timeout=100)
         assert proc.returncode != 0
@@ -73,7 +73,7 @@ def test_serve_sidecar_without_amd_mori_exits_with_one_clear_line() -> None:
 def test_up_without_amd_mori_exits_nonzero_with_one_clear_line(tmp_path) -> None:
     run_dir = tmp_path / "up-run"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--transport", "mori", "--model",
+        [sys.executable, "-m", "deltakv.services.cli.main", "up", "--transport", "mori", "--model",
          "tiny-random", "--decode-port", "0", "--prefill-port", "0", "--run-dir", str(run_dir),
          "--start-timeout-s", "120"],
         cwd=REPO_ROOT, env=_no_mori_env(), capture_output=True, text=True, timeout=150)

@@ -19,8 +19,8 @@ import grpc
 import pytest
 import torch
 
+from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from sidecar.layout import TOY_LAYOUT
 from tests.integration.sidecar_proc import (
     SidecarFactory,
     SidecarProcess,

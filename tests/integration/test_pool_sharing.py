@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.layout import TOY_LAYOUT
-from sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = TOY_LAYOUT.with_pages(8)
@@ -26,8 +26,8 @@ WAIT_S = 60  # generous bound for a 2-core CI box; a hung child is killed, not w
 PRELUDE = """
 import os, signal, sys, time
 import torch
-from sidecar.layout import TOY_LAYOUT
-from sidecar.pool import SharedKVPool, install_cleanup_handlers
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.pool import SharedKVPool, install_cleanup_handlers
 LAYOUT = TOY_LAYOUT.with_pages(8)
 NAME = sys.argv[1]
 """

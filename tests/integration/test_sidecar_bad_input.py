@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 
+from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from sidecar.layout import TOY_LAYOUT
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
 
 PAGE = TOY_LAYOUT.page_size

@@ -22,8 +22,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from sidecar.layout import TOY_LAYOUT
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
 
 PAGE = TOY_LAYOUT.page_size

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
-from sidecar.layout import TOY_LAYOUT
 from tests.integration.sidecar_proc import (
     REPO_ROOT,
     SidecarFactory,
@@ -50,10 +50,10 @@ def test_health_port_serves_only_health(sidecar_factory: SidecarFactory) -> None
 def test_model_geometry_and_env_fault_flag(sidecar_factory: SidecarFactory) -> None:
     """Geometry from ``--model`` instead of explicit flags; fault injection switched on by
     the environment variable alone."""
-    from services.model.loader import kv_geometry
+    from deltakv.services.model.loader import kv_geometry
 
     path = sidecar_factory.socket_path("model")
-    cmd = [sys.executable, "-m", "sidecar.main", "--role", "decode", "--socket", path,
+    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode", "--socket", path,
            "--model", "tiny-random", "--num-pages", "8"]
     with open(path + ".log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -80,7 +80,7 @@ def test_model_geometry_and_env_fault_flag(sidecar_factory: SidecarFactory) -> N
      "--transport", "carrier-pigeon"],
 ])
 def test_bad_arguments_exit_nonzero_and_leave_nothing(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "sidecar.main", *args], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "deltakv.services.cli.serve.sidecar", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode in (1, 2), proc.stderr
     assert not os.path.exists("/tmp/dkv-x.sock")
@@ -90,7 +90,7 @@ def test_bad_arguments_exit_nonzero_and_leave_nothing(args: list[str]) -> None:
 def test_socket_of_a_live_sidecar_is_not_stolen(sidecar_factory: SidecarFactory) -> None:
     first = sidecar_factory.start("decode", name="busy")
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.main", "--role", "decode", "--socket", first.socket_path,
+        [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode", "--socket", first.socket_path,
          *layout_args(TOY_LAYOUT), "--shm-name", f"deltakv-other-{secrets.token_hex(4)}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1

@@ -16,10 +16,10 @@ import grpc
 import pytest
 import torch
 
+from deltakv.errors import AlreadyExists
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.client import SidecarClient
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from services.common.errors import AlreadyExists
-from sidecar.client import SidecarClient
-from sidecar.layout import TOY_LAYOUT
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
 
 BACKENDS = ["shm", "mooncake"]

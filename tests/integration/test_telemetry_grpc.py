@@ -1,4 +1,4 @@
-"""The gRPC instrumentation of services/common/telemetry.py on real gRPC servers and channels.
+"""The gRPC instrumentation of proto/deltakv/telemetry.py on real gRPC servers and channels.
 
 Real ``grpc.aio`` and sync servers on Unix sockets under a tmp dir, with the deltakv protocol's
 services; spans go to an in-memory exporter on the real TracerProvider. Checked: context
@@ -21,6 +21,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from deltakv import telemetry
+from deltakv.errors import ResourceExhausted, Unavailable, status_of
+from deltakv.rpc import grpc_util
+from deltakv.rpc.aio_server import AioServer
 from deltakv.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -30,9 +34,6 @@ from deltakv.v1 import (
     sidecar_pb2,
     sidecar_pb2_grpc,
 )
-from services.common import grpc_util, telemetry
-from services.common.aio_server import AioServer
-from services.common.errors import ResourceExhausted, Unavailable, status_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,10 +25,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltakv.client import DecodeClient, TLSFiles
+from deltakv.errors import InvalidArgument, Unavailable
+from deltakv.services.cli.up import LocalCluster, free_port
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
-from services.client import DecodeClient, TLSFiles
-from services.common.errors import InvalidArgument, Unavailable
-from services.up import LocalCluster, free_port
 from tests.e2e.conftest import TOY_PAGE_BYTES, make_cluster, run
 from tests.tls_certs import PKI, make_pki
 
@@ -165,7 +165,7 @@ def test_prefill_requires_a_client_certificate(internal_mtls, pki):
 
 def test_bench_multiturn_cli_over_tls(internal_mtls, pki):
     cluster, _, _ = internal_mtls
-    base = [sys.executable, "-m", "services.cli", "bench", "multiturn", "--target",
+    base = [sys.executable, "-m", "deltakv.services.cli.main", "bench", "multiturn", "--target",
             cluster.decode_address, "--clients", "1", "--rounds", "2", "--request-length", "32",
             "--sub-question-length", "8", "--output-length", "4", "--vocab-low", "3",
             "--vocab-high", "259", "--connect-timeout", "5"]
@@ -182,7 +182,7 @@ def test_bench_multiturn_cli_over_tls(internal_mtls, pki):
 def test_chat_cli_over_tls(internal_mtls, pki):
     cluster, _, _ = internal_mtls
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chat", "--target", cluster.decode_address,
+        [sys.executable, "-m", "deltakv.services.cli.main", "chat", "--target", cluster.decode_address,
          "--max-new-tokens", "4", "--connect-timeout", "10", "--tls-ca", str(pki.ca)],
         input="hello over TLS\n/quit\n", cwd=ROOT, capture_output=True, text=True, timeout=240,
         check=False)
@@ -241,7 +241,7 @@ def test_helm_test_script_with_a_client_certificate(public_mtls, pki):
 def test_bad_tls_flags_fail_start_up_before_the_model_loads(pki, tmp_path, role, flags, message):
     """A bad flag exits 2 with the reason in the log, before the sidecar wait: the socket
     given does not exist, and the run would otherwise wait the full sidecar timeout."""
-    argv = [sys.executable, "-m", "services.cli", "serve", role, "--model", "tiny-random",
+    argv = [sys.executable, "-m", "deltakv.services.cli.main", "serve", role, "--model", "tiny-random",
             "--sidecar-socket", str(tmp_path / "no-sidecar.sock"), "--port", "0",
             "--log-format", "json", *map(str, flags(pki))]
     argv += ["--prefill-target", "127.0.0.1:1"] if role == "decode" else []

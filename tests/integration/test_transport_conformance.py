@@ -32,18 +32,17 @@ import grpc
 import pytest
 import torch
 
-from deltakv.v1 import kv_pb2
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     InvalidArgument,
     LayoutMismatch,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.planner import plan_delta
-from sidecar.pool import SHM_DIR, SharedKVPool
-from sidecar.transport import (
+from deltakv.layout import KVLayout
+from deltakv.sidecar.planner import plan_delta
+from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.transport import (
     BatchLimits,
     PageRun,
     Transport,
@@ -51,6 +50,7 @@ from sidecar.transport import (
     available_backends,
     create_transport,
 )
+from deltakv.v1 import kv_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from sidecar.layout import KVLayout
-    from sidecar.pool import SharedKVPool
-    from sidecar.transport import TransportOptions, create_transport
+    from deltakv.layout import KVLayout
+    from deltakv.sidecar.pool import SharedKVPool
+    from deltakv.sidecar.transport import TransportOptions, create_transport
 
     layout = KVLayout(**json.loads(args.layout))
     pool = SharedKVPool.create(layout, name=f"deltakv-test-peer-{uuid.uuid4().hex[:12]}")

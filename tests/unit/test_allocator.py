@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.errors import InvalidArgument, ResourceExhausted
-from sidecar.allocator import PageAllocator
+from deltakv.errors import InvalidArgument, ResourceExhausted
+from deltakv.sidecar.allocator import PageAllocator
 
 
 def test_fresh_allocator_hands_out_one_consecutive_run() -> None:

@@ -24,23 +24,13 @@ import pytest
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
-from services.bench.multiturn import (
-    FULL,
-    INCREMENTAL,
-    MultiturnConfig,
-    format_table,
-    report_ok,
-    run_multiturn,
-)
-from services.chat import ChatSession, chat_loop, format_turn_stats
-from services.client import (
+from deltakv.client import (
     DECODE_SERVICE_NAME,
     DecodeClient,
     Usage,
     build_request,
 )
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
@@ -48,7 +38,17 @@ from services.common.errors import (
     Unavailable,
     status_of,
 )
-from services.demo import UpProcess, run_demo
+from deltakv.services.cli.bench.multiturn import (
+    FULL,
+    INCREMENTAL,
+    MultiturnConfig,
+    format_table,
+    report_ok,
+    run_multiturn,
+)
+from deltakv.services.cli.chat import ChatSession, chat_loop, format_turn_stats
+from deltakv.services.cli.demo import UpProcess, run_demo
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
 PAGE_SIZE = 16
 PAGE_BYTES = 32_768

@@ -9,13 +9,19 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.common.errors import Aborted, DeadlineExceeded, InvalidArgument, TransferFailed
-from sidecar.faults import ENV_VAR, FaultSpec, FaultyTransport, maybe_wrap, spec_from_env_or_flag
-from sidecar.layout import TOY_LAYOUT
-from sidecar.pool import SharedKVPool
-from sidecar.rooms import RoomRegistry
-from sidecar.transport.base import PageRun
-from sidecar.transport.registry import create_transport
+from deltakv.errors import Aborted, DeadlineExceeded, InvalidArgument, TransferFailed
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.faults import (
+    ENV_VAR,
+    FaultSpec,
+    FaultyTransport,
+    maybe_wrap,
+    spec_from_env_or_flag,
+)
+from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.rooms import RoomRegistry
+from deltakv.sidecar.transport.base import PageRun
+from deltakv.sidecar.transport.registry import create_transport
 
 
 def test_parse_spec() -> None:

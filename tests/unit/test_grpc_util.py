@@ -1,4 +1,4 @@
-"""services.common.grpc_util: UDS paths, the error-mapping interceptor, health helpers."""
+"""deltakv.rpc.grpc_util: UDS paths, the error-mapping interceptor, health helpers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import grpc_util
-from services.common.errors import InvalidArgument, NotFound, Unavailable
+from deltakv.errors import InvalidArgument, NotFound, Unavailable
+from deltakv.rpc import grpc_util
 
 SERVICE = "deltakv.test.Echo"
 

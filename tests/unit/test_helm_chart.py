@@ -29,7 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sidecar.layout import KVLayout
+from deltakv.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "deltakv"
@@ -590,7 +590,7 @@ def _leaf_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.
         choices = subparsers[0].choices if subparsers else {}
         if word not in choices:
             pytest.fail(f"`deltakv {' '.join(words[:depth + 1])}` is not in the CLI "
-                        f"(services.cli.build_parser()); the chart renders it")
+                        f"(deltakv.services.cli.main.build_parser()); the chart renders it")
         current = choices[word]
     return current
 
@@ -607,7 +607,7 @@ def _cli_containers():
 def test_rendered_args_are_accepted_by_the_cli(rendered, case, role, container):
     """Every rendered `deltakv ...` command line parses with the real parser, and every flag
     keeps every value it was given (a repeated flag must not silently keep only the last)."""
-    from services.cli import build_parser
+    from deltakv.services.cli.main import build_parser
 
     _, objects = rendered[case]
     (c,) = [c for r, c, _ in workload_containers(objects) if r == role and c["name"] == container]

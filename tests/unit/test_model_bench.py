@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.cli import build_parser
+from deltakv.services.cli.main import build_parser
 
 
 @pytest.mark.timeout(300)

@@ -7,15 +7,15 @@ import threading
 import pytest
 import torch
 
-from services.common.errors import InvalidArgument
-from services.model.loader import (
+from deltakv.errors import InvalidArgument
+from deltakv.services.model.loader import (
     load_transformers_model,
     loaded_from_transformers,
     tiny_random_config,
     tiny_random_transformers,
 )
-from services.model.runner import DecodeSeq, ModelRunner
-from services.model.tokenizer import build_byte_tokenizer
+from deltakv.services.model.runner import DecodeSeq, ModelRunner
+from deltakv.services.model.tokenizer import build_byte_tokenizer
 
 ATOL = 1e-4
 PROMPT_LEN = 50
@@ -234,7 +234,7 @@ def test_architecture_variants_match_transformers(overrides, prompt):
 
 
 def _geometry_of(config):
-    from services.model.loader import KVGeometry
+    from deltakv.services.model.loader import KVGeometry
 
     head_dim = config.head_dim
     return KVGeometry(config.num_hidden_layers, config.num_key_value_heads, head_dim, "variant")

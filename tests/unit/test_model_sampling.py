@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
+from deltakv.errors import InvalidArgument
+from deltakv.services.model.sampling import Sampler, should_stop
 from deltakv.v1 import kv_pb2
-from services.common.errors import InvalidArgument
-from services.model.sampling import Sampler, should_stop
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 as logits.
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model.loader import kv_geometry, load_transformers_model, loaded_from_transformers
-from services.model.runner import DecodeSeq, ModelRunner
-from services.model.sampling import Sampler, should_stop
-from services.model.tokenizer import IncrementalDetokenizer, encode_chat
+from deltakv.services.model.loader import (
+    kv_geometry,
+    load_transformers_model,
+    loaded_from_transformers,
+)
+from deltakv.services.model.runner import DecodeSeq, ModelRunner
+from deltakv.services.model.sampling import Sampler, should_stop
+from deltakv.services.model.tokenizer import IncrementalDetokenizer, encode_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

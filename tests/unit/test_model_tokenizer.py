@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.model.tokenizer import (
+from deltakv.errors import InvalidArgument
+from deltakv.services.model.tokenizer import (
     BYTE_TOKENIZER_SIZE,
     IncrementalDetokenizer,
     build_byte_tokenizer,

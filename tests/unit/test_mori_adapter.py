@@ -23,8 +23,7 @@ import grpc
 import pytest
 import torch
 
-from deltakv.v1 import kv_pb2
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -33,11 +32,16 @@ from services.common.errors import (
     Unavailable,
     UnknownEndpoint,
 )
-from sidecar.layout import KVLayout
-from sidecar.pool import SharedKVPool
-from sidecar.transport import BackendUnavailable, PageRun, TransportOptions, create_transport
-from sidecar.transport import mori as mori_transport
-from sidecar.transport.mori import (
+from deltakv.layout import KVLayout
+from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.transport import (
+    BackendUnavailable,
+    PageRun,
+    TransportOptions,
+    create_transport,
+)
+from deltakv.sidecar.transport import mori as mori_transport
+from deltakv.sidecar.transport.mori import (
     MAX_ENTRY_BYTES,
     OPTIONS,
     MoriTransport,
@@ -46,6 +50,7 @@ from sidecar.transport.mori import (
     resolve_options,
     unpack_descriptor,
 )
+from deltakv.v1 import kv_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDINS = REPO_ROOT / "tests" / "standins"
@@ -222,8 +227,8 @@ def test_standin_is_refused_without_the_test_switch(monkeypatch: pytest.MonkeyPa
 
 _NO_MORI = """
 import json, sys
-from sidecar.transport import available_backends, create_transport, TransportOptions
-from sidecar.transport.registry import BackendUnavailable
+from deltakv.sidecar.transport import available_backends, create_transport, TransportOptions
+from deltakv.sidecar.transport.registry import BackendUnavailable
 out = {"listing": available_backends()}
 try:
     create_transport("mori", TransportOptions())

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.layout import KVLayout
-from sidecar.pool import SharedKVPool
+from deltakv.layout import KVLayout
+from deltakv.sidecar.pool import SharedKVPool
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, dtype="float32", page_size=4,

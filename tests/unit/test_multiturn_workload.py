@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from services.bench.multiturn import (
+from deltakv.client import Usage, delta_pages
+from deltakv.errors import InvalidArgument
+from deltakv.services.cli.bench.multiturn import (
     FULL,
     INCREMENTAL,
     MultiturnConfig,
@@ -27,9 +29,7 @@ from services.bench.multiturn import (
     report_ok,
     summarize,
 )
-from services.client import Usage, delta_pages
-from services.common.errors import InvalidArgument
-from services.demo import MAX_BYTES_RATIO, parse_decode_address, verdict
+from deltakv.services.cli.demo import MAX_BYTES_RATIO, parse_decode_address, verdict
 
 PAGE_BYTES_T = 32_768  # toy geometry T of scenarios.md
 

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
-from sidecar.page_manager import PageManager, PoolCounts
+from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from deltakv.sidecar.page_manager import PageManager, PoolCounts
 
 PS = 16
 

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltakv.errors import DeltaKVError, LayoutMismatch
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.planner import WritePlan, coalesce, plan_delta
+from deltakv.sidecar.transport.base import BatchLimits, PageRun
 from deltakv.v1 import kv_pb2
-from services.common.errors import DeltaKVError, LayoutMismatch
-from sidecar.layout import TOY_LAYOUT
-from sidecar.planner import WritePlan, coalesce, plan_delta
-from sidecar.transport.base import BatchLimits, PageRun
 
 PS = TOY_LAYOUT.page_size  # 16
 PB = TOY_LAYOUT.page_bytes  # 32,768

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
-from sidecar.layout import TOY_LAYOUT, KVLayout
-from sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
+from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
+from deltakv.layout import TOY_LAYOUT, KVLayout
+from deltakv.sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
 
 SMALL = TOY_LAYOUT.with_pages(8)
 

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.common.errors import InvalidArgument
-from sidecar.radix import RadixIndex
+from deltakv.errors import InvalidArgument
+from deltakv.sidecar.radix import RadixIndex
 
 PS = 4
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from services.common.errors import (
+from deltakv.errors import (
     Aborted,
     AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,
     Unavailable,
 )
-from sidecar.rooms import RoomRegistry, RoomState, current_ticket
+from deltakv.sidecar.rooms import RoomRegistry, RoomState, current_ticket
 
 
 class FakeClock:

@@ -1,7 +1,7 @@
 """Telemetry set-up: configuration from env and flags, no-op when off, spans, log ids, metrics.
 
 Spans go to an in-memory exporter added to the real TracerProvider that
-:func:`services.common.telemetry.setup_telemetry` builds; metrics are read back from the real
+:func:`deltakv.telemetry.setup_telemetry` builds; metrics are read back from the real
 Prometheus endpoint it serves on a free loopback port.
 """
 
@@ -25,10 +25,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common import metrics as deltakv_metrics
-from services.common import telemetry
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.common.logging import add_trace_context, configure_logging
+from deltakv import metrics as deltakv_metrics
+from deltakv import telemetry
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
+from deltakv.services.runtime.logs import add_trace_context, configure_logging
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -382,13 +382,13 @@ def test_code_label() -> None:
 # -- commands ---------------------------------------------------------------------------------
 
 def test_up_forwards_flags_with_distinct_metrics_ports(tmp_path) -> None:
-    from services.cli import build_parser
-    from services.up import LocalCluster, _metrics_base_port
+    from deltakv.services.cli.main import build_parser
+    from deltakv.services.cli.up import LocalCluster, _metrics_base_port
 
     args = build_parser().parse_args(["up", "--otel-endpoint", "http://c:4317",
                                       "--metrics-port", "9400", "--model", "tiny-random"])
     assert _metrics_base_port(args) == 9400
-    from services.up import ClusterConfig
+    from deltakv.services.cli.up import ClusterConfig
 
     cluster = LocalCluster(ClusterConfig(
         model="tiny-random", decode_port=0, prefill_port=0, run_dir=str(tmp_path),
@@ -400,11 +400,11 @@ def test_up_forwards_flags_with_distinct_metrics_ports(tmp_path) -> None:
         assert argv[argv.index("--otel-endpoint") + 1] == "http://c:4317"
         assert argv[argv.index("--metrics-port") + 1] == str(cluster.metrics_ports()[proc.name])
         # every forwarded flag parses for that process's own command
-        build_parser().parse_args(argv[argv.index("services.cli") + 1:])
+        build_parser().parse_args(argv[argv.index("deltakv.services.cli.main") + 1:])
 
 
 def test_up_rejects_bad_telemetry_flags_before_starting_anything(capsys) -> None:
-    from services.cli import main
+    from deltakv.services.cli.main import main
 
     assert main(["up", "--otel-traces-exporter", "zipkin", "--model", "tiny-random",
                  "--decode-port", "0", "--prefill-port", "0"]) == 2
@@ -412,7 +412,7 @@ def test_up_rejects_bad_telemetry_flags_before_starting_anything(capsys) -> None
 
 
 def test_serve_sidecar_rejects_bad_telemetry_flags(tmp_path) -> None:
-    from sidecar.main import main
+    from deltakv.services.cli.serve.sidecar import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

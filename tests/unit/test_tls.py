@@ -1,4 +1,4 @@
-"""services.common.tls and AioServer's TLS port and plain-text health port, in-process on loopback
+"""deltakv.rpc.tls and AioServer's TLS port and plain-text health port, in-process on loopback
 with real gRPC and certificates made by the ``openssl`` command (tests/tls_certs.py)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import tls
-from services.common.aio_server import AioServer
-from services.common.errors import InvalidArgument
+from deltakv.errors import InvalidArgument
+from deltakv.rpc import tls
+from deltakv.rpc.aio_server import AioServer
 from tests.tls_certs import PKI, make_pki
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,7 +173,7 @@ def test_health_port_checks():
 
 
 def _decode_args(*argv: str) -> argparse.Namespace:
-    from services.cli import build_parser
+    from deltakv.services.cli.main import build_parser
 
     return build_parser().parse_args(["serve", "decode", "--sidecar-socket", "/s.sock",
                                       "--prefill-target", "p:1", *argv])
@@ -196,7 +196,7 @@ def test_decode_prefill_channel_reuses_tls_ca_unless_prefill_tls_ca_is_given():
 
 @pytest.mark.parametrize("words", [["chat"], ["bench", "multiturn"]])
 def test_client_tools_accept_tls_flags(words):
-    from services.cli import build_parser
+    from deltakv.services.cli.main import build_parser
 
     args = build_parser().parse_args([*words, "--tls-ca", "ca", "--tls-cert", "c",
                                       "--tls-key", "k", "--tls-server-name", "n"])

@@ -10,11 +10,11 @@ import time
 import grpc
 import pytest
 
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
+from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
 from deltakv.v1 import kv_pb2
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from sidecar.layout import TOY_LAYOUT
-from sidecar.pool import SharedKVPool
-from sidecar.transport import PageRun, TransportOptions, create_transport
 
 
 @pytest.fixture

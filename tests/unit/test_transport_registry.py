@@ -8,8 +8,8 @@ import textwrap
 import grpc
 import pytest
 
-from services.common.errors import Internal, InvalidArgument
-from sidecar.transport import (
+from deltakv.errors import Internal, InvalidArgument
+from deltakv.sidecar.transport import (
     BACKENDS,
     BackendUnavailable,
     Transport,
@@ -18,7 +18,7 @@ from sidecar.transport import (
     backend_class,
     create_transport,
 )
-from sidecar.transport.registry import INSTALL_HINTS
+from deltakv.sidecar.transport.registry import INSTALL_HINTS
 
 
 @pytest.fixture
@@ -51,9 +51,9 @@ def fake_backends(tmp_path, monkeypatch):
 
 
 def test_registry_names_the_three_design_backends():
-    assert BACKENDS["shm"] == "sidecar.transport.shm:ShmTransport"
-    assert BACKENDS["mooncake"] == "sidecar.transport.mooncake:MooncakeTransport"
-    assert BACKENDS["mori"] == "sidecar.transport.mori:MoriTransport"
+    assert BACKENDS["shm"] == "deltakv.sidecar.transport.shm:ShmTransport"
+    assert BACKENDS["mooncake"] == "deltakv.sidecar.transport.mooncake:MooncakeTransport"
+    assert BACKENDS["mori"] == "deltakv.sidecar.transport.mori:MoriTransport"
 
 
 def test_unknown_backend_is_invalid_argument_listing_known_names():

@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from services.client import build_request
-from services.common.argtypes import port_number
-from services.common.errors import InvalidArgument
-from services.up import ClusterError, check_port_free, check_transport
+from deltakv.client import build_request
+from deltakv.errors import InvalidArgument
+from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.up import ClusterError, check_port_free, check_transport
 
 
 def test_port_number_accepts_0_to_65535_and_rejects_the_rest() -> None:

@@ -62,7 +62,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.common.errors import DeltaKVError, FailedPrecondition, InvalidArgument
+from deltakv.errors import DeltaKVError, FailedPrecondition, InvalidArgument
 
 TRACES_EXPORTERS = ("otlp", "console", "none")
 METRICS_EXPORTERS = ("otlp", "prometheus", "console", "none")
@@ -444,12 +444,12 @@ _lock = threading.Lock()
 
 def setup_telemetry(config: TelemetryConfig, install_globals: bool = True) -> Telemetry:
     """Start telemetry for this process and make it current (for :func:`span`, the
-    interceptor helpers and :mod:`services.common.metrics`). ``install_globals`` also sets
+    interceptor helpers and :mod:`deltakv.metrics`). ``install_globals`` also sets
     the OpenTelemetry API's global providers (once per process; libraries using the global
     API then report through ours). Raises :class:`FailedPrecondition` if the Prometheus
     port cannot be bound; nothing is left running then."""
     global _current, _globals_set
-    from services.common import metrics as deltakv_metrics
+    from deltakv import metrics as deltakv_metrics
 
     tel = Telemetry(config)
     try:

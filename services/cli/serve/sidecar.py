@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from services.common.argtypes import port_number
+from deltakv.services.cli.argtypes import port_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
-    from services.common import telemetry
+    from deltakv import telemetry
 
     telemetry.add_arguments(parser)
 
@@ -79,14 +79,14 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 def build_layout(args: argparse.Namespace) -> Any:
     """The pool's KVLayout from ``--model`` or the explicit geometry flags. ValueError /
     InvalidArgument on missing or invalid values."""
-    from sidecar.layout import KVLayout
+    from deltakv.layout import KVLayout
 
     if args.model:
         explicit = [f for f in ("num_layers", "num_kv_heads", "head_dim")
                     if getattr(args, f) is not None]
         if explicit:
             raise ValueError(f"--model conflicts with explicit geometry flags {explicit}")
-        from services.model.loader import kv_geometry
+        from deltakv.services.model.loader import kv_geometry
 
         geo = kv_geometry(args.model)
         num_layers, num_kv_heads, head_dim = geo.num_layers, geo.num_kv_heads, geo.head_dim
@@ -105,10 +105,10 @@ def build_layout(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Start the sidecar, serve until SIGTERM/SIGINT, shut down gracefully."""
-    from services.common import telemetry
-    from services.common.errors import DeltaKVError
-    from services.common.logging import configure_logging
-    from sidecar.server import SidecarConfig, SidecarServer
+    from deltakv import telemetry
+    from deltakv.errors import DeltaKVError
+    from deltakv.services.runtime.logs import configure_logging
+    from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
     log = configure_logging(f"{args.role}-sidecar", level=args.log_level, fmt=args.log_format)
     tel = None
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sidecar.main ...``: the same as ``deltakv serve sidecar ...`` without
+    """``python -m deltakv.services.cli.serve.sidecar ...``: the same as ``deltakv serve sidecar ...`` without
     importing the other subcommands (tests and containers start sidecars this way)."""
     parser = argparse.ArgumentParser(prog="deltakv serve sidecar", description=__doc__)
     add_arguments(parser)

@@ -59,7 +59,7 @@ def bench_layout(page_bytes: int, num_pages: int) -> Any:
     """A KVLayout with exactly ``page_bytes`` bytes per page: SmolLM2-135M's geometry for its
     page size, else 1 layer, 1 KV head, 16 tokens and ``head_dim = page_bytes / 128``
     (float32). Raises ValueError if ``page_bytes`` is not a positive multiple of 128."""
-    from sidecar.layout import KVLayout
+    from deltakv.layout import KVLayout
 
     if page_bytes == SMOLLM2_PAGE_BYTES:
         return KVLayout(num_pages=num_pages, model_fingerprint="bench", **SMOLLM2_GEOMETRY)
@@ -78,12 +78,12 @@ class _Sidecar:
 
     def __init__(self, role: str, backend: str, layout: Any, workdir: str,
                  options: list[str], ready_timeout_s: float) -> None:
-        from services.common import grpc_util
+        from deltakv.rpc import grpc_util
 
         self.role = role
         self.socket = os.path.join(workdir, f"{role}-{backend}.sock")
         self.log_path = self.socket + ".log"
-        cmd = [sys.executable, "-m", "sidecar.main", "--role", role, "--transport", backend,
+        cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role, "--transport", backend,
                "--socket", self.socket, "--page-size", str(layout.page_size),
                "--num-pages", str(layout.num_pages), "--num-layers", str(layout.num_layers),
                "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
@@ -92,8 +92,7 @@ class _Sidecar:
         for opt in options:
             cmd += ["--transport-option", opt]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=Path(__file__).resolve().parents[2])
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.target = grpc_util.uds_address(self.socket)
         try:
             grpc_util.wait_serving(self.target, timeout_s=ready_timeout_s,
@@ -150,12 +149,12 @@ def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
     import grpc
     import torch
 
+    from deltakv.layout import KVLayout
+    from deltakv.services.cli.serve.sidecar import parse_options
+    from deltakv.sidecar.pool import SharedKVPool
+    from deltakv.sidecar.transport.base import TransportOptions
+    from deltakv.sidecar.transport.registry import create_transport
     from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
-    from sidecar.layout import KVLayout
-    from sidecar.main import parse_options
-    from sidecar.pool import SharedKVPool
-    from sidecar.transport.base import TransportOptions
-    from sidecar.transport.registry import create_transport
 
     layout = bench_layout(page_bytes, 2 * pages)
     nbytes = pages * page_bytes
@@ -279,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench transfer: {exc}", file=sys.stderr)
         return 2
-    from sidecar.transport.registry import available_backends
+    from deltakv.sidecar.transport.registry import available_backends
 
     names = list(BENCH_BACKENDS) if args.backend == "all" else [args.backend]
     availability = available_backends()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.argtypes import port_number
+from deltakv.services.cli.argtypes import port_number
 
 DEFAULT_PORT = 50061
 
@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, give in-flight prefills this long to finish")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from services.common import telemetry, tls
+    from deltakv import telemetry
+    from deltakv.rpc import tls
 
     tls.add_server_arguments(parser)
     telemetry.add_arguments(parser)
@@ -37,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from deltakv import telemetry
+    from deltakv.errors import DeltaKVError
+    from deltakv.rpc import tls
+    from deltakv.rpc.aio_server import install_stop_signals, worker_server
+    from deltakv.services.prefill.servicer import PrefillServicer
+    from deltakv.services.runtime.logs import configure_logging
+    from deltakv.services.worker import start_worker
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
-    from services.common import telemetry, tls
-    from services.common.aio_server import install_stop_signals, worker_server
-    from services.common.errors import DeltaKVError
-    from services.common.logging import configure_logging
-    from services.common.worker import start_worker
-    from services.prefill.servicer import PrefillServicer
 
     log = configure_logging("prefill", args.log_level, args.log_format)
     stop = asyncio.Event()

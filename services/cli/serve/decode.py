@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.argtypes import port_number
+from deltakv.services.cli.argtypes import port_number
 
 DEFAULT_PORT = 50051
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.decode.servicer import DecodeConfig
+    from deltakv.services.decode.servicer import DecodeConfig
 
     d = DecodeConfig()
     parser.add_argument("--model", default="smollm2",
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from services.common import telemetry, tls
+    from deltakv import telemetry
+    from deltakv.rpc import tls
 
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
@@ -62,8 +63,8 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
 
     import grpc
 
+    from deltakv.errors import Unavailable, from_rpc_error
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
-    from services.common.errors import Unavailable, from_rpc_error
 
     stub = prefill_pb2_grpc.PrefillServiceStub(channel)
     deadline = time.monotonic() + timeout_s
@@ -88,13 +89,14 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from deltakv import telemetry
+    from deltakv.errors import DeltaKVError
+    from deltakv.rpc import tls
+    from deltakv.rpc.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
+    from deltakv.services.decode.servicer import DecodeConfig, DecodeServicer
+    from deltakv.services.runtime.logs import configure_logging
+    from deltakv.services.worker import start_worker
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
-    from services.common import telemetry, tls
-    from services.common.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
-    from services.common.errors import DeltaKVError
-    from services.common.logging import configure_logging
-    from services.common.worker import start_worker
-    from services.decode.servicer import DecodeConfig, DecodeServicer
 
     log = configure_logging("decode", args.log_level, args.log_format)
     stop = asyncio.Event()

@@ -5,7 +5,7 @@ service and flips to SERVING when the caller says it is ready (after the sidecar
 the peer handshake are up); :meth:`AioServer.drain` flips it back before stopping so load
 balancers stop routing first.
 
-TLS: given ``credentials`` (see :mod:`services.common.tls`), the main port is a TLS port. A
+TLS: given ``credentials`` (see :mod:`deltakv.rpc.tls`), the main port is a TLS port. A
 ``health_address`` adds a second, plain-text server that carries only ``grpc.health.v1`` and
 shares the main server's health servicer, so it always reports the main port's status (kubelet
 gRPC probes cannot speak TLS) while the services themselves stay reachable only through TLS.
@@ -22,7 +22,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import Unavailable
+from deltakv.errors import Unavailable
 
 # Keepalive so a silently dead peer is noticed in seconds, not at the TCP timeout.
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -136,7 +136,7 @@ def worker_server(args, service_name: str, add_servicers: Callable[[grpc.aio.Ser
                   credentials: grpc.ServerCredentials | None) -> AioServer:
     """The AioServer of a prefill or decode worker from its parsed ``--host``, ``--port`` and
     ``--health-port`` flags, traced when telemetry is on, with TLS when ``credentials``."""
-    from services.common import telemetry
+    from deltakv import telemetry
 
     health = f"{args.host}:{args.health_port}" if args.health_port else None
     return AioServer(f"{args.host}:{args.port}", [service_name], add_servicers,

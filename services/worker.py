@@ -11,15 +11,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.errors import FailedPrecondition
-from sidecar.client import SidecarClient
-from sidecar.layout import KVLayout
+from deltakv.errors import FailedPrecondition
+from deltakv.layout import KVLayout
+from deltakv.sidecar.client import SidecarClient
 
 if TYPE_CHECKING:
+    from deltakv.services.model.loader import LoadedModel
+    from deltakv.services.model.runner import ModelRunner
+    from deltakv.sidecar.pool import SharedKVPool
     from deltakv.v1 import sidecar_pb2
-    from services.model.loader import LoadedModel
-    from services.model.runner import ModelRunner
-    from sidecar.pool import SharedKVPool
 
 
 @dataclass
@@ -60,9 +60,9 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
     """
-    from services.common import telemetry
-    from services.model.loader import load_model
-    from services.model.runner import ModelRunner
+    from deltakv import telemetry
+    from deltakv.services.model.loader import load_model
+    from deltakv.services.model.runner import ModelRunner
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.

@@ -14,16 +14,16 @@ import sys
 
 # (command words, module, help). Modules not yet present are skipped with a clear message.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("serve", "sidecar"), "sidecar.main", "run one KV-transfer sidecar (UDS gRPC)"),
-    (("serve", "prefill"), "services.prefill.main", "run the prefill service"),
-    (("serve", "decode"), "services.decode.main", "run the decode service"),
-    (("up",), "services.up", "start a local 1P1D cluster (2 sidecars, prefill, decode)"),
-    (("generate",), "services.generate", "one generation, locally (--local) or on a cluster"),
-    (("chat",), "services.chat", "interactive multi-turn chat against a cluster"),
-    (("demo",), "services.demo", "local cluster on SmolLM2: a chat and the multi-turn A/B"),
-    (("bench", "transfer"), "services.bench.transfer", "sidecar vs raw engine vs memcpy"),
-    (("bench", "model"), "services.bench.model", "paged runner vs transformers"),
-    (("bench", "multiturn"), "services.bench.multiturn", "multi-turn incremental vs full"),
+    (("serve", "sidecar"), "deltakv.services.cli.serve.sidecar", "run one KV-transfer sidecar (UDS gRPC)"),
+    (("serve", "prefill"), "deltakv.services.cli.serve.prefill", "run the prefill service"),
+    (("serve", "decode"), "deltakv.services.cli.serve.decode", "run the decode service"),
+    (("up",), "deltakv.services.cli.up", "start a local 1P1D cluster (2 sidecars, prefill, decode)"),
+    (("generate",), "deltakv.services.cli.generate", "one generation, locally (--local) or on a cluster"),
+    (("chat",), "deltakv.services.cli.chat", "interactive multi-turn chat against a cluster"),
+    (("demo",), "deltakv.services.cli.demo", "local cluster on SmolLM2: a chat and the multi-turn A/B"),
+    (("bench", "transfer"), "deltakv.services.cli.bench.transfer", "sidecar vs raw engine vs memcpy"),
+    (("bench", "model"), "deltakv.services.cli.bench.model", "paged runner vs transformers"),
+    (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
 ]
 
 

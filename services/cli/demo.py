@@ -33,7 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from services.bench.multiturn import (
+from deltakv.client import DecodeClient, GenerateResult
+from deltakv.errors import DeltaKVError, InvalidArgument, Unavailable
+from deltakv.services.cli.bench.multiturn import (
     FULL,
     INCREMENTAL,
     MultiturnConfig,
@@ -42,10 +44,8 @@ from services.bench.multiturn import (
     format_table,
     run_multiturn,
 )
-from services.chat import ChatSession, format_turn_stats
-from services.client import DecodeClient, GenerateResult
-from services.common.errors import DeltaKVError, InvalidArgument, Unavailable
-from services.up import sigterm_on_parent_death
+from deltakv.services.cli.chat import ChatSession, format_turn_stats
+from deltakv.services.cli.up import sigterm_on_parent_death
 
 # Incremental rounds >= 1 must move at most this fraction of the full-transfer bytes.
 MAX_BYTES_RATIO = 1 / 3
@@ -91,7 +91,7 @@ class UpProcess:
     """A ``deltakv up`` subprocess (2 sidecars, prefill, decode) that this object owns.
 
     The demo drives ``up`` through its command line, exactly as a user would, rather than
-    through :class:`services.up.LocalCluster`: what is demonstrated is the shipped command.
+    through :class:`deltakv.services.cli.up.LocalCluster`: what is demonstrated is the shipped command.
 
     ``start()`` launches it and waits at most ``startup_timeout_s`` seconds for the ready line;
     ``stop()`` sends SIGTERM, waits at most ``stop_timeout_s`` seconds, then SIGKILLs. The
@@ -119,7 +119,7 @@ class UpProcess:
 
     def command(self) -> list[str]:
         """The argv of the ``up`` subprocess."""
-        return [sys.executable, "-m", "services.cli", "up", "--model", self.model,
+        return [sys.executable, "-m", "deltakv.services.cli.main", "up", "--model", self.model,
                 "--transport", self.transport, "--run-dir", str(self.run_dir), *self.extra_args]
 
     def _pump(self, stream: TextIO, log: TextIO) -> None:

@@ -37,10 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.client import DEFAULT_TARGET, DecodeClient, delta_pages
-from services.common import tls as tls_files
-from services.common.errors import DeltaKVError, InvalidArgument
-from services.common.tls import TLSFiles
+from deltakv.client import DEFAULT_TARGET, DecodeClient, delta_pages
+from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.rpc import tls as tls_files
+from deltakv.rpc.tls import TLSFiles
 
 INCREMENTAL = "incremental"
 FULL = "full"
@@ -182,7 +182,7 @@ class RequestRecord:
 def min_bytes(prompt_tokens: int, cached_tokens: int, page_size: int, page_bytes: int) -> int:
     """Least bytes a handoff may move: ``(ceil(prompt/page_size) - cached/page_size) *
     page_bytes`` (bytes). Raises :class:`InvalidArgument` for impossible inputs (see
-    :func:`services.client.delta_pages`)."""
+    :func:`deltakv.client.delta_pages`)."""
     if page_bytes < 0:
         raise InvalidArgument(f"page_bytes must be >= 0, got {page_bytes}")
     return delta_pages(prompt_tokens, cached_tokens, page_size) * page_bytes
@@ -393,9 +393,9 @@ async def run_multiturn(target: str, config: MultiturnConfig,
                         tls: TLSFiles | None = None) -> dict:
     """Run the benchmark against the decode service at ``target`` and return the report dict
     (see :func:`build_report`). Waits at most ``config.connect_timeout_s`` for the service
-    (raises :class:`~services.common.errors.Unavailable` after); request failures are counted
+    (raises :class:`~deltakv.errors.Unavailable` after); request failures are counted
     in the report, not raised. ``tls``: dial with TLS (see
-    :class:`~services.client.DecodeClient`; bad files raise InvalidArgument)."""
+    :class:`~deltakv.client.DecodeClient`; bad files raise InvalidArgument)."""
     async with DecodeClient(target, timeout_s=config.timeout_s, tls=tls) as client:
         await client.wait_ready(config.connect_timeout_s)
         records: list[RequestRecord] = []

@@ -3,7 +3,7 @@
 * :func:`uds_address` / :func:`claim_uds_path` — Unix-domain-socket targets, with the length
   check gRPC itself does not make and stale-socket reclamation that never steals a live one.
 * :class:`ErrorMappingInterceptor` — the one place a sync server turns exceptions into status
-  codes (typed errors via ``services.common.errors.status_of``; anything else INTERNAL, logged).
+  codes (typed errors via ``deltakv.errors.status_of``; anything else INTERNAL, logged).
 * :func:`make_server` — a thread-pool ``grpc.server`` with that interceptor installed.
 * :func:`add_health_and_reflection` — the standard ``grpc.health.v1`` service and server
   reflection, returned so the caller can flip serving status (SERVING / NOT_SERVING).
@@ -26,7 +26,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import DeltaKVError, InvalidArgument, Unavailable, status_of
+from deltakv.errors import DeltaKVError, InvalidArgument, Unavailable, status_of
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ def remove_uds_path(path: str | os.PathLike[str]) -> None:
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """Sync server interceptor: every unary-unary handler's exceptions become statuses.
 
-    * :class:`~services.common.errors.DeltaKVError` -> its code and message;
+    * :class:`~deltakv.errors.DeltaKVError` -> its code and message;
     * a ``grpc.RpcError`` raised by a nested call -> the same code (propagated unchanged);
     * anything else -> INTERNAL with ``"internal error: <type>: <message>"``, logged with its
       traceback.

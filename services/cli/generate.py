@@ -46,16 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print {prompt_token_ids, token_ids, text, finish_reason[, usage]} "
                              "as JSON")
-    from services.common.tls import add_client_arguments
+    from deltakv.rpc.tls import add_client_arguments
 
     add_client_arguments(parser)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
     """Token ids of the prompt: chat-templated (with ``--system`` if given) unless ``--raw``.
-    Raises :class:`~services.common.errors.InvalidArgument` for an empty prompt."""
-    from services.common.errors import InvalidArgument
-    from services.model.tokenizer import encode_chat, encode_text
+    Raises :class:`~deltakv.errors.InvalidArgument` for an empty prompt."""
+    from deltakv.errors import InvalidArgument
+    from deltakv.services.model.tokenizer import encode_chat, encode_text
 
     if not args.prompt or not args.prompt.strip():
         raise InvalidArgument("empty prompt")
@@ -74,14 +74,14 @@ def generate_local(args: argparse.Namespace,
 
     ``on_text`` receives each new piece of text as it is decoded. Returns ``{"prompt_token_ids":
     [...], "token_ids": [...], "text": str, "finish_reason": "stop" | "length"}``. Raises
-    :class:`~services.common.errors.InvalidArgument` (INVALID_ARGUMENT) for bad options or
-    prompt, :class:`~services.common.errors.NotFound` when the model's files are missing.
+    :class:`~deltakv.errors.InvalidArgument` (INVALID_ARGUMENT) for bad options or
+    prompt, :class:`~deltakv.errors.NotFound` when the model's files are missing.
     """
-    from services.common.errors import InvalidArgument
-    from services.model.loader import load_model
-    from services.model.runner import DecodeSeq, ModelRunner
-    from services.model.sampling import Sampler, should_stop
-    from services.model.tokenizer import IncrementalDetokenizer
+    from deltakv.errors import InvalidArgument
+    from deltakv.services.model.loader import load_model
+    from deltakv.services.model.runner import DecodeSeq, ModelRunner
+    from deltakv.services.model.sampling import Sampler, should_stop
+    from deltakv.services.model.tokenizer import IncrementalDetokenizer
 
     if args.max_new_tokens < 1:
         raise InvalidArgument(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -135,9 +135,9 @@ def generate_remote(args: argparse.Namespace,
     import asyncio
     import dataclasses
 
-    from services.client import DecodeClient
-    from services.common.errors import InvalidArgument
-    from services.common.tls import files_from_args
+    from deltakv.client import DecodeClient
+    from deltakv.errors import InvalidArgument
+    from deltakv.rpc.tls import files_from_args
 
     if args.max_new_tokens < 1:
         raise InvalidArgument(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -185,7 +185,7 @@ def print_result(result: dict[str, Any], as_json: bool, streamed: bool = False) 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: 0 on success, 2 on a usage or input error (message on stderr)."""
-    from services.common.errors import DeltaKVError
+    from deltakv.errors import DeltaKVError
 
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     try:

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.argtypes import port_number
+from deltakv.services.cli.argtypes import port_number
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_PREFILL_PORT = 50061
@@ -50,8 +50,8 @@ def check_port_free(host: str, port: int) -> None:
 def check_transport(name: str) -> None:
     """ClusterError with the registry's one-line reason if the backend cannot run here
     (unknown name, or its optional dependency is missing). Probes that backend only."""
-    from services.common.errors import InvalidArgument
-    from sidecar.transport.registry import BACKENDS, unavailable_reason
+    from deltakv.errors import InvalidArgument
+    from deltakv.sidecar.transport.registry import BACKENDS, unavailable_reason
 
     try:
         reason = unavailable_reason(name)
@@ -154,7 +154,7 @@ class LocalCluster:
     # -- process plan -------------------------------------------------------------------------
 
     def _cli(self, *words: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", *words]
+        return [sys.executable, "-m", "deltakv.services.cli.main", *words]
 
     def _plan(self) -> list[_Proc]:
         c = self.config
@@ -381,7 +381,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
-    from services.common import telemetry
+    from deltakv import telemetry
 
     telemetry.add_arguments(parser, metrics_port_help=(
         "Prometheus base port: decode P, prefill P+1, decode sidecar P+2, prefill sidecar P+3 "
@@ -391,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _metrics_base_port(args: argparse.Namespace) -> int:
     """--metrics-port, or the OTEL_EXPORTER_PROMETHEUS_PORT (default 9464) base when the
     environment asks for the prometheus exporter (the four processes need distinct ports)."""
-    from services.common import telemetry
+    from deltakv import telemetry
 
     if args.metrics_port is not None:
         return args.metrics_port
@@ -414,8 +414,8 @@ def _decode_bounds(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common import telemetry
-    from services.common.errors import DeltaKVError
+    from deltakv import telemetry
+    from deltakv.errors import DeltaKVError
 
     try:  # the same check every process makes, once, before anything starts
         telemetry.config_from_args(args, "decode", "worker")

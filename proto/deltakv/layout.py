@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from deltakv.errors import InvalidArgument, LayoutMismatch
 from deltakv.v1 import kv_pb2
-from services.common.errors import InvalidArgument, LayoutMismatch
 
 # Name <-> torch dtype <-> protobuf enum, the only dtypes a pool may hold.
 DTYPES: dict[str, tuple[torch.dtype, int]] = {

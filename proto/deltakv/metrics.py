@@ -1,7 +1,7 @@
 """The deltakv metric instruments (OpenTelemetry metrics API), one set per process.
 
 :func:`current` returns the process's :class:`DeltaKVMetrics`. Until
-:func:`services.common.telemetry.setup_telemetry` installs a real meter it is bound to the
+:func:`deltakv.telemetry.setup_telemetry` installs a real meter it is bound to the
 API's no-op meter, so recording costs a method call and nothing else when metrics are off.
 
 Instruments (OTel name -> Prometheus name; units follow the OTel conventions, durations in
@@ -154,7 +154,7 @@ def code_label(exc: BaseException) -> str:
     (``unavailable``), ``cancelled`` for a cancellation, ``internal`` otherwise."""
     import asyncio
 
-    from services.common.errors import DeltaKVError
+    from deltakv.errors import DeltaKVError
 
     if isinstance(exc, DeltaKVError):
         return exc.code.name.lower()

@@ -5,7 +5,7 @@ Who uses what:
 * ``deltakv serve prefill|decode`` serve their gRPC port with TLS when given ``--tls-cert`` and
   ``--tls-key``; with ``--tls-ca`` too they **require** a client certificate signed by that CA
   (mutual TLS). ``--health-port`` adds a plain-text port that serves only ``grpc.health.v1``
-  (kubelet gRPC probes cannot speak TLS); see :class:`services.common.aio_server.AioServer`.
+  (kubelet gRPC probes cannot speak TLS); see :class:`deltakv.rpc.aio_server.AioServer`.
 * decode's channel to prefill, ``DecodeClient`` and the client tools (``deltakv chat``,
   ``deltakv bench multiturn``, ``deltakv generate --target``) dial with TLS when given a CA
   (``--tls-ca``) and present ``--tls-cert``/``--tls-key`` as their client certificate.
@@ -15,7 +15,7 @@ stays plain text on loopback.
 
 Every file is read and checked with Python's ``ssl`` module **before** gRPC sees it, so a
 missing file, a key that does not match its certificate or a CA file without a certificate fails
-at start-up with :class:`~services.common.errors.InvalidArgument` naming the flag and the path,
+at start-up with :class:`~deltakv.errors.InvalidArgument` naming the flag and the path,
 instead of a server that binds nothing or a channel that silently never connects.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.errors import InvalidArgument
+from deltakv.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

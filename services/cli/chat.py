@@ -16,10 +16,10 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from services.client import DEFAULT_TARGET, DecodeClient, GenerateResult
-from services.common import tls as tls_files
-from services.common.errors import DeltaKVError, InvalidArgument
-from services.common.tls import TLSFiles
+from deltakv.client import DEFAULT_TARGET, DecodeClient, GenerateResult
+from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.rpc import tls as tls_files
+from deltakv.rpc.tls import TLSFiles
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -70,7 +70,7 @@ class ChatSession:
         :class:`GenerateResult`.
 
         Raises :class:`InvalidArgument` for an empty message and the typed error of a failed
-        RPC (e.g. :class:`~services.common.errors.Unavailable`); on any error the conversation
+        RPC (e.g. :class:`~deltakv.errors.Unavailable`); on any error the conversation
         is left as it was before the call.
         """
         if not text.strip():
@@ -110,7 +110,7 @@ def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
               timeout_s: float, connect_timeout_s: float, tls: TLSFiles | None = None) -> int:
     """Run the chat until ``/quit`` or EOF on ``stdin``; returns the exit code (0, or 2 when
     the service is unreachable within ``connect_timeout_s`` seconds — a refused TLS handshake
-    included). ``tls``: dial with TLS (see :class:`~services.client.DecodeClient`).
+    included). ``tls``: dial with TLS (see :class:`~deltakv.client.DecodeClient`).
 
     Lines are read synchronously between turns (a chat is sequential, and a blocking read in
     the main thread keeps Ctrl-C immediate); each turn runs on one event loop that owns the

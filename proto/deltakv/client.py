@@ -3,7 +3,7 @@
 Shared by ``deltakv chat``, ``deltakv bench multiturn``, ``deltakv demo``, ``deltakv generate
 --target`` and the e2e tests. Every call is bounded: connecting (:meth:`DecodeClient.wait_ready`)
 and each RPC carry a non-zero deadline. A failed RPC surfaces as a typed
-:class:`~services.common.errors.DeltaKVError` (via :func:`~services.common.errors.from_rpc_error`),
+:class:`~deltakv.errors.DeltaKVError` (via :func:`~deltakv.errors.from_rpc_error`),
 never as a raw ``grpc.RpcError``.
 
 TTFT here follows the glossary: from the moment the client sends the request to the moment the
@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
-from services.common import tls as tls_files
-from services.common.errors import (
+from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     Internal,
@@ -40,7 +38,9 @@ from services.common.errors import (
     Unavailable,
     from_rpc_error,
 )
-from services.common.tls import TLSFiles
+from deltakv.rpc import tls as tls_files
+from deltakv.rpc.tls import TLSFiles
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # A CPU-only cluster (2 cores) can take tens of seconds for a long prompt; generous but bounded.
@@ -389,7 +389,7 @@ class DecodeClient:
         """Run one generation to the end and return its :class:`GenerateResult`.
 
         Arguments as :meth:`stream`. Raises the typed error of the RPC's status (e.g.
-        :class:`~services.common.errors.ResourceExhausted` for RESOURCE_EXHAUSTED,
+        :class:`~deltakv.errors.ResourceExhausted` for RESOURCE_EXHAUSTED,
         :class:`Unavailable` for UNAVAILABLE, :class:`DeadlineExceeded` past the deadline).
         """
         async with self.stream(timeout_s=timeout_s, **request) as s:

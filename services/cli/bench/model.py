@@ -104,9 +104,9 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
     import torch
     from transformers import DynamicCache
 
-    from services.common.errors import InvalidArgument
-    from services.model.loader import load_transformers_model, loaded_from_transformers
-    from services.model.runner import DecodeSeq, ModelRunner
+    from deltakv.errors import InvalidArgument
+    from deltakv.services.model.loader import load_transformers_model, loaded_from_transformers
+    from deltakv.services.model.runner import DecodeSeq, ModelRunner
 
     for name in ("decode_context", "decode_steps", "repeats", "page_size"):
         if getattr(args, name) < 1:
@@ -181,7 +181,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: prints one line per point; 0 on success, 2 on bad options."""
-    from services.common.errors import DeltaKVError
+    from deltakv.errors import DeltaKVError
 
     try:
         report = run_bench(args)
