@@ -32,7 +32,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deltakv.layout import TOY_LAYOUT, KVLayout
+from deltakv.layout import KVLayout
+from tests.support.layouts import TOY_LAYOUT
 from deltakv.rpc import grpc_util
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 

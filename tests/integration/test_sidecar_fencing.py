@@ -22,7 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.layout import TOY_LAYOUT
+from tests.support.layouts import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.layout import TOY_LAYOUT
+from tests.support.layouts import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 from tests.integration.sidecar_proc import (
     REPO_ROOT,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltakv.errors import InvalidArgument
-from deltakv.layout import TOY_LAYOUT
+from tests.support.layouts import TOY_LAYOUT
 from deltakv.services.model import loader
 from deltakv.services.model.llama import LlamaSpec
 from deltakv.services.model.runner import ModelRunner
