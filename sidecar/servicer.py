@@ -252,7 +252,9 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         if not request.HasField("transfer_info"):
             raise InvalidArgument("WritePages: transfer_info is missing")
         info = request.transfer_info
-        endpoint = info.decode_endpoint if info.HasField("decode_endpoint") else None
+        if not info.HasField("decode_endpoint"):
+            raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
+        endpoint = info.decode_endpoint
         remote = self.peers.check(endpoint)
         plan = plan_delta(info, request.src_page_indices, self.layout, remote,
                           self.transport.limits, max_lease_ms=self.max_lease_ms)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.layouts import TOY_LAYOUT
 from deltakv.services.cli.up import ClusterConfig, ClusterError, LocalCluster
 from deltakv.sidecar.pool import SHM_DIR
 from deltakv.sidecar.server import default_shm_name
 from tests.integration.sidecar_proc import layout_args, short_tmp_dir
+from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,12 +19,12 @@ import grpc
 import pytest
 import torch
 
-from tests.support.layouts import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import (
     SidecarFactory,
     SidecarProcess,
 )
+from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDIN_ENV = {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"), "MORI_STANDIN_FAULTS": ""}

@@ -33,6 +33,7 @@ counted by the writer's ``check_can_start``).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -108,6 +109,15 @@ def sidecar_args(spec: str, inner: str = "shm") -> list[str]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         args += ["--transport-option", item]
     return args
+
+
+def cluster_options(spec: str, inner: str = "shm", env: dict | None = None) -> dict:
+    """``ClusterConfig`` overrides (``make_cluster(..., **cluster_options(spec))``) that wrap
+    the prefill sidecar's ``inner`` backend with the faults of ``spec``: its flags, and the
+    repository root on every process's ``PYTHONPATH`` (added to ``env``)."""
+    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    return {"prefill_sidecar_args": sidecar_args(spec, inner),
+            "env": {**(env or {}), "PYTHONPATH": path}}
 
 
 def sleep_in_room(ticket: RoomTicket, seconds: float) -> None:

@@ -16,8 +16,8 @@ import torch
 
 from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
 from deltakv.layout import KVLayout
-from tests.support.layouts import TOY_LAYOUT
 from deltakv.sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
+from tests.support.layouts import TOY_LAYOUT
 
 SMALL = TOY_LAYOUT.with_pages(8)
 
