@@ -1,15 +1,27 @@
 """Delta write planning (DESIGN §5): validate a TransferInfo, then coalesce and batch.
 
+The planner owns every rule of a ``TransferInfo`` — nothing before or after it re-checks them:
+
+* :func:`validate_transfer` — the rules that need only the message and the pool geometry
+  (room, ``prompt_len``, ``decode_prefix_len`` alignment and bound, ``lease_ms``, the number of
+  destination pages and their uniqueness). Prefill calls it when a request arrives, before it
+  allocates or computes anything; :func:`plan_delta` calls it again for direct callers of the
+  sidecar (the same function, so the same rules).
+* :func:`plan_delta` — plus the rules that need both pools: the prefill page table's length,
+  every source page inside the prefill pool, every destination page inside the decode pool.
+  The two layouts are already known to pair (the peer table checked them at connect).
+
 The prefill sidecar holds the page table of the whole prompt (``src_page_indices``); decode
 names where the *delta* goes (``TransferInfo.dst_page_indices``). The delta is prompt pages
-``[decode_prefix_len / page_size, ceil(prompt_len / page_size))``; pair ``i`` of the plan is
-``(src[decode_prefix_len / page_size + i], dst[i])``. Every rule of §5 is checked here,
-**before any byte moves**, so a bad request changes nothing on either side.
+``[decode_prefix_len / page_size, ceil(prompt_len / page_size))``
+(:func:`deltakv.layout.delta_pages`); pair ``i`` of the plan is
+``(src[decode_prefix_len / page_size + i], dst[i])``. Everything is checked **before any
+byte moves**, so a bad request changes nothing on either side.
 
 Coalescing: consecutive pairs whose source *and* destination pages are both consecutive form
 one :class:`PageRun` (one engine write of ``num_pages * page_bytes`` bytes). Runs longer than
 the backend's ``max_message_bytes`` are split; runs are then grouped into batches of at most
-``max_entries`` runs (one engine batch call each).
+``max_entries`` runs (one engine batch call each). Transports move each batch as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from dataclasses import dataclass
 
 from deltakv.errors import FailedPrecondition, InvalidArgument
 from deltakv.layout import KVLayout
+from deltakv.sidecar.rooms import check_room
 from deltakv.sidecar.transport.base import BatchLimits, PageRun
 from deltakv.v1 import kv_pb2
 
@@ -61,39 +74,32 @@ class WritePlan:
         )
 
 
-def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local: KVLayout,
-               remote: KVLayout, limits: BatchLimits) -> WritePlan:
-    """Validate ``info`` against both pools and plan its delta write.
+def validate_transfer(info: kv_pb2.TransferInfo, layout: KVLayout, *,
+                      max_lease_ms: int = 0) -> int:
+    """Check the rules of ``info`` that need only the message and the pool geometry.
 
     Args:
         info: decode's TransferInfo (``dst_page_indices`` = delta pages only, prompt order;
-            absent ``decode_prefix_len`` means 0).
-        src_page_indices: prefill's page table for the **whole** prompt,
-            ``ceil(prompt_len / page_size)`` page indices into the local pool.
-        local: the prefill (source) pool layout; ``remote``: the decode (destination) one.
-        limits: the backend's batching limits.
+            an unset ``decode_prefix_len`` reads 0, a full transfer).
+        layout: either pool's layout (the two pair, so ``page_size`` is the same).
+        max_lease_ms: longest ``lease_ms`` accepted; 0 = no bound beyond ``> 0``.
 
     Returns:
-        A :class:`WritePlan`; nothing is written and no state changes.
+        The number of delta pages, ``len(info.dst_page_indices)``.
 
     Raises:
-        LayoutMismatch (FAILED_PRECONDITION): the layouts differ in a pairing field.
-        FailedPrecondition (FAILED_PRECONDITION): ``limits`` cannot express a page-sized write.
-        InvalidArgument (INVALID_ARGUMENT): ``prompt_len`` is 0; ``decode_prefix_len`` is not
-            a multiple of ``page_size`` or exceeds ``prompt_len``; the source page table or
-            the destination list has the wrong length; a destination repeats or lies outside
-            the decode pool; a source lies outside the prefill pool; ``lease_ms`` is 0.
+        InvalidArgument (INVALID_ARGUMENT): ``room`` is 0; ``prompt_len`` is 0;
+            ``decode_prefix_len`` is not a multiple of ``page_size`` or exceeds
+            ``prompt_len``; ``lease_ms`` is 0 or above ``max_lease_ms``; the destination
+            list's length differs from the delta's or it repeats a page.
     """
+    check_room(info.room)
     room = info.room
-    local.check_compatible(remote)
-    page_size = local.page_size
-    page_bytes = local.page_bytes
-    _check_limits(limits, page_bytes)
-
+    page_size = layout.page_size
     prompt_len = info.prompt_len
     if prompt_len <= 0:
         raise InvalidArgument(f"room {room}: prompt_len must be > 0 tokens, got {prompt_len}")
-    prefix_len = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
+    prefix_len = info.decode_prefix_len
     if prefix_len % page_size:
         raise InvalidArgument(
             f"room {room}: decode_prefix_len={prefix_len} is not a multiple of "
@@ -103,26 +109,61 @@ def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local
             f"room {room}: decode_prefix_len={prefix_len} exceeds prompt_len={prompt_len}")
     if info.lease_ms <= 0:
         raise InvalidArgument(f"room {room}: lease_ms must be > 0, got {info.lease_ms}")
-
-    prompt_pages = local.pages_for(prompt_len)
-    prefix_pages = prefix_len // page_size
-    delta_pages = prompt_pages - prefix_pages
-
-    src = [int(p) for p in src_page_indices]
-    if len(src) != prompt_pages:
+    if max_lease_ms and info.lease_ms > max_lease_ms:
+        raise InvalidArgument(f"room {room}: lease_ms={info.lease_ms} exceeds the sidecar's "
+                              f"maximum of {max_lease_ms} ms")
+    delta = layout.delta_pages(prompt_len, prefix_len)
+    dst = info.dst_page_indices
+    if len(dst) != delta:
         raise InvalidArgument(
-            f"room {room}: prefill page table has {len(src)} pages, prompt_len={prompt_len} "
-            f"needs ceil({prompt_len}/{page_size}) = {prompt_pages}")
-    dst = [int(p) for p in info.dst_page_indices]
-    if len(dst) != delta_pages:
-        raise InvalidArgument(
-            f"room {room}: dst_page_indices has {len(dst)} pages, the delta is "
-            f"{delta_pages} (prompt pages {prompt_pages} - prefix pages {prefix_pages})")
+            f"room {room}: dst_page_indices has {len(dst)} pages, the delta is {delta} "
+            f"(prompt_len={prompt_len}, decode_prefix_len={prefix_len}, "
+            f"page_size={page_size})")
     seen: set[int] = set()
     for page in dst:
         if page in seen:
             raise InvalidArgument(f"room {room}: destination page {page} appears more than once")
         seen.add(page)
+    return delta
+
+
+def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local: KVLayout,
+               remote: KVLayout, limits: BatchLimits, *, max_lease_ms: int = 0) -> WritePlan:
+    """Validate ``info`` against both pools and plan its delta write.
+
+    Args:
+        info: decode's TransferInfo (see :func:`validate_transfer`).
+        src_page_indices: prefill's page table for the **whole** prompt,
+            ``ceil(prompt_len / page_size)`` page indices into the local pool.
+        local: the prefill (source) pool layout; ``remote``: the decode (destination) one,
+            already checked to pair with ``local`` (``PeerTable.connect``); ``num_pages``
+            may differ.
+        limits: the backend's batching limits.
+        max_lease_ms: as :func:`validate_transfer`.
+
+    Returns:
+        A :class:`WritePlan`; nothing is written and no state changes.
+
+    Raises:
+        InvalidArgument (INVALID_ARGUMENT): every rule of :func:`validate_transfer`; the
+            source page table has the wrong length; a destination lies outside the decode
+            pool; a source of the delta lies outside the prefill pool.
+        FailedPrecondition (FAILED_PRECONDITION): ``limits`` cannot express a page-sized
+            write (a misconfigured backend).
+    """
+    delta_pages = validate_transfer(info, local, max_lease_ms=max_lease_ms)
+    room = info.room
+    page_bytes = local.page_bytes
+    _check_limits(limits, page_bytes)
+    prompt_pages = local.pages_for(info.prompt_len)
+    prefix_pages = prompt_pages - delta_pages
+    src = [int(p) for p in src_page_indices]
+    if len(src) != prompt_pages:
+        raise InvalidArgument(
+            f"room {room}: prefill page table has {len(src)} pages, prompt_len="
+            f"{info.prompt_len} needs ceil({info.prompt_len}/{local.page_size}) = "
+            f"{prompt_pages}")
+    dst = [int(p) for p in info.dst_page_indices]
     bad_dst = [p for p in dst if p >= remote.num_pages]
     if bad_dst:
         raise InvalidArgument(
@@ -138,8 +179,8 @@ def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local
     runs = coalesce(src_delta, dst, _max_run_pages(limits, page_bytes))
     batches = [runs[i:i + limits.max_entries] for i in range(0, len(runs), limits.max_entries)]
     return WritePlan(runs=runs, batches=batches, pages=delta_pages,
-                     bytes=delta_pages * page_bytes, decode_prefix_len=prefix_len,
-                     prompt_len=prompt_len)
+                     bytes=delta_pages * page_bytes, decode_prefix_len=info.decode_prefix_len,
+                     prompt_len=info.prompt_len)
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int], max_run_pages: int = 0) -> list[PageRun]:
@@ -179,37 +220,3 @@ def _check_limits(limits: BatchLimits, page_bytes: int) -> None:
 
 def _max_run_pages(limits: BatchLimits, page_bytes: int) -> int:
     return limits.max_message_bytes // page_bytes if limits.max_message_bytes else 0
-
-
-def check_runs(runs: Sequence[PageRun], src_pages: int, dst_pages: int) -> None:
-    """Range-check a batch before any byte moves (every backend's ``write`` calls this).
-
-    ``src_pages`` / ``dst_pages``: pages in the local / peer pool. Raises InvalidArgument
-    (INVALID_ARGUMENT) naming the first run that is empty or leaves either pool.
-    """
-    for i, run in enumerate(runs):
-        if run.num_pages <= 0:
-            raise InvalidArgument(f"run {i} {run}: num_pages must be > 0")
-        if run.src_page < 0 or run.src_page + run.num_pages > src_pages:
-            raise InvalidArgument(
-                f"run {i} {run}: source pages outside the local pool (num_pages={src_pages})")
-        if run.dst_page < 0 or run.dst_page + run.num_pages > dst_pages:
-            raise InvalidArgument(
-                f"run {i} {run}: destination pages outside the peer pool "
-                f"(num_pages={dst_pages})")
-
-
-def check_block(src_offset: int, dst_offset: int, nbytes: int, src_bytes: int,
-                dst_bytes: int) -> None:
-    """Range-check a raw block write (``Transport.write_block``): ``nbytes`` > 0 and both
-    byte ranges inside their pools (``src_bytes`` / ``dst_bytes`` long). InvalidArgument."""
-    if nbytes <= 0:
-        raise InvalidArgument(f"write_block: nbytes must be > 0, got {nbytes}")
-    if src_offset < 0 or src_offset + nbytes > src_bytes:
-        raise InvalidArgument(
-            f"write_block: source bytes [{src_offset}, {src_offset + nbytes}) outside the "
-            f"local pool ({src_bytes} bytes)")
-    if dst_offset < 0 or dst_offset + nbytes > dst_bytes:
-        raise InvalidArgument(
-            f"write_block: destination bytes [{dst_offset}, {dst_offset + nbytes}) outside "
-            f"the peer pool ({dst_bytes} bytes)")

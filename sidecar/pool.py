@@ -12,27 +12,23 @@ registers the segment with its ``resource_tracker``, which unlinks it when that 
 ever unlinks, and only the segment it created (checked by inode, so a stale owner cannot unlink
 its restarted successor's segment of the same name).
 
-Cleanup: the owner unlinks on :meth:`SharedKVPool.close`; :func:`install_cleanup_handlers`
-also closes it at interpreter exit and on SIGTERM/SIGINT. A segment left behind by a
-SIGKILLed sidecar is reclaimed when the restarted sidecar calls ``create`` with the same
-name, or by :func:`reclaim_stale_segments`.
+Cleanup: the owner unlinks on :meth:`SharedKVPool.close` (the sidecar does so on every
+shutdown path). A segment left behind by a SIGKILLed sidecar is reclaimed when the restarted
+sidecar calls ``create`` with the same name, or by :func:`reclaim_stale_segments`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import mmap
 import os
 import re
-import signal
 import sys
 import threading
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from types import FrameType
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -265,54 +261,6 @@ class SharedKVPool:
         state = "closed" if self._closed else "open"
         return (f"SharedKVPool(name={self.name!r}, owner={self.owner}, pages="
                 f"{self.layout.num_pages}, page_bytes={self.layout.page_bytes}, {state})")
-
-
-def install_cleanup_handlers(
-    pool: SharedKVPool,
-    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-) -> Callable[[], None]:
-    """Make sure the owner's segment is unlinked when this process ends.
-
-    Registers :meth:`SharedKVPool.close` with :mod:`atexit` (normal exit, ``sys.exit``,
-    an uncaught exception) and installs handlers for ``signals`` that close the pool, then
-    hand the signal to the handler that was there before (or, for the default action,
-    re-deliver it so the process dies with the usual status). SIGKILL cannot be caught: a
-    restarted sidecar reclaims that leftover in :meth:`SharedKVPool.create`.
-
-    Must be called from the main thread (Python only installs signal handlers there);
-    raises :class:`InvalidArgument` otherwise. A server that installs its own SIGTERM
-    handler afterwards (e.g. asyncio's ``add_signal_handler`` for a graceful drain) replaces
-    ours; it must then call ``pool.close()`` in its shutdown path — atexit still covers the
-    final exit. Returns a function that removes the handlers again (tests, embedding).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        raise InvalidArgument("install_cleanup_handlers must be called from the main thread")
-    atexit.register(pool.close)
-    previous: dict[int, object] = {}
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        pool.close()
-        prev = previous.get(signum)
-        if prev is None:  # a handler installed from C: nothing to chain to, act as default
-            prev = signal.SIG_DFL
-        if callable(prev):
-            prev(signum, frame)
-        elif prev == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        # SIG_IGN: the process keeps running, as it would have without us.
-
-    for sig in signals:
-        previous[sig] = signal.getsignal(sig)
-        signal.signal(sig, handler)
-
-    def uninstall() -> None:
-        atexit.unregister(pool.close)
-        for sig, prev in previous.items():
-            if signal.getsignal(sig) is handler:
-                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-
-    return uninstall
 
 
 def _mapped_shm_paths() -> set[str]:

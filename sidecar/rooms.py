@@ -21,13 +21,11 @@ worker threads.
 
 from __future__ import annotations
 
-import contextvars
 import enum
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltakv.errors import (
@@ -37,11 +35,6 @@ from deltakv.errors import (
     InvalidArgument,
     Unavailable,
 )
-
-# The room whose batches the current thread is writing (set by the server around the write
-# loop); transport wrappers such as deltakv.sidecar.faults read it to act per room.
-_CURRENT: contextvars.ContextVar[RoomTicket | None] = contextvars.ContextVar(
-    "deltakv_current_room", default=None)
 
 MAX_ROOM = (1 << 64) - 1
 
@@ -61,8 +54,12 @@ class RoomTicket:
 
     ``deadline`` is a ``time.monotonic()`` value (receipt + lease, tightened by the RPC's own
     deadline). ``abort_event`` is set by :meth:`RoomRegistry.abort` and may be waited on to
-    make a sleep interruptible. ``batches_started`` counts batches admitted by
+    make a wait interruptible. ``batches_started`` counts batches admitted by
     :meth:`check_can_start`.
+
+    The ticket is what a transport's ``write`` is handed (DESIGN §6): the writer admits each
+    batch with :meth:`check_can_start`, the backend calls :meth:`check_alive` before each
+    engine sub-call of the batch and bounds its waits by :meth:`remaining_s`.
     """
 
     room: int
@@ -97,23 +94,6 @@ class RoomTicket:
             raise DeadlineExceeded(
                 f"room {self.room}: lease/deadline passed {late * 1e3:.0f} ms ago after "
                 f"{self.batches_started} batches; no further batch starts")
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep up to ``seconds`` but wake at once on abort or the deadline, then raise as
-        :meth:`check_alive` does. Used to model slow engines (fault injection)."""
-        end = self.clock() + max(seconds, 0.0)
-        while True:
-            self.check_alive()
-            now = self.clock()
-            if now >= end:
-                return
-            # Poll in short slices so a clock injected by tests is honoured too.
-            self.abort_event.wait(max(min(end - now, self.deadline - now, 0.05), 0.001))
-
-
-def current_ticket() -> RoomTicket | None:
-    """The room the calling thread is writing, or None outside a room's write loop."""
-    return _CURRENT.get()
 
 
 @dataclass
@@ -192,15 +172,6 @@ class RoomRegistry:
             self._in_flight -= 1
             self._cond.notify_all()
             return entry.state
-
-    @contextmanager
-    def running(self, ticket: RoomTicket) -> Iterator[RoomTicket]:
-        """Bind ``ticket`` as :func:`current_ticket` for the calling thread."""
-        token = _CURRENT.set(ticket)
-        try:
-            yield ticket
-        finally:
-            _CURRENT.reset(token)
 
     # -- fencing --------------------------------------------------------------------------
 

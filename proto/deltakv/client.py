@@ -38,6 +38,7 @@ from deltakv.errors import (
     Unavailable,
     from_rpc_error,
 )
+from deltakv.layout import delta_pages
 from deltakv.rpc import tls as tls_files
 from deltakv.rpc.tls import TLSFiles
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
@@ -93,25 +94,6 @@ class Usage:
     def min_bytes(self) -> int:
         """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes)."""
         return self.delta_pages() * self.page_bytes
-
-
-def delta_pages(prompt_tokens: int, cached_tokens: int, page_size: int) -> int:
-    """Delta pages of a prompt of ``prompt_tokens`` tokens whose first ``cached_tokens`` tokens
-    decode already holds (DESIGN.md §1): ``ceil(prompt/page_size) - cached/page_size``.
-
-    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a non-positive ``page_size``, negative
-    counts, or ``cached_tokens > prompt_tokens``. A ``cached_tokens`` that is not page-aligned is
-    rounded down, which can only make the minimum larger, never hide bytes.
-    """
-    if page_size <= 0:
-        raise InvalidArgument(f"page_size must be positive, got {page_size}")
-    if prompt_tokens < 0 or cached_tokens < 0:
-        raise InvalidArgument(
-            f"token counts must be >= 0, got prompt={prompt_tokens} cached={cached_tokens}")
-    if cached_tokens > prompt_tokens:
-        raise InvalidArgument(
-            f"cached_tokens={cached_tokens} exceeds prompt_tokens={prompt_tokens}")
-    return -(-prompt_tokens // page_size) - cached_tokens // page_size
 
 
 @dataclass(frozen=True)

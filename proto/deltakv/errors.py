@@ -1,7 +1,7 @@
 """Typed deltakv errors and their gRPC status codes — the one place the mapping lives.
 
 Every module raises a subclass of :class:`DeltaKVError`; servers convert it with
-:func:`abort_with` / :func:`status_of` and clients turn an ``grpc.RpcError`` back into the
+:func:`status_of` and clients turn an ``grpc.RpcError`` back into the
 typed error with :func:`from_rpc_error`. Codes follow DESIGN.md §6:
 
 ==========================  =====================  ==========================================
@@ -135,14 +135,3 @@ def from_rpc_error(err: grpc.RpcError) -> DeltaKVError:
     cls = _BY_CODE.get(code, Internal)
     return cls(details)
 
-
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Abort an aio RPC with the status mapped from `exc` (raises, never returns)."""
-    code, details = status_of(exc)
-    await context.abort(code, details)
-
-
-def abort_sync(context: grpc.ServicerContext, exc: BaseException) -> None:
-    """Abort a sync RPC with the status mapped from `exc` (raises, never returns)."""
-    code, details = status_of(exc)
-    context.abort(code, details)

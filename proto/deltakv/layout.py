@@ -90,6 +90,10 @@ class KVLayout:
         """Pages needed to hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
         return -(-num_tokens // self.page_size)
 
+    def delta_pages(self, prompt_len: int, prefix_len: int) -> int:
+        """:func:`delta_pages` with this layout's ``page_size``."""
+        return delta_pages(prompt_len, prefix_len, self.page_size)
+
     def with_pages(self, num_pages: int) -> KVLayout:
         """The same geometry with another pool size."""
         return replace(self, num_pages=num_pages)
@@ -132,6 +136,22 @@ class KVLayout:
         )
 
 
-# The toy geometry T of shared/scenarios.md: page_bytes = 32,768.
-TOY_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32",
-                      page_size=16, num_pages=64, model_fingerprint="toy")
+def delta_pages(prompt_len: int, prefix_len: int, page_size: int) -> int:
+    """Pages of a ``prompt_len``-token prompt beyond the ``prefix_len`` tokens decode already
+    holds: ``ceil(prompt_len / page_size) - prefix_len // page_size`` (DESIGN §1 "delta
+    pages"; the last page may be partial). The one delta formula: decode sizes its
+    ``TransferInfo`` with it, the planner and prefill check it, clients report it.
+
+    ``prefix_len`` is page-aligned on the wire (the planner rejects anything else); an
+    unaligned value here is rounded down, which can only count more pages, never hide one.
+    Raises InvalidArgument (INVALID_ARGUMENT) for ``page_size <= 0``, a negative count or
+    ``prefix_len > prompt_len``.
+    """
+    if page_size <= 0:
+        raise InvalidArgument(f"page_size must be positive, got {page_size}")
+    if prompt_len < 0 or prefix_len < 0:
+        raise InvalidArgument(
+            f"token counts must be >= 0, got prompt_len={prompt_len} prefix_len={prefix_len}")
+    if prefix_len > prompt_len:
+        raise InvalidArgument(f"prefix_len={prefix_len} exceeds prompt_len={prompt_len}")
+    return -(-prompt_len // page_size) - prefix_len // page_size

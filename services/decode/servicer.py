@@ -238,7 +238,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         with telemetry.span("decode.allocate", pages=total_pages - len(prefix_pages),
                             admission_timeout_s=self.config.admission_timeout_s):
             pages = await self._allocate(state, total_pages - len(prefix_pages))
-        delta = layout.pages_for(n) - len(prefix_pages)
+        delta = layout.delta_pages(n, prefix_len)
         page_table = prefix_pages + pages
         room = secrets.randbits(63) or 1
         state.room = room

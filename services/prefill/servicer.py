@@ -36,21 +36,25 @@ from deltakv.errors import (
     InvalidArgument,
     status_of,
 )
+from deltakv.layout import KVLayout
 from deltakv.services.model.sampling import Sampler
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
+from deltakv.sidecar.planner import validate_transfer
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = get_logger()
 
 
-def validate_prefill_request(request: prefill_pb2.PrefillRequest, page_size: int,
+def validate_prefill_request(request: prefill_pb2.PrefillRequest, layout: KVLayout,
                              vocab_size: int) -> None:
     """INVALID_ARGUMENT unless the request is well formed (checked before any work).
 
-    Rules: non-empty prompt, every token id < vocab_size, a TransferInfo with a room,
-    ``prompt_len == len(token_ids)``, ``decode_prefix_len`` (absent = 0) a multiple of
-    ``page_size`` and ``<= prompt_len``, one destination page per delta page, ``lease_ms > 0``.
+    Prefill's own rules: a non-empty prompt, every token id < vocab_size, a TransferInfo,
+    ``prompt_len == len(token_ids)``. The TransferInfo's rules (room, ``decode_prefix_len``
+    alignment and bound, one destination page per delta page, ``lease_ms``) are the
+    planner's, :func:`deltakv.sidecar.planner.validate_transfer`, run here early so a bad
+    request costs no allocation or forward pass.
     """
     tokens = request.token_ids
     if not tokens:
@@ -61,23 +65,10 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, page_size: int
     if not request.HasField("transfer_info"):
         raise InvalidArgument("transfer_info is required")
     info = request.transfer_info
-    if info.room == 0:
-        raise InvalidArgument("transfer_info.room must be non-zero")
     if info.prompt_len != len(tokens):
         raise InvalidArgument(
             f"transfer_info.prompt_len={info.prompt_len} but {len(tokens)} token ids were sent")
-    dpl = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
-    if dpl % page_size:
-        raise InvalidArgument(f"decode_prefix_len={dpl} is not a multiple of page_size={page_size}")
-    if dpl > info.prompt_len:
-        raise InvalidArgument(f"decode_prefix_len={dpl} exceeds prompt_len={info.prompt_len}")
-    delta = -(-info.prompt_len // page_size) - dpl // page_size
-    if len(info.dst_page_indices) != delta:
-        raise InvalidArgument(
-            f"{len(info.dst_page_indices)} destination pages for {delta} delta pages "
-            f"(prompt_len={info.prompt_len}, decode_prefix_len={dpl}, page_size={page_size})")
-    if info.lease_ms == 0:
-        raise InvalidArgument("transfer_info.lease_ms must be > 0")
+    validate_transfer(info, layout)
 
 
 @dataclass
@@ -132,7 +123,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         telemetry.annotate(request_id=info.request_id, room=info.room,
                            prompt_len=len(request.token_ids))  # on the Prefill server span
         try:
-            validate_prefill_request(request, self.worker.page_size, self.worker.model.vocab_size)
+            validate_prefill_request(request, self.worker.layout, self.worker.model.vocab_size)
             if info.room in self.attempts:
                 raise AlreadyExists(f"room {info.room} is already being prefilled")
         except DeltaKVError as exc:
@@ -190,14 +181,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         info = request.transfer_info
         sidecar = self.worker.sidecar
         tokens = list(request.token_ids)
-        page_size = self.worker.page_size
         lease_end = receipt + info.lease_ms / 1000.0
 
         cached_len, cached_pages = await sidecar.match_prefix(
             attempt.sidecar_request_id, tokens, max_tokens=len(tokens) - 1)
         attempt.holds_pages = True
         new_pages = await sidecar.allocate(
-            attempt.sidecar_request_id, -(-len(tokens) // page_size) - len(cached_pages))
+            attempt.sidecar_request_id, self.worker.layout.pages_for(len(tokens))
+            - len(cached_pages))
         page_table = cached_pages + new_pages
         self._check_alive(attempt, lease_end, context, "before the forward pass")
 

@@ -1,7 +1,9 @@
 """KV-transfer backends (DESIGN §7): one interface, selected by name, imported lazily.
 
-``create_transport("shm" | "mooncake" | "mori", TransportOptions(...))`` returns a
-:class:`Transport`; ``available_backends()`` says which ones can run here and why not.
+``create_transport("shm" | "mooncake" | "mori" | "module.path:ClassName", TransportOptions(...))``
+returns a :class:`Transport`; ``available_backends()`` says which registered ones can run here
+and why not. A backend does engine work only; checks live in the planner and the peer table
+(docs/write-path.md).
 """
 
 from deltakv.sidecar.transport.base import (

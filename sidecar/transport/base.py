@@ -5,18 +5,29 @@ with one-sided writes. The sidecar owns the pool memory and registers it once; p
 identified by :class:`deltakv.v1.kv_pb2.EndpointInfo`, whose ``descriptor`` bytes are the
 backend's own (shm segment name, Mooncake session + base address, MORI packed descriptors).
 
+A backend does engine work only. The write path above it checks everything once
+(``decode -> prefill -> planner -> peer table -> engine``):
+
+* :mod:`deltakv.sidecar.planner` validates the ``TransferInfo``, range-checks every page
+  against both pools, coalesces runs and sizes batches to this backend's :class:`BatchLimits`;
+* :mod:`deltakv.sidecar.peers` checks the peer's endpoint (backend name, layout, incarnation),
+  caches one handle per live endpoint and disconnects handles of dead incarnations.
+
 Lifecycle::
 
     t = create_transport("shm", TransportOptions(...))     # registry.py, lazy import
     t.register_pool(pool)                                    # once, before describe()
     info = t.describe(endpoint_id, layout)                   # EndpointInfo to publish
-    peer = t.connect(remote_info)                            # layout check + engine connect
-    t.write(peer, batch, deadline)                           # one batch of page runs
+    peer = t.connect(remote_info)                            # engine connect (PeerTable calls it)
+    t.write(peer, batch, ticket)                             # ONE planned batch of page runs
+    t.disconnect(peer)                                       # PeerTable: dead or failed peer
     t.close()
 
-Errors (proto/deltakv/errors.py): InvalidArgument for out-of-range entries (checked before
-any byte moves), LayoutMismatch / UnknownEndpoint (FAILED_PRECONDITION) from ``connect``,
-TransferFailed (UNAVAILABLE) for engine errors, DeadlineExceeded when the deadline passes.
+Errors (``deltakv.errors``): from ``connect`` InvalidArgument for a malformed descriptor,
+UnknownEndpoint (FAILED_PRECONDITION) if it names nothing that exists, Unavailable if the peer
+cannot be reached within the backend's connect bound; from ``write`` UnknownEndpoint for a
+disconnected handle, Aborted / DeadlineExceeded from the ticket, TransferFailed (UNAVAILABLE)
+for engine errors, Unavailable if the peer is gone.
 """
 
 from __future__ import annotations
@@ -25,11 +36,13 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltakv.errors import UnknownEndpoint
 from deltakv.layout import KVLayout
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from deltakv.sidecar.pool import SharedKVPool
+    from deltakv.sidecar.rooms import RoomTicket
 
 
 @dataclass(frozen=True)
@@ -46,10 +59,11 @@ class PageRun:
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """Per-backend limits a plan's batches must respect.
+    """Per-backend limits the planner sizes batches to (a backend never re-splits them).
 
-    ``max_entries``: runs per engine batch call (Mooncake fails above a few thousand entries);
-    ``max_message_bytes``: bytes per single write (longer runs are split), 0 = unlimited.
+    ``max_entries``: runs per batch, i.e. per engine batch call (Mooncake fails above a few
+    thousand entries); ``max_message_bytes``: bytes per single write (the planner splits
+    longer runs), 0 = unlimited.
     """
 
     max_entries: int = 1024
@@ -71,25 +85,38 @@ class TransportOptions:
 
 
 class PeerHandle:
-    """A connected peer: its EndpointInfo and layout plus backend-private state."""
+    """A connected peer: its EndpointInfo and layout plus backend-private state.
 
-    def __init__(self, info: kv_pb2.EndpointInfo, layout: KVLayout) -> None:
+    ``closed`` is set by the backend's ``disconnect``; a write through a closed handle raises
+    UnknownEndpoint (:meth:`check_open`), so a handle of a replaced incarnation can never
+    write again.
+    """
+
+    def __init__(self, info: kv_pb2.EndpointInfo) -> None:
         self.info = info
-        self.layout = layout
+        self.layout = KVLayout.from_proto(info.layout)
         self.endpoint_id = info.endpoint_id
+        self.closed = False
 
     @property
     def num_pages(self) -> int:
         return self.layout.num_pages
+
+    def check_open(self) -> None:
+        """Raise UnknownEndpoint (FAILED_PRECONDITION) if this handle was disconnected."""
+        if self.closed:
+            raise UnknownEndpoint(
+                f"{self.info.backend} peer {self.endpoint_id!r} at {self.info.address!r} was "
+                f"disconnected (gone or replaced by a newer incarnation); reconnect")
 
 
 class Transport(abc.ABC):
     """One backend instance per sidecar. Thread-safe for concurrent ``write`` calls on
     different rooms (the sidecar serialises nothing itself)."""
 
-    #: registry name, e.g. "shm"
+    #: registry name, e.g. "shm"; also ``EndpointInfo.backend`` of what ``describe`` publishes
     name: str = ""
-    #: batching limits the planner must respect for this backend
+    #: batching limits the planner sizes this backend's batches to
     limits: BatchLimits = BatchLimits()
 
     @abc.abstractmethod
@@ -103,32 +130,34 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, peer: kv_pb2.EndpointInfo) -> PeerHandle:
-        """Validate and connect to a peer; cached per ``endpoint_id``. A new incarnation at
-        the same address drops the cached connection to the old one.
+        """A new engine connection to ``peer`` (never cached here: :class:`PeerTable` holds
+        one per live endpoint and has already checked backend name and layout).
 
-        Raises LayoutMismatch (FAILED_PRECONDITION) if the layouts differ in a pairing field,
-        UnknownEndpoint (FAILED_PRECONDITION) if the descriptor names nothing that exists,
-        Unavailable if the peer cannot be reached within the connect bound."""
+        Raises InvalidArgument for a malformed descriptor, UnknownEndpoint
+        (FAILED_PRECONDITION) if the descriptor names nothing that exists, Unavailable if
+        the peer cannot be reached within the backend's connect bound."""
 
     @abc.abstractmethod
-    def write(self, peer: PeerHandle, runs: list[PageRun], deadline: float) -> None:
-        """Write one batch of runs and wait until every write completed.
+    def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
+        """Write ONE planned batch and wait until every write of it completed.
 
-        ``deadline`` is a ``time.monotonic()`` value; no write starts after it and the wait
-        ends at it (DeadlineExceeded). Raises InvalidArgument before moving any byte if a run
-        is outside either pool, TransferFailed (UNAVAILABLE) on an engine error."""
+        ``batch`` comes from :func:`deltakv.sidecar.planner.plan_delta`: runs inside both
+        pools, at most ``limits.max_entries`` of them, none longer than
+        ``limits.max_message_bytes``; the backend moves it as it is (no re-check, re-merge
+        or re-split). The caller admitted the batch (``ticket.check_can_start()``); the
+        backend calls ``ticket.check_alive()`` before each engine sub-call, so an abort or
+        the deadline stops it at the next one (Aborted / DeadlineExceeded), and bounds every
+        wait by ``ticket.remaining_s()``. When ``write`` returns or raises, no byte of the
+        batch can land later unless the error says ``in_flight=True``.
 
-    def disconnect(self, endpoint_id: str) -> None:  # noqa: B027 - optional hook
-        """Drop a cached peer connection (peer restarted or gone). Default: nothing cached."""
+        Raises UnknownEndpoint if ``peer`` was disconnected, TransferFailed (UNAVAILABLE) on
+        an engine error, Unavailable if the peer is gone."""
+
+    @abc.abstractmethod
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Release the engine state of one handle and mark it closed (later writes through it
+        raise UnknownEndpoint). Idempotent. Called by :class:`PeerTable` only."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release engine resources; idempotent."""
-
-    # Raw-engine write of one contiguous block, used by `deltakv bench transfer` as the
-    # reference the sidecar's planned writes are compared against.
-    @abc.abstractmethod
-    def write_block(self, peer: PeerHandle, src_offset: int, dst_offset: int, nbytes: int,
-                    deadline: float) -> None:
-        """Write ``nbytes`` from local byte offset ``src_offset`` to the peer's
-        ``dst_offset`` as a single engine call (no planning)."""
+        """Release engine resources; idempotent. Disconnect handles first (PeerTable.close)."""

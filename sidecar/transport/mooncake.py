@@ -7,8 +7,9 @@ etcd), protocol ``tcp`` by default or ``rdma`` via ``TransportOptions.extra["pro
 engine's session address ``host:rpc_port``, the pool's base virtual address and size, and
 the protocol.
 
-Writes: each batch is ``(local addr, remote addr, length)`` per run, at most ``max_entries``
-runs per engine call (the engine fails above a few thousand entries; default 1024).
+Writes: one planned batch is one engine batch call, ``(local addr, remote addr, length)`` per
+run; the planner keeps batches within ``max_entries`` runs (the engine fails above a few
+thousand entries; default 1024).
 
 Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
@@ -27,12 +28,13 @@ drains before tearing the engine down.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import structlog
 import torch
 from mooncake.engine import TransferEngine
 
@@ -42,10 +44,8 @@ from deltakv.errors import (
     InvalidArgument,
     TransferFailed,
     Unavailable,
-    UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
-from deltakv.sidecar.planner import check_block, check_runs
 from deltakv.sidecar.pool import SharedKVPool
 from deltakv.sidecar.transport.base import (
     BatchLimits,
@@ -56,7 +56,10 @@ from deltakv.sidecar.transport.base import (
 )
 from deltakv.v1 import kv_pb2
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from deltakv.sidecar.rooms import RoomTicket
+
+log = structlog.get_logger(__name__)
 
 _DESCRIPTOR_VERSION = 1
 # batch_transfer_async_write returns 0 on a submit error, or (uint64)-1 when the peer's
@@ -83,13 +86,12 @@ class _Batch:
 class MooncakePeer(PeerHandle):
     """A connected Mooncake peer: its session address and registered pool base address."""
 
-    def __init__(self, info: kv_pb2.EndpointInfo, layout: KVLayout, session: str, base: int,
+    def __init__(self, info: kv_pb2.EndpointInfo, session: str, base: int,
                  nbytes: int) -> None:
-        super().__init__(info, layout)
+        super().__init__(info)
         self.session = session
         self.base = base
         self.nbytes = nbytes
-        self.closed = False
 
 
 class MooncakeTransport(Transport):
@@ -133,7 +135,6 @@ class MooncakeTransport(Transport):
         self._pool: SharedKVPool | None = None
         # Target of connect's 1-byte test read (never the pool: that holds live KV).
         self._scratch = torch.zeros(64, dtype=torch.uint8)
-        self._peers: dict[str, MooncakePeer] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
@@ -201,54 +202,29 @@ class MooncakeTransport(Transport):
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: kv_pb2.EndpointInfo) -> MooncakePeer:
-        """Validate a peer, then check that its engine answers and its pool is readable
-        (a 1-byte test read; cached per ``endpoint_id``; a new endpoint at the same address
-        replaces the old one).
+        """Check that the peer's engine answers and its pool is readable (a 1-byte test
+        read, which also opens the engine's segment handle) and return a new handle.
 
-        Raises LayoutMismatch (FAILED_PRECONDITION) on a geometry mismatch (before any
-        network traffic), FailedPrecondition for another backend or protocol,
-        InvalidArgument for a malformed descriptor, Unavailable if the peer's engine does
-        not answer or the test read fails within ``connect_timeout_s``.
+        Raises FailedPrecondition for another protocol, InvalidArgument for a malformed
+        descriptor or one whose size disagrees with the peer's layout, Unavailable if the
+        peer's engine does not answer or the test read fails within ``connect_timeout_s``.
         """
-        pool = self._require_pool()
-        if peer.backend != self.name:
-            raise FailedPrecondition(
-                f"endpoint {peer.endpoint_id!r} uses backend {peer.backend!r}, this sidecar "
-                f"speaks {self.name!r}")
-        remote = KVLayout.from_proto(peer.layout)
-        pool.layout.check_compatible(remote)
+        self._require_pool()
         session, base, nbytes, protocol = self._parse(peer)
         if protocol != self.protocol:
             raise FailedPrecondition(
                 f"mooncake protocol mismatch: local={self.protocol!r} remote={protocol!r}")
-        if nbytes != remote.pool_bytes:
+        pool_bytes = KVLayout.from_proto(peer.layout).pool_bytes
+        if nbytes != pool_bytes:
             raise InvalidArgument(
-                f"mooncake descriptor size {nbytes} != layout pool bytes {remote.pool_bytes}")
-        with self._lock:
-            cached = self._peers.get(peer.endpoint_id)
-            if cached is not None and not cached.closed:
-                return cached
+                f"mooncake descriptor size {nbytes} != layout pool bytes {pool_bytes}")
         self._probe(peer.endpoint_id, session, base)
-        handle = MooncakePeer(peer, remote, session, base, nbytes)
-        with self._lock:
-            if self._closed:
-                raise Unavailable("mooncake transport is closed")
-            existing = self._peers.get(peer.endpoint_id)
-            if existing is not None and not existing.closed:
-                return existing
-            for eid, old in list(self._peers.items()):
-                if old.info.address == peer.address:  # older incarnation, same address
-                    old.closed = True
-                    del self._peers[eid]
-            self._peers[peer.endpoint_id] = handle
-        return handle
+        return MooncakePeer(peer, session, base, nbytes)
 
-    def disconnect(self, endpoint_id: str) -> None:
-        """Forget a cached peer; writes through its old handle fail with UnknownEndpoint."""
-        with self._lock:
-            old = self._peers.pop(endpoint_id, None)
-        if old is not None:
-            old.closed = True
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Mark the handle closed (the engine keeps no per-peer state we own); later writes
+        through it raise UnknownEndpoint. Idempotent."""
+        self._check_handle(peer).closed = True
 
     def _probe(self, endpoint_id: str, session: str, base: int) -> None:
         # Two checks on a bounded helper thread: the peer's RPC answers (send_probe, where the
@@ -278,46 +254,32 @@ class MooncakeTransport(Transport):
 
     # ------------------------------------------------------------------ writes
 
-    def write(self, peer: PeerHandle, runs: list[PageRun], deadline: float) -> None:
-        """Write the runs as engine batches of at most ``max_entries`` entries and wait
-        for each to complete.
+    def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
+        """Write the batch as ONE engine batch call and wait for it to complete.
 
-        Every run is range-checked before the first byte moves (InvalidArgument). No batch
-        is submitted after ``deadline`` (``time.monotonic()``). A batch still running at the
-        deadline cannot be cancelled: the call then waits for the engine to settle it (at most
-        ``transfer_timeout_s`` + 1 ns/byte + 1 s more) and raises DeadlineExceeded, so when
-        ``write`` returns or raises none of its bytes can land later (``details["in_flight"]``
-        is True only if the engine overran its own bound; :meth:`drain` then waits for it).
-        An engine failure raises TransferFailed (UNAVAILABLE) and stops the remaining
-        batches. UnknownEndpoint if ``peer`` was disconnected.
+        Nothing is submitted once ``ticket`` is aborted or past its deadline. A batch still
+        running at the deadline cannot be cancelled: the call then waits for the engine to
+        settle it (at most ``transfer_timeout_s`` + 1 ns/byte + 1 s more) and raises
+        DeadlineExceeded, so when ``write`` returns or raises none of its bytes can land
+        later (``details["in_flight"]`` is True only if the engine overran its own bound;
+        :meth:`drain` then waits for it). An engine failure raises TransferFailed
+        (UNAVAILABLE). UnknownEndpoint if ``peer`` was disconnected.
         """
-        handle = self._check_peer(peer)
+        handle = self._check_handle(peer)
+        handle.check_open()
+        if not batch:
+            return
         pool = self._require_pool()
         page_bytes = pool.layout.page_bytes
-        check_runs(runs, pool.layout.num_pages, handle.num_pages)
         local_base = pool.data_ptr()
-        step = self.limits.max_entries
-        for start in range(0, len(runs), step):
-            chunk = runs[start:start + step]
-            self._run(handle, [local_base + r.src_page * page_bytes for r in chunk],
-                      [handle.base + r.dst_page * page_bytes for r in chunk],
-                      [r.num_pages * page_bytes for r in chunk], deadline)
-
-    def write_block(self, peer: PeerHandle, src_offset: int, dst_offset: int, nbytes: int,
-                    deadline: float) -> None:
-        """One engine batch of one entry: ``nbytes`` from local byte ``src_offset`` to the
-        peer's ``dst_offset``. Errors as :meth:`write`."""
-        handle = self._check_peer(peer)
-        pool = self._require_pool()
-        check_block(src_offset, dst_offset, nbytes, pool.nbytes, handle.nbytes)
-        self._run(handle, [pool.data_ptr() + src_offset], [handle.base + dst_offset], [nbytes],
-                  deadline)
+        self._run(handle, [local_base + r.src_page * page_bytes for r in batch],
+                  [handle.base + r.dst_page * page_bytes for r in batch],
+                  [r.num_pages * page_bytes for r in batch], ticket)
 
     def _run(self, handle: MooncakePeer, srcs: list[int], dsts: list[int],
-             lengths: list[int], deadline: float) -> None:
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded(f"mooncake write to {handle.endpoint_id!r}: deadline "
-                                   f"passed before a batch of {len(srcs)} writes started")
+             lengths: list[int], ticket: RoomTicket) -> None:
+        ticket.check_alive()
+        deadline = time.monotonic() + ticket.remaining_s()
         batch = _Batch(handle.session, srcs, dsts, lengths, deadline)
         with self._lock:
             if self._closed:
@@ -337,8 +299,9 @@ class MooncakeTransport(Transport):
             # deadline: a superset), then report the deadline.
             settled = batch.done.wait(self._engine_bound_s(lengths))
             if not settled:
-                log.error("mooncake batch to %s outlived the engine's own timeout; "
-                          "drain() before reusing its destination pages", handle.session)
+                log.error("mooncake_batch_outlived_engine_timeout", session=handle.session,
+                          endpoint=handle.endpoint_id, note="drain() before reusing its "
+                          "destination pages")
             raise DeadlineExceeded(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session}: a batch of "
                 f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline"
@@ -405,12 +368,9 @@ class MooncakeTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            for handle in self._peers.values():
-                handle.closed = True
-            self._peers.clear()
         if not self.drain():
-            log.warning("mooncake transport closed with %d batch(es) still in the engine; "
-                        "leaking the engine", self.in_flight)
+            log.warning("mooncake_close_leaks_engine", in_flight=self.in_flight,
+                        reason="batches still in the engine past its bound")
             return
         if self._pool is not None:
             self._engine.unregister_memory(self._pool.data_ptr())
@@ -428,12 +388,10 @@ class MooncakeTransport(Transport):
                 "mooncake transport has no registered pool; call register_pool")
         return self._pool
 
-    def _check_peer(self, peer: PeerHandle) -> MooncakePeer:
+    @staticmethod
+    def _check_handle(peer: PeerHandle) -> MooncakePeer:
         if not isinstance(peer, MooncakePeer):
             raise InvalidArgument(f"not a mooncake peer handle: {type(peer).__name__}")
-        if peer.closed:
-            raise UnknownEndpoint(
-                f"mooncake peer {peer.endpoint_id!r} was disconnected; reconnect")
         return peer
 
     @staticmethod

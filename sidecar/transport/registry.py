@@ -4,6 +4,12 @@ A backend is one line in :data:`BACKENDS` (``"name": "module.path:ClassName"``);
 is imported only when the backend is asked for, so a missing optional dependency (Mooncake,
 MORI) disables that backend alone, with one clear line saying what to install.
 
+Out-of-tree backends (vLLM's escape hatch in its KV-connector factory): a name of the form
+``"module.path:ClassName"`` that is not a registered name is imported as it is and must name
+a :class:`~deltakv.sidecar.transport.base.Transport` subclass. That is how the tests plug
+their fault-injection wrapper into real sidecar processes
+(``--transport tests.support.faults:FaultyTransport``) without shipping it.
+
 A backend class is constructed as ``cls(options: TransportOptions)``. It may define a
 classmethod ``probe() -> str | None`` returning why it cannot run here (a library that only
 fails when used, a missing device) for :func:`available_backends` to report.
@@ -50,27 +56,40 @@ class BackendUnavailable(FailedPrecondition):
 
 
 def _target(name: str) -> tuple[str, str]:
-    if not isinstance(name, str) or name not in BACKENDS:
+    """(module, class) that ``name`` resolves to: a registered name, else ``module:Class``.
+    InvalidArgument for anything else."""
+    if isinstance(name, str) and name in BACKENDS:
+        module, _, cls = BACKENDS[name].partition(":")
+        return module, cls
+    module, sep, cls = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not sep or not module or not cls or ":" in cls:
         raise InvalidArgument(
-            f"unknown transport backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
-    module, _, cls = BACKENDS[name].partition(":")
+            f"unknown transport backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}"
+            f", or an out-of-tree 'module.path:ClassName'")
     return module, cls
 
 
 def backend_class(name: str) -> type[Transport]:
-    """Import and return the class registered as ``name`` (no instance is created).
+    """Import and return the class ``name`` resolves to (no instance is created).
 
-    Raises InvalidArgument (INVALID_ARGUMENT) for an unknown name, BackendUnavailable
-    (FAILED_PRECONDITION) when the backend's dependency cannot be imported, Internal if the
-    registry entry itself is broken (a deltakv bug).
+    Raises InvalidArgument (INVALID_ARGUMENT) for an unknown name and, for an out-of-tree
+    ``module:Class`` name, a module that does not exist, a missing class or one that is not
+    a Transport; BackendUnavailable (FAILED_PRECONDITION) when the backend's dependency
+    cannot be imported; Internal if a registry entry itself is broken (a deltakv bug).
     """
+    from deltakv.sidecar.transport.base import Transport
+
     module_name, cls_name = _target(name)
+    registered = name in BACKENDS
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or ""
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
             # The backend's own module is absent: not a dependency problem.
+            if not registered:
+                raise InvalidArgument(f"transport backend {name!r}: no module named "
+                                      f"{module_name!r} on the import path") from exc
             raise BackendUnavailable(
                 name, f"module {module_name} is not part of this deltakv build",
                 hint=False) from exc
@@ -78,21 +97,28 @@ def backend_class(name: str) -> type[Transport]:
         raise BackendUnavailable(name, reason) from exc
     except OSError as exc:  # a shared library the extension links against is missing
         raise BackendUnavailable(name, str(exc).splitlines()[0]) from exc
-    try:
-        return getattr(module, cls_name)
-    except AttributeError:
-        raise Internal(f"transport registry entry {name!r} -> {BACKENDS[name]!r}: "
-                       f"{module_name} has no attribute {cls_name!r}") from None
+    cls = getattr(module, cls_name, None)
+    problem = None
+    if cls is None:
+        problem = f"{module_name} has no attribute {cls_name!r}"
+    elif not (isinstance(cls, type) and issubclass(cls, Transport)):
+        problem = f"{module_name}.{cls_name} is not a Transport subclass"
+    if problem is None:
+        return cls
+    if registered:
+        raise Internal(f"transport registry entry {name!r} -> {BACKENDS[name]!r}: {problem}")
+    raise InvalidArgument(f"transport backend {name!r}: {problem}")
 
 
 def create_transport(name: str, options: TransportOptions | None = None) -> Transport:
-    """A new transport of backend ``name`` configured by ``options`` (defaults if None).
+    """A new transport of backend ``name`` (a registered name or ``module:Class``)
+    configured by ``options`` (defaults if None).
 
     The caller owns the instance and must ``close()`` it. Raises InvalidArgument
-    (INVALID_ARGUMENT) for an unknown name (the message lists the known ones),
-    BackendUnavailable (FAILED_PRECONDITION) if the backend's dependency is missing, and
-    whatever the backend's constructor raises for bad options (InvalidArgument) or an engine
-    that fails to start (Unavailable).
+    (INVALID_ARGUMENT) for an unknown name (the message lists the known ones) or a bad
+    ``module:Class``, BackendUnavailable (FAILED_PRECONDITION) if the backend's dependency
+    is missing, and whatever the backend's constructor raises for bad options
+    (InvalidArgument) or an engine that fails to start (Unavailable).
     """
     from deltakv.sidecar.transport.base import TransportOptions
 
@@ -109,8 +135,9 @@ def available_backends() -> dict[str, str | None]:
 
 
 def unavailable_reason(name: str) -> str | None:
-    """None if backend ``name`` can be used here, else why not (one line). Imports that one
-    backend's module and runs its probe, nothing else. InvalidArgument for an unknown name."""
+    """None if backend ``name`` (registered or ``module:Class``) can be used here, else why
+    not (one line). Imports that one backend's module and runs its probe, nothing else.
+    InvalidArgument for an unknown name."""
     _target(name)  # unknown names are an error, not a reason
     try:
         cls = backend_class(name)
@@ -118,5 +145,7 @@ def unavailable_reason(name: str) -> str | None:
         return probe() if callable(probe) else None
     except BackendUnavailable as exc:
         return exc.message
+    except InvalidArgument:
+        raise  # an out-of-tree name that names nothing usable is bad input, not a reason
     except Exception as exc:  # noqa: BLE001 - report, never fail the listing
         return f"{type(exc).__name__}: {exc}"

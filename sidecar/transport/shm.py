@@ -18,18 +18,15 @@ import ctypes
 import json
 import os
 import socket
-import threading
-import time
+from typing import TYPE_CHECKING
 
 from deltakv.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
-from deltakv.sidecar.planner import check_block, check_runs
 from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
 from deltakv.sidecar.transport.base import (
     BatchLimits,
@@ -39,6 +36,9 @@ from deltakv.sidecar.transport.base import (
     TransportOptions,
 )
 from deltakv.v1 import kv_pb2
+
+if TYPE_CHECKING:
+    from deltakv.sidecar.rooms import RoomTicket
 
 _DESCRIPTOR_VERSION = 1
 
@@ -86,23 +86,22 @@ def _segment_inode(name: str) -> tuple[int, int] | None:
 class ShmPeer(PeerHandle):
     """A connected same-host peer: its pool mapped into this process (non-owner)."""
 
-    def __init__(self, info: kv_pb2.EndpointInfo, layout: KVLayout, pool: SharedKVPool,
+    def __init__(self, info: kv_pb2.EndpointInfo, pool: SharedKVPool,
                  inode: tuple[int, int], pid: int, start_time: int | None) -> None:
-        super().__init__(info, layout)
+        super().__init__(info)
         self.pool = pool
         self.segment = pool.name
         self.inode = inode
         self.pid = pid
         self.start_time = start_time  # None: other PID namespace, liveness not checkable
-        self.closed = False
 
 
 class ShmTransport(Transport):
     """Copies pages into a peer's shared-memory pool on the same host.
 
     ``options`` is unused except ``extra["max_entries"]`` (runs per batch, default 65,536:
-    copies have no per-call limit, the value only bounds the time between deadline checks).
-    Thread-safe: concurrent ``write`` calls copy independently; the peer cache is locked.
+    copies have no per-call limit, the value only bounds the work between two of the
+    writer's batch admissions). Thread-safe: concurrent ``write`` calls copy independently.
     """
 
     name = "shm"
@@ -114,8 +113,6 @@ class ShmTransport(Transport):
             raise InvalidArgument(f"shm max_entries must be > 0, got {max_entries}")
         self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
         self._pool: SharedKVPool | None = None
-        self._peers: dict[str, ShmPeer] = {}
-        self._lock = threading.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------ local side
@@ -153,26 +150,16 @@ class ShmTransport(Transport):
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: kv_pb2.EndpointInfo) -> ShmPeer:
-        """Map the peer's pool (cached per ``endpoint_id``; a new endpoint at the same
-        address replaces the old mapping).
+        """Map the peer's pool (a new mapping per call; PeerTable caches it).
 
-        Raises LayoutMismatch (FAILED_PRECONDITION) on a geometry mismatch (checked before
-        mapping anything), FailedPrecondition for another backend or another host,
-        InvalidArgument for a malformed descriptor, UnknownEndpoint (FAILED_PRECONDITION) if
-        the segment does not exist, Unavailable if its owner process is gone.
+        Raises FailedPrecondition for a peer on another machine, InvalidArgument for a
+        malformed descriptor or one whose size disagrees with the peer's layout,
+        UnknownEndpoint (FAILED_PRECONDITION) if the segment does not exist or was replaced
+        while mapping, Unavailable if its owner process is gone or this transport is closed.
         """
-        pool = self._require_pool()
-        if peer.backend != self.name:
-            raise FailedPrecondition(
-                f"endpoint {peer.endpoint_id!r} uses backend {peer.backend!r}, this sidecar "
-                f"speaks {self.name!r}")
-        remote = KVLayout.from_proto(peer.layout)
-        pool.layout.check_compatible(remote)
+        self._require_pool()
         desc = self._parse(peer)
-        with self._lock:
-            cached = self._peers.get(peer.endpoint_id)
-            if cached is not None and not cached.closed:
-                return cached
+        remote = KVLayout.from_proto(peer.layout)
         # Same kernel, not same hostname: pods on one node have their own hostnames but can
         # share the node's /dev/shm (the Helm chart's shm mode mounts it).
         peer_node = desc.get("node") or desc["host"]
@@ -196,88 +183,51 @@ class ShmTransport(Transport):
             raise UnknownEndpoint(
                 f"shm segment {desc['segment']!r} was replaced while connecting; "
                 f"the peer restarted, fetch its new endpoint")
-        handle = ShmPeer(peer, remote, mapped, after, desc["pid"],
-                         desc["start_time"] if same_ns else None)
-        stale: list[ShmPeer] = []
-        with self._lock:
-            if self._closed:
-                mapped.close()
-                raise Unavailable("shm transport is closed")
-            existing = self._peers.get(peer.endpoint_id)
-            if existing is not None and not existing.closed:
-                stale.append(handle)  # lost a race with another connect: keep theirs
-                handle = existing
-            else:
-                for eid, old in list(self._peers.items()):
-                    if old.info.address == peer.address:  # older incarnation, same address
-                        stale.append(self._peers.pop(eid))
-                self._peers[peer.endpoint_id] = handle
-        for old in stale:
-            self._release(old)
-        return handle
+        return ShmPeer(peer, mapped, after, desc["pid"], desc["start_time"] if same_ns else None)
 
-    def disconnect(self, endpoint_id: str) -> None:
-        """Unmap a cached peer (its later writes fail with UnknownEndpoint). Idempotent."""
-        with self._lock:
-            old = self._peers.pop(endpoint_id, None)
-        if old is not None:
-            self._release(old)
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Unmap the peer's pool (deferred by the pool while a write still holds a view);
+        later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
+        handle = self._check_handle(peer)
+        handle.closed = True
+        with contextlib.suppress(Exception):
+            handle.pool.close()
 
     # ------------------------------------------------------------------ writes
 
-    def write(self, peer: PeerHandle, runs: list[PageRun], deadline: float) -> None:
+    def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
         """Copy each run (``num_pages * page_bytes`` bytes) from the local pool into the
-        peer's pool, one slice copy per run, checking ``deadline`` before each run.
+        peer's pool: one libc memmove per run, ``ticket.check_alive()`` before each.
 
-        Every run is range-checked before the first byte moves (InvalidArgument). Raises
-        DeadlineExceeded if the deadline (``time.monotonic()``) passes before a run starts
-        (earlier runs stay written: the caller fences the room), Unavailable if the peer
-        died or its segment is gone, UnknownEndpoint if ``peer`` was disconnected.
+        Raises Aborted / DeadlineExceeded from the ticket before a run starts (earlier runs
+        stay written: the caller fences the room), Unavailable if the peer died or its
+        segment is gone, UnknownEndpoint if ``peer`` was disconnected.
         """
-        handle = self._check_peer(peer)
-        src_pages = self._require_pool().layout.num_pages
-        check_runs(runs, src_pages, handle.num_pages)
-        if not runs:
+        handle = self._check_handle(peer)
+        handle.check_open()
+        if not batch:
             return
         src = self._require_pool().as_bytes()
         dst = self._live_view(handle)  # held: keeps the peer's mapping alive while copying
         page_bytes = handle.layout.page_bytes
         src_base, dst_base = src.data_ptr(), dst.data_ptr()
-        for run in runs:
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded(
-                    f"shm write to {handle.endpoint_id!r}: deadline passed before run "
-                    f"{run} started")
+        for run in batch:
+            ticket.check_alive()
             # libc memmove (GIL released by ctypes) runs at memcpy speed; torch's uint8
             # copy_ measured about half of it here.
             ctypes.memmove(dst_base + run.dst_page * page_bytes,
                            src_base + run.src_page * page_bytes, run.num_pages * page_bytes)
 
-    def write_block(self, peer: PeerHandle, src_offset: int, dst_offset: int, nbytes: int,
-                    deadline: float) -> None:
-        """One copy of ``nbytes`` bytes between byte offsets of the two pools (benchmark
-        reference). InvalidArgument if the range leaves either pool, DeadlineExceeded if the
-        deadline already passed, Unavailable if the peer is gone."""
-        handle = self._check_peer(peer)
-        pool = self._require_pool()
-        check_block(src_offset, dst_offset, nbytes, pool.nbytes, handle.layout.pool_bytes)
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded(f"shm write_block to {handle.endpoint_id!r}: deadline passed")
-        src = pool.as_bytes()
-        dst = self._live_view(handle)
-        ctypes.memmove(dst.data_ptr() + dst_offset, src.data_ptr() + src_offset, nbytes)
-
     def close(self) -> None:
-        """Unmap every peer pool (never the local one: the sidecar owns it). Idempotent."""
-        with self._lock:
-            self._closed = True
-            peers, self._peers = list(self._peers.values()), {}
-        for handle in peers:
-            self._release(handle)
+        """Refuse further connects. Peer mappings belong to their handles (PeerTable
+        disconnects them); the local pool belongs to the sidecar. Idempotent."""
+        self._closed = True
 
     # ------------------------------------------------------------------ helpers
 
     def _require_pool(self) -> SharedKVPool:
+        if self._closed:
+            raise Unavailable("shm transport is closed")
         if self._pool is None:
             raise FailedPrecondition("shm transport has no registered pool; call register_pool")
         return self._pool
@@ -295,14 +245,14 @@ class ShmTransport(Transport):
         desc.setdefault("start_time", None)
         return desc
 
-    def _check_peer(self, peer: PeerHandle) -> ShmPeer:
+    @staticmethod
+    def _check_handle(peer: PeerHandle) -> ShmPeer:
         if not isinstance(peer, ShmPeer):
             raise InvalidArgument(f"not an shm peer handle: {type(peer).__name__}")
-        if peer.closed:
-            raise UnknownEndpoint(f"shm peer {peer.endpoint_id!r} was disconnected; reconnect")
         return peer
 
-    def _live_view(self, handle: ShmPeer):
+    @staticmethod
+    def _live_view(handle: ShmPeer):
         """The peer's byte view, after checking its owner is alive and the segment is still
         the one mapped. Holding the returned tensor keeps the mapping valid even if another
         thread disconnects meanwhile (the pool defers its unmap)."""
@@ -311,19 +261,10 @@ class ShmTransport(Transport):
         except InvalidArgument:
             raise UnknownEndpoint(
                 f"shm peer {handle.endpoint_id!r} was disconnected; reconnect") from None
-        gone = None
         if _segment_inode(handle.segment) != handle.inode:
-            gone = f"its segment {handle.segment!r} was removed or replaced"
-        elif handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
-            gone = f"its process (pid {handle.pid}) exited"
-        if gone:
-            self.disconnect(handle.endpoint_id)
-            raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: {gone}")
+            raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its segment "
+                              f"{handle.segment!r} was removed or replaced")
+        if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
+            raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its process "
+                              f"(pid {handle.pid}) exited")
         return view
-
-    @staticmethod
-    def _release(handle: ShmPeer) -> None:
-        handle.closed = True
-        with contextlib.suppress(Exception):
-            handle.pool.close()
-

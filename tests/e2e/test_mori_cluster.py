@@ -1,7 +1,7 @@
 """The local 1P1D cluster (``deltakv up``'s LocalCluster) with ``--transport mori``.
 
-The two sidecars run deltakv's MORI-IO adapter on the test stand-in (``tests/standins``, with
-``DELTAKV_MORI_STANDIN=1``): page writes go prefill -> decode through ``IOEngine.batch_write``
+The two sidecars run deltakv's MORI-IO adapter on the test stand-in (``tests/standins`` first
+on their ``PYTHONPATH``): page writes go prefill -> decode through ``IOEngine.batch_write``
 with byte offsets into the registered pools. Toy geometry T through ``tiny-random``
 (page_bytes 32,768).
 
@@ -32,7 +32,7 @@ from tests.e2e.reference import reference_tokens
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The sidecars' import path: the stand-in, unless DELTAKV_MORI_REAL=1 asks for amd-mori itself.
 STANDIN_ENV = ({} if os.environ.get("DELTAKV_MORI_REAL") == "1" else
-               {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"), "DELTAKV_MORI_STANDIN": "1"})
+               {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins")})
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Fault scenarios F1, F2, F5-F8 and bad input on a real cluster (shm transport).
 
 Faults come from real events — a killed process, a cancelled RPC — or from the prefill
-sidecar's test-only ``--fault-inject`` wrapper around the real backend (slow, failing or hanging
+sidecar's test-only fault wrapper (tests/support/faults.py) around the real backend (slow, failing or hanging
 batches). Bounds are shortened (lease 4 s, grace 0.5 s) so the tests see them expire.
 """
 
@@ -31,6 +31,7 @@ from tests.e2e.conftest import (
     stats,
     wait_for_baseline,
 )
+from tests.support.faults import cluster_options
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +54,7 @@ async def prefill_stats(address: str):
 def slow_cluster(tmp_path_factory):
     """Every transfer of the first rooms takes 2 s per batch (cancel/kill windows)."""
     cluster = make_cluster(tmp_path_factory, "slow", decode_args=LEASE_ARGS,
-                           prefill_sidecar_args=["--fault-inject", "delay_ms=2000"])
+                           **cluster_options("delay_ms=2000"))
     try:
         yield cluster
     finally:
@@ -149,7 +150,7 @@ def test_stopped_prefill_fails_fast_and_decode_survives(slow_cluster) -> None:
 
 def test_f8_transfer_failure_is_reported_at_once_and_retry_succeeds(tmp_path_factory) -> None:
     cluster = make_cluster(tmp_path_factory, "fail", decode_args=LEASE_ARGS,
-                           prefill_sidecar_args=["--fault-inject", "fail_batch=1,rooms=1"])
+                           **cluster_options("fail_batch=1,rooms=1"))
     try:
         addr = cluster.decode_address
         t0 = time.monotonic()
@@ -166,7 +167,7 @@ def test_f8_transfer_failure_is_reported_at_once_and_retry_succeeds(tmp_path_fac
 
 def test_f7_transport_that_never_completes_hits_the_bound(tmp_path_factory) -> None:
     cluster = make_cluster(tmp_path_factory, "hang", decode_args=LEASE_ARGS,
-                           prefill_sidecar_args=["--fault-inject", "hang=1,rooms=1"])
+                           **cluster_options("hang=1,rooms=1"))
     try:
         addr = cluster.decode_address
         t0 = time.monotonic()

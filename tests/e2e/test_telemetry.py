@@ -43,6 +43,7 @@ from tests.otlp_receiver import (
     OtlpReceiver,
     ReceivedSpan,
 )
+from tests.support.faults import cluster_options
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,12 +86,11 @@ def otel(tmp_path_factory) -> Iterator[tuple]:
     cluster = None
     try:
         cluster = make_cluster(
-            tmp_path_factory, "otel", transport="shm",
-            env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-                 # Export within ~0.1 s (spans) and 0.5 s (metrics) instead of 5 s / 60 s.
-                 "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"},
-            metrics_port=_free_port_block(),
-            prefill_sidecar_args=["--fault-inject", "fail_batch=1,rooms=1"])
+            tmp_path_factory, "otel", transport="shm", metrics_port=_free_port_block(),
+            **cluster_options("fail_batch=1,rooms=1", env={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                # Export within ~0.1 s (spans) and 0.5 s (metrics) instead of 5 s / 60 s.
+                "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"}))
         with pytest.raises(Unavailable, match="injected engine error"):
             run(generate(cluster.decode_address, token_ids=tokens(40, seed=900),
                          max_new_tokens=2, ignore_eos=True, request_id=FAILED_REQUEST))

@@ -32,9 +32,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deltakv.layout import TOY_LAYOUT, KVLayout
+from deltakv.layout import KVLayout
 from deltakv.rpc import grpc_util
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
+from tests.support.faults import sidecar_args as fault_args
+from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,23 +137,28 @@ class SidecarProcess:
 
 
 def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
-                  layout: KVLayout = TOY_LAYOUT, fault_inject: str | None = None,
+                  layout: KVLayout = TOY_LAYOUT, faults: str | None = None,
                   extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                   log_path: str | None = None, ready_timeout_s: float = 60.0,
                   wait: bool = True) -> SidecarProcess:
     """Start ``deltakv serve sidecar`` as a child process and (by default) wait for SERVING.
 
-    ``extra_args`` are appended to the command line (e.g. ``["--drain-timeout-s", "2"]``);
-    ``env`` entries are added to the inherited environment. Raises RuntimeError (with the log
-    tail) if the process dies or is not SERVING within ``ready_timeout_s``.
+    ``faults`` (e.g. ``"delay_ms=500,rooms=1"``) wraps ``transport`` in the test-only
+    fault injector (tests/support/faults.py), loaded through the registry's ``module:Class``
+    form with the repository root on ``PYTHONPATH``. ``extra_args`` are appended to the
+    command line (e.g. ``["--drain-timeout-s", "2"]``); ``env`` entries are added to the
+    inherited environment. Raises RuntimeError (with the log tail) if the process dies or is
+    not SERVING within ``ready_timeout_s``.
     """
     log_path = log_path or f"{socket_path}.log"
     cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
            "--transport", transport, "--socket", socket_path, *layout_args(layout),
            "--log-level", "info", *extra_args]
-    if fault_inject:
-        cmd += ["--fault-inject", fault_inject]
     full_env = {**os.environ, **(env or {})}
+    if faults:
+        cmd += fault_args(faults, inner=transport)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log_file,

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from deltakv.services.cli.bench.transfer import bench_layout
+from deltakv.services.cli.bench.transfer import bench_layout, time_page_writes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
@@ -41,6 +42,35 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
             assert rec[key] > 0
         assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
+
+
+def test_every_timed_repeat_must_write_its_own_bytes() -> None:
+    # issue 14 item 6: the set-up zeroed a copy of the destination (``dst[idx].zero_()``),
+    # so after the first repeat the check passed whatever a repeat did.
+    src = torch.zeros(8, 64, dtype=torch.uint8)
+    dst = torch.zeros(8, 64, dtype=torch.uint8)
+    src_pages, dst_pages = [0, 2, 4], [7, 5, 1]
+    calls = []
+
+    def copy() -> None:
+        calls.append(1)
+        dst[dst_pages] = src[src_pages]
+
+    def copy_once() -> None:  # the warm-up writes, the timed repeats do not
+        if not calls:
+            copy()
+        else:
+            calls.append(1)
+
+    _, ok = time_page_writes(3, src, src_pages, dst, dst_pages, copy)
+    assert ok and len(calls) == 4  # warm-up + 3 timed repeats
+    assert torch.equal(dst[dst_pages], src[src_pages]) and int(dst[[0, 2, 3, 4, 6]].sum()) == 0
+    calls.clear()
+    _, ok = time_page_writes(3, src, src_pages, dst, dst_pages, copy_once)
+    assert not ok and len(calls) == 4
+    _, ok = time_page_writes(3, src, src_pages, dst, dst_pages,
+                             lambda: dst.__setitem__([7, 5, 1], src[[0, 2, 3]]))  # a wrong page
+    assert not ok
 
 
 def test_bench_layout_page_bytes() -> None:

@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from deltakv.layout import TOY_LAYOUT
 from deltakv.services.cli.up import ClusterConfig, ClusterError, LocalCluster
 from deltakv.sidecar.pool import SHM_DIR
 from deltakv.sidecar.server import default_shm_name
 from tests.integration.sidecar_proc import layout_args, short_tmp_dir
+from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _no_mori_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "DELTAKV_MORI_STANDIN")}
+            if k != "PYTHONPATH"}
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -86,8 +86,7 @@ def test_up_without_amd_mori_exits_nonzero_with_one_clear_line(tmp_path) -> None
 @pytest.mark.timeout(180)
 def test_failed_mori_cluster_start_leaves_no_process_and_no_segment(tmp_path,
                                                                     monkeypatch) -> None:
-    for key in ("PYTHONPATH", "DELTAKV_MORI_STANDIN"):
-        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     config = ClusterConfig(model="tiny-random", transport="mori", page_size=16, num_pages=96,
                            decode_port=0, prefill_port=0, run_dir=str(tmp_path / "cluster"),
                            start_timeout_s=120.0)

@@ -1,7 +1,7 @@
 """Real ``deltakv serve sidecar --transport mori`` processes on the MORI-IO test stand-in.
 
-The sidecars import ``mori.io`` from ``tests/standins`` (``PYTHONPATH``, with
-``DELTAKV_MORI_STANDIN=1``); the stand-in's own fault injection (``MORI_STANDIN_FAULTS`` in a
+The sidecars import ``mori.io`` from ``tests/standins`` (first on their ``PYTHONPATH``); the
+stand-in's own fault injection (``MORI_STANDIN_FAULTS`` in a
 prefill sidecar's environment) makes the engine report each failure kind, and the test checks
 what reaches the gRPC caller of ``WritePages``: the status code, that decode's memory is
 untouched, that the room ended, and that a retry with a new room succeeds. Also: the decode
@@ -19,16 +19,15 @@ import grpc
 import pytest
 import torch
 
-from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import (
     SidecarFactory,
     SidecarProcess,
 )
+from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STANDIN_ENV = {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"),
-               "DELTAKV_MORI_STANDIN": "1", "MORI_STANDIN_FAULTS": ""}
+STANDIN_ENV = {"PYTHONPATH": str(REPO_ROOT / "tests" / "standins"), "MORI_STANDIN_FAULTS": ""}
 PAGE = TOY_LAYOUT.page_size
 PAGE_BYTES = TOY_LAYOUT.page_bytes
 # Short bounds so a stuck engine does not slow the prefill sidecar's shutdown down.

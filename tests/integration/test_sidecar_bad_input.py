@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 
-from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.layouts import TOY_LAYOUT
 
 PAGE = TOY_LAYOUT.page_size
 N = TOY_LAYOUT.num_pages

@@ -1,6 +1,7 @@
 """Fencing, bounded waits and shutdown of real sidecar processes (shm backend, fault injection).
 
-Prefill sidecars run with ``--fault-inject`` (sidecar/faults.py) wrapping the real shm backend:
+Prefill sidecars run the test-only fault wrapper (tests/support/faults.py, loaded as
+``--transport tests.support.faults:FaultyTransport``) around the real shm backend:
 ``delay_ms`` makes each batch slow (interruptible by abort and deadline), ``fail_batch`` makes
 the engine fail on one batch, ``hang`` makes a write that never completes by itself;
 ``batch_entries=1`` makes every run its own batch so "no batch after X" is observable page by
@@ -22,9 +23,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.layouts import TOY_LAYOUT
 
 PAGE = TOY_LAYOUT.page_size
 PAGE_BYTES = TOY_LAYOUT.page_bytes
@@ -50,10 +51,10 @@ def env() -> Iterator[Env]:
         yield Env(
             factory=factory,
             decode=factory.start("decode"),
-            slow=factory.start("prefill", fault_inject="delay_ms=1500,batch_entries=1"),
+            slow=factory.start("prefill", faults="delay_ms=1500,batch_entries=1"),
             failing=factory.start("prefill",
-                                  fault_inject="fail_batch=2,batch_entries=1,rooms=1"),
-            hanging=factory.start("prefill", fault_inject="hang=1"),
+                                  faults="fail_batch=2,batch_entries=1,rooms=1"),
+            hanging=factory.start("prefill", faults="hang=1"),
         )
     finally:
         factory.close()
@@ -280,7 +281,7 @@ def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
 @pytest.mark.timeout(120)
 def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
     ep = env.decode.describe().endpoint
-    sc = env.factory.start("prefill", name="term", fault_inject="delay_ms=3000")
+    sc = env.factory.start("prefill", name="term", faults="delay_ms=3000")
     d = sc.describe()
     src, dst = pages(sc, "t-src", 1), pages(env.decode, "t-dst", 1)
     fill(sc, src, seed=8)

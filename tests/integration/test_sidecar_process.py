@@ -15,7 +15,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.layout import TOY_LAYOUT
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 from tests.integration.sidecar_proc import (
     REPO_ROOT,
@@ -24,6 +23,8 @@ from tests.integration.sidecar_proc import (
     layout_args,
 )
 from tests.integration.sidecar_proc import sidecar_factory as sidecar_factory  # noqa: F401
+from tests.support.faults import sidecar_args as fault_args
+from tests.support.layouts import TOY_LAYOUT
 
 
 def free_port() -> int:
@@ -47,34 +48,42 @@ def test_health_port_serves_only_health(sidecar_factory: SidecarFactory) -> None
 
 
 @pytest.mark.timeout(120)
-def test_model_geometry_and_env_fault_flag(sidecar_factory: SidecarFactory) -> None:
-    """Geometry from ``--model`` instead of explicit flags; fault injection switched on by
-    the environment variable alone."""
+def test_model_geometry_and_an_out_of_tree_transport(sidecar_factory: SidecarFactory) -> None:
+    """Geometry from ``--model`` instead of explicit flags; the transport given as
+    ``module:Class`` (the test-only fault wrapper, found through PYTHONPATH) around shm."""
     from deltakv.services.model.loader import kv_geometry
 
     path = sidecar_factory.socket_path("model")
-    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode", "--socket", path,
-           "--model", "tiny-random", "--num-pages", "8"]
+    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode",
+           "--socket", path, "--model", "tiny-random", "--num-pages", "8",
+           *fault_args("delay_ms=1")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(path + ".log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DELTAKV_FAULT_INJECT": "delay_ms=1"})
+        proc = subprocess.Popen(cmd, cwd="/", stdout=log, stderr=subprocess.STDOUT, env=env)
     sc = SidecarProcess("decode", path, proc, path + ".log", TOY_LAYOUT, "shm")
     sidecar_factory.procs.append(sc)  # stopped by the fixture whatever happens
     sc.wait_ready(60)
     geo = kv_geometry("tiny-random")
-    layout = sc.describe().endpoint.layout
+    endpoint = sc.describe().endpoint
+    layout = endpoint.layout
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.model_fingerprint) \
         == (geo.num_layers, geo.num_kv_heads, geo.head_dim, geo.fingerprint)
     assert layout.num_pages == 8
+    assert endpoint.backend == "shm"  # peers see the wrapped backend
     assert sc.stop() == 0
-    assert "fault_injection_enabled" in sc.log_text()
+    log_text = sc.log_text()
+    assert "fault_injection_enabled" in log_text
+    assert "tests.support.faults:FaultyTransport" in log_text  # sidecar_serving's transport
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args", [
     ["--role", "decode", "--socket", "/tmp/dkv-x.sock"],  # no geometry
     ["--role", "decode", "--socket", "/tmp/dkv-x.sock", *layout_args(TOY_LAYOUT),
-     "--fault-inject", "explode=1"],
+     "--transport", "dkv_no_such_module:Transport"],
+    ["--role", "decode", "--socket", "/tmp/dkv-x.sock", *layout_args(TOY_LAYOUT),
+     *fault_args("delay_ms=soon")],
     ["--role", "decode", "--socket", "/tmp/" + "s" * 120, *layout_args(TOY_LAYOUT)],
     ["--role", "decode", "--socket", "/tmp/dkv-x.sock", *layout_args(TOY_LAYOUT),
      "--transport", "carrier-pigeon"],
@@ -102,7 +111,7 @@ def test_socket_of_a_live_sidecar_is_not_stolen(sidecar_factory: SidecarFactory)
 @pytest.mark.timeout(120)
 def test_drain_timeout_fences_a_hung_write(sidecar_factory: SidecarFactory) -> None:
     decode = sidecar_factory.start("decode")
-    prefill = sidecar_factory.start("prefill", fault_inject="hang=1",
+    prefill = sidecar_factory.start("prefill", faults="hang=1",
                                     extra_args=["--drain-timeout-s", "1"])
     shm_name = prefill.describe().pool_shm_name
     src = list(prefill.stub().Allocate(sidecar_pb2.AllocateRequest(request_id="s", num_pages=1),

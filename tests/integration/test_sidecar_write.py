@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from deltakv.errors import AlreadyExists
-from deltakv.layout import TOY_LAYOUT
 from deltakv.sidecar.client import SidecarClient
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.layouts import TOY_LAYOUT
 
 BACKENDS = ["shm", "mooncake"]
 PAGE = TOY_LAYOUT.page_size

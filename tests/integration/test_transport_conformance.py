@@ -2,10 +2,12 @@
 
 The destination pool lives in **another process** (``tests/integration/transport_peer.py``,
 started with ``sys.executable``) that owns a real SharedKVPool and a transport of the backend
-under test; this process is the writer with its own pool and transport. The oracle: the peer
-fills its pool from a seed, this process rebuilds the same bytes locally as a model, applies
-the writes it expects to the model, and compares every page's CRC32 with the peer's — so a
-wrong page, a torn page and a clobbered neighbour all fail.
+under test; this process is the writer with its own pool, transport and the sidecar's write
+path in front of it — the peer table (endpoint checks, one connection per endpoint,
+incarnations) and the planner (validation, coalescing, batches sized to the backend's
+limits). The oracle: the peer fills its pool from a seed, this process rebuilds the same bytes
+locally as a model, applies the writes it expects to the model, and compares every page's
+CRC32 with the peer's — so a wrong page, a torn page and a clobbered neighbour all fail.
 
 Adding a backend is one :class:`BackendCase` in :data:`BACKEND_CASES`; ``env`` and
 ``pythonpath`` reach both the peer process and this one (e.g. a stand-in package).
@@ -21,7 +23,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from base64 import b64decode
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from deltakv.errors import (
+    Aborted,
     DeadlineExceeded,
     DeltaKVError,
     InvalidArgument,
@@ -40,6 +42,7 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
+from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
 from deltakv.sidecar.transport import (
@@ -51,6 +54,7 @@ from deltakv.sidecar.transport import (
     create_transport,
 )
 from deltakv.v1 import kv_pb2
+from tests.support.tickets import ticket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +78,7 @@ BACKEND_CASES: list[BackendCase] = [
     BackendCase("mooncake", extra={"transfer_timeout_s": 5}, marks=(pytest.mark.mooncake,)),
     # AMD MORI-IO through the adapter, on the test stand-in (tests/standins/mori); with
     # DELTAKV_MORI_REAL=1 on an AMD node, on the installed amd-mori instead (docs/mori.md).
-    BackendCase("mori", env={"DELTAKV_MORI_STANDIN": "1"}, pythonpath=("tests/standins",))
+    BackendCase("mori", pythonpath=("tests/standins",))
     if os.environ.get("DELTAKV_MORI_REAL") != "1" else BackendCase("mori"),
 ]
 
@@ -230,6 +234,22 @@ def writer(case, local_pool) -> Iterator[Transport]:
     t.close()
 
 
+@pytest.fixture
+def peers(writer) -> Iterator[PeerTable]:
+    """The sidecar's peer table in front of ``writer`` (closed before the transport)."""
+    table = PeerTable(writer, LOCAL_LAYOUT)
+    yield table
+    table.close()
+
+
+def write_plan(writer: Transport, handle, plan) -> None:
+    """What the sidecar's WritePages does with a plan: admit, then write, batch by batch."""
+    room = ticket(60)
+    for batch in plan.batches:
+        room.check_can_start()
+        writer.write(handle, batch, room)
+
+
 class Model:
     """The peer pool as this process expects it to be."""
 
@@ -253,11 +273,6 @@ class Model:
             self.bytes[r.dst_page:r.dst_page + r.num_pages] = \
                 src[r.src_page:r.src_page + r.num_pages]
 
-    def apply_block(self, src_offset: int, dst_offset: int, nbytes: int) -> None:
-        flat = self.bytes.view(-1)
-        flat[dst_offset:dst_offset + nbytes] = \
-            self.local.as_bytes().view(-1)[src_offset:src_offset + nbytes]
-
     def crcs(self) -> list[int]:
         return [zlib.crc32(row.numpy()) for row in self.bytes]
 
@@ -275,10 +290,6 @@ def model(request, peer, local_pool) -> Model:
     return Model(peer, local_pool, seed=zlib.crc32(request.node.nodeid.encode()))
 
 
-def deadline(seconds: float = 30.0) -> float:
-    return time.monotonic() + seconds
-
-
 def transfer_info(peer: PeerProcess, prompt_len: int, dst: list[int], prefix: int = 0,
                   room: int = 1) -> kv_pb2.TransferInfo:
     msg = kv_pb2.TransferInfo(room=room, request_id=f"req-{room}", decode_endpoint=peer.info,
@@ -290,17 +301,16 @@ def transfer_info(peer: PeerProcess, prompt_len: int, dst: list[int], prefix: in
 # ---------------------------------------------------------------------------- cases
 
 @pytest.mark.timeout(120)
-def test_planned_delta_lands_bit_exact_and_neighbours_untouched(writer, peer, model):
+def test_planned_delta_lands_bit_exact_and_neighbours_untouched(writer, peers, peer, model):
     ps = PEER_LAYOUT.page_size
     # G2-shaped: 12-token prefix already at decode, 50-token prompt -> pages 3..12 move.
     src = list(range(100, 113))
     dst = [500, 501, 502, 700, 703, 704, 705, 900, 901, 4399]
     info = transfer_info(peer, prompt_len=50, dst=dst, prefix=3 * ps)
-    plan = plan_delta(info, src, LOCAL_LAYOUT, PEER_LAYOUT, writer.limits)
+    handle = peers.connect(peer.info)
+    plan = plan_delta(info, src, LOCAL_LAYOUT, handle.layout, writer.limits)
     assert plan.pages == 10 and plan.bytes == 10 * PB
-    handle = writer.connect(peer.info)
-    for batch in plan.batches:
-        writer.write(handle, batch, deadline())
+    write_plan(writer, handle, plan)
     model.apply(plan.runs)
     crcs = model.check()
     # Explicitly: the pages around every destination kept their contents.
@@ -311,166 +321,162 @@ def test_planned_delta_lands_bit_exact_and_neighbours_untouched(writer, peer, mo
 
 
 @pytest.mark.timeout(120)
-def test_empty_plan_and_empty_batch_move_nothing(writer, peer, model):
+def test_empty_plan_and_empty_batch_move_nothing(writer, peers, peer, model):
     ps = PEER_LAYOUT.page_size
     info = transfer_info(peer, prompt_len=8 * ps, dst=[], prefix=8 * ps)  # full-prefix hit
     plan = plan_delta(info, list(range(8)), LOCAL_LAYOUT, PEER_LAYOUT, writer.limits)
     assert plan.empty and plan.batches == [] and plan.bytes == 0
-    handle = writer.connect(peer.info)
-    writer.write(handle, [], deadline())
+    handle = peers.connect(peer.info)
+    writer.write(handle, [], ticket())
     assert model.check() == model.initial
 
 
 @pytest.mark.timeout(120)
-def test_out_of_range_runs_rejected_before_any_byte_moves(writer, peer, model):
-    handle = writer.connect(peer.info)
-    n_peer, n_local = PEER_LAYOUT.num_pages, LOCAL_LAYOUT.num_pages
-    bad_batches = [
-        [PageRun(0, 10, 4), PageRun(8, n_peer - 1, 2)],        # last run overruns the peer
-        [PageRun(0, 10, 4), PageRun(n_local - 1, 20, 2)],      # overruns the local pool
-        [PageRun(0, 10, 4), PageRun(5, -1, 1)],                # negative destination
-        [PageRun(0, 10, 4), PageRun(5, 30, 0)],                # empty run
-    ]
-    for batch in bad_batches:
-        with pytest.raises(InvalidArgument) as exc_info:
-            writer.write(handle, batch, deadline())
+def test_out_of_range_pages_are_rejected_before_any_byte_moves(writer, peers, peer, model):
+    # Backends do not range-check: the planner does, against the connected peer's real pool.
+    handle = peers.connect(peer.info)
+    ps = PEER_LAYOUT.page_size
+    n_peer, n_local = handle.layout.num_pages, LOCAL_LAYOUT.num_pages
+    bad = [(transfer_info(peer, 2 * ps, [10, n_peer]), [0, 1], "outside the decode pool"),
+           (transfer_info(peer, 2 * ps, [10, 11]), [0, n_local], "outside the prefill pool"),
+           (transfer_info(peer, 2 * ps, [10, 10]), [0, 1], "more than once")]
+    for info, src, fragment in bad:
+        with pytest.raises(InvalidArgument, match=fragment) as exc_info:
+            plan_delta(info, src, LOCAL_LAYOUT, handle.layout, writer.limits)
         assert exc_info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(InvalidArgument):
-        writer.write_block(handle, 0, (n_peer - 1) * PB, 2 * PB, deadline())
-    with pytest.raises(InvalidArgument):
-        writer.write_block(handle, n_local * PB - 10, 0, 20, deadline())
-    assert model.check() == model.initial  # not even the valid first runs were written
+    assert model.check() == model.initial  # not even the valid pages were written
 
 
-@pytest.mark.timeout(120)
-def test_plan_larger_than_one_batch_is_chunked(writer, peer, model):
-    # Planner batches: 60 single-page runs, 7 per batch.
+@pytest.mark.timeout(180)
+def test_batches_at_the_backends_own_limits_are_accepted(writer, peers, peer, model):
+    handle = peers.connect(peer.info)
+    # Planner batches of 7: 60 single-page runs -> 9 batches.
     src = list(range(60))
     dst = list(range(1000, 1120, 2))
     info = transfer_info(peer, prompt_len=60 * PEER_LAYOUT.page_size, dst=dst)
-    plan = plan_delta(info, src, LOCAL_LAYOUT, PEER_LAYOUT, BatchLimits(max_entries=7))
+    plan = plan_delta(info, src, LOCAL_LAYOUT, handle.layout, BatchLimits(max_entries=7))
     assert len(plan.runs) == 60 and len(plan.batches) == 9
-    handle = writer.connect(peer.info)
-    for batch in plan.batches:
-        writer.write(handle, batch, deadline())
+    write_plan(writer, handle, plan)
     model.apply(plan.runs)
-    # One write() call with more runs than any engine batch may hold (Mooncake: 1024):
-    # the backend must chunk it itself.
-    many = [PageRun(200 + i, 2 * i, 1) for i in range(2200)]
-    writer.write(handle, many, deadline(60))
-    model.apply(many)
+    # More runs than any engine batch may hold (Mooncake, MORI: 1024): the planner sizes the
+    # batches to the backend's limits and the engine takes each full batch in one call.
+    src = list(range(200, 2400))
+    dst = [2 * i for i in range(2200)]
+    info = transfer_info(peer, prompt_len=2200 * PEER_LAYOUT.page_size, dst=dst, room=2)
+    plan = plan_delta(info, src, LOCAL_LAYOUT, handle.layout, writer.limits)
+    assert all(len(batch) <= writer.limits.max_entries for batch in plan.batches)
+    assert max(len(batch) for batch in plan.batches) == min(2200, writer.limits.max_entries)
+    write_plan(writer, handle, plan)
+    model.apply(plan.runs)
     model.check()
 
 
 @pytest.mark.timeout(120)
-def test_scattered_and_consecutive_runs(writer, peer, model):
+def test_scattered_and_consecutive_runs(writer, peers, peer, model):
     runs = [PageRun(0, 3000, 16), PageRun(16, 10, 1), PageRun(40, 4000, 3), PageRun(17, 12, 1),
             PageRun(2399, 0, 1), PageRun(1000, 4300, 100)]
-    handle = writer.connect(peer.info)
-    writer.write(handle, runs, deadline())
+    handle = peers.connect(peer.info)
+    writer.write(handle, runs, ticket())
     model.apply(runs)
     model.check()
 
 
 @pytest.mark.timeout(120)
-def test_write_block_is_one_raw_copy(writer, peer, model):
-    handle = writer.connect(peer.info)
-    writer.write_block(handle, 3 * PB, 2000 * PB, 5 * PB, deadline())
-    model.apply_block(3 * PB, 2000 * PB, 5 * PB)
-    writer.write_block(handle, 7, 2100 * PB + 100, 300, deadline())  # unaligned, in-page
-    model.apply_block(7, 2100 * PB + 100, 300)
-    model.check()
-
-
-@pytest.mark.timeout(120)
-def test_deadline_in_the_past_writes_nothing(writer, peer, model):
-    handle = writer.connect(peer.info)
-    past = time.monotonic() - 1.0
+def test_past_deadline_or_aborted_room_writes_nothing(writer, peers, peer, model):
+    handle = peers.connect(peer.info)
     with pytest.raises(DeadlineExceeded) as exc_info:
-        writer.write(handle, [PageRun(0, 0, 8), PageRun(9, 20, 1)], past)
+        writer.write(handle, [PageRun(0, 0, 8), PageRun(9, 20, 1)], ticket(-1.0))
     assert exc_info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    with pytest.raises(DeadlineExceeded):
-        writer.write_block(handle, 0, 0, 4 * PB, past)
+    aborted = ticket()
+    aborted.abort_event.set()
+    with pytest.raises(Aborted):
+        writer.write(handle, [PageRun(0, 0, 8), PageRun(9, 20, 1)], aborted)
     assert model.check() == model.initial
 
 
 @pytest.mark.timeout(120)
-def test_layout_mismatch_refused_at_connect_naming_the_field(writer, peer, model):
+def test_layout_mismatch_refused_at_connect_naming_the_field(writer, peers, peer, model):
     for name, value in (("page_size", 8), ("head_dim", 16), ("num_layers", 3),
                         ("dtype", kv_pb2.KV_DTYPE_BFLOAT16), ("model_fingerprint", "other")):
         wrong = kv_pb2.EndpointInfo()
         wrong.CopyFrom(peer.info)
         setattr(wrong.layout, name, value)
         with pytest.raises(LayoutMismatch) as exc_info:
-            writer.connect(wrong)
+            peers.connect(wrong)
         err = exc_info.value
         assert err.code == grpc.StatusCode.FAILED_PRECONDITION
         assert err.field == name and name in str(err)
         assert err.local != err.remote
     # A refused connect caches nothing: the right descriptor still works afterwards.
-    handle = writer.connect(peer.info)
-    writer.write(handle, [PageRun(1, 1, 1)], deadline())
+    assert len(peers) == 0
+    handle = peers.connect(peer.info)
+    writer.write(handle, [PageRun(1, 1, 1)], ticket())
     model.apply([PageRun(1, 1, 1)])
     model.check()
 
 
 @pytest.mark.timeout(120)
-def test_new_incarnation_at_same_address_replaces_the_cached_peer(writer, peer, model):
-    old = writer.connect(peer.info)
-    assert writer.connect(peer.info) is old  # cached per endpoint_id
+def test_new_incarnation_at_same_address_replaces_the_cached_peer(writer, peers, peer, model):
+    old = peers.connect(peer.info)
+    assert peers.connect(peer.info) is old  # one connection per endpoint_id
     reborn = kv_pb2.EndpointInfo()
     reborn.CopyFrom(peer.info)
     reborn.endpoint_id = peer.info.endpoint_id + "-restarted"
-    new = writer.connect(reborn)
+    new = peers.connect(reborn)
     with pytest.raises(UnknownEndpoint):
-        writer.write(old, [PageRun(0, 0, 1)], deadline())
-    writer.write(new, [PageRun(2, 5, 2)], deadline())
+        writer.write(old, [PageRun(0, 0, 1)], ticket())
+    with pytest.raises(UnknownEndpoint, match="dead incarnation"):
+        peers.connect(peer.info)
+    writer.write(new, [PageRun(2, 5, 2)], ticket())
     model.apply([PageRun(2, 5, 2)])
-    writer.disconnect(reborn.endpoint_id)
+    peers.drop(reborn.endpoint_id)
     with pytest.raises(UnknownEndpoint):
-        writer.write(new, [PageRun(0, 0, 1)], deadline())
+        writer.write(new, [PageRun(0, 0, 1)], ticket())
     model.check()
 
 
 @pytest.mark.timeout(180)
-def test_peer_gone_is_a_bounded_typed_failure(case, writer, peer, model, tmp_path):
+def test_peer_gone_is_a_bounded_typed_failure(case, writer, peers, peer, model, tmp_path):
     doomed = PeerProcess(case, PEER_LAYOUT.with_pages(64), tmp_path / "doomed.log")
     try:
-        handle = writer.connect(doomed.info)
-        writer.write(handle, [PageRun(0, 0, 4)], deadline())
+        handle = peers.connect(doomed.info)
+        writer.write(handle, [PageRun(0, 0, 4)], ticket())
         doomed.kill()
         # The cached connection must notice, whatever the backend: no hang, no silent
         # "success" into an orphaned mapping.
         with pytest.raises(DeltaKVError) as exc_info:
-            writer.write(handle, [PageRun(0, 0, 4)], deadline(60))
+            writer.write(handle, [PageRun(0, 0, 4)], ticket(60))
         assert exc_info.value.code in PEER_GONE_CODES, exc_info.value
+        peers.drop(doomed.info.endpoint_id)  # what WritePages does after such a failure
         # A fresh transport connecting to the dead peer fails the same way.
         fresh = create_transport(case.name, TransportOptions(extra=dict(case.extra)))
+        fresh_peers = PeerTable(fresh, LOCAL_LAYOUT)
         try:
             fresh.register_pool(model.local)
             with pytest.raises(DeltaKVError) as exc_info:
-                handle2 = fresh.connect(doomed.info)
-                fresh.write(handle2, [PageRun(0, 0, 1)], deadline(60))
+                handle2 = fresh_peers.connect(doomed.info)
+                fresh.write(handle2, [PageRun(0, 0, 1)], ticket(60))
             assert exc_info.value.code in PEER_GONE_CODES, exc_info.value
         finally:
+            fresh_peers.close()
             fresh.close()
     finally:
         doomed.stop()
     # The writer is not poisoned: the live peer still gets bit-exact pages.
-    live = writer.connect(peer.info)
-    writer.write(live, [PageRun(3, 33, 2)], deadline())
+    live = peers.connect(peer.info)
+    writer.write(live, [PageRun(3, 33, 2)], ticket())
     model.apply([PageRun(3, 33, 2)])
     model.check()
 
 
 @pytest.mark.timeout(120)
-def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peer, model):
+def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peers, peer, model):
     other = kv_pb2.EndpointInfo()
     other.CopyFrom(peer.info)
     other.endpoint_id += "-other"
     other.backend = "carrier-pigeon"
     with pytest.raises(DeltaKVError) as exc_info:
-        writer.connect(other)
+        peers.connect(other)
     assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "carrier-pigeon" in str(exc_info.value)
     garbled = kv_pb2.EndpointInfo()
@@ -478,21 +484,22 @@ def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peer, model)
     garbled.endpoint_id += "-garbled"
     garbled.descriptor = b"\xffnot a descriptor"
     with pytest.raises(InvalidArgument):
-        writer.connect(garbled)
+        peers.connect(garbled)
+    assert len(peers) == 0
     assert model.check() == model.initial
 
 
 @pytest.mark.timeout(180)
-def test_frozen_peer_cannot_hang_the_writer(writer, peer, model):
+def test_frozen_peer_cannot_hang_the_writer(writer, peers, peer, model):
     """F7: with the peer process stopped (SIGSTOP) a write ends — done (one-sided engines
     need no peer CPU) or DeadlineExceeded within the backend's bound — and when it has
     ended nothing of it is still in flight (checked with ``drain`` where offered)."""
-    handle = writer.connect(peer.info)
+    handle = peers.connect(peer.info)
     runs = [PageRun(0, 1500, 64), PageRun(100, 1600, 1)]
     peer.proc.send_signal(signal.SIGSTOP)
     try:
         try:
-            writer.write(handle, runs, deadline(2.0))
+            writer.write(handle, runs, ticket(2.0))
             landed = True
         except DeadlineExceeded as exc:
             assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -514,5 +521,5 @@ def test_frozen_peer_cannot_hang_the_writer(writer, peer, model):
         # The timed-out batch may have landed after SIGCONT; nothing else may change.
         assert all(crcs[p] == model.initial[p] for p in range(len(crcs)) if p not in touched)
     # The writer still works afterwards.
-    writer.write(handle, [PageRun(5, 7, 1)], deadline())
+    writer.write(handle, [PageRun(5, 7, 1)], ticket())
     assert peer.crcs()[7] == zlib.crc32(model.local.as_bytes()[5].numpy())

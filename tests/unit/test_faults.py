@@ -1,4 +1,5 @@
-"""Fault-injection spec parsing and the FaultyTransport wrapper over the real shm backend."""
+"""The test-only fault wrapper (tests/support/faults.py): built by the transport registry's
+``module:Class`` form exactly as a sidecar process builds it, over the real shm backend."""
 
 from __future__ import annotations
 
@@ -10,62 +11,63 @@ import pytest
 import torch
 
 from deltakv.errors import Aborted, DeadlineExceeded, InvalidArgument, TransferFailed
-from deltakv.layout import TOY_LAYOUT
-from deltakv.sidecar.faults import (
-    ENV_VAR,
-    FaultSpec,
-    FaultyTransport,
-    maybe_wrap,
-    spec_from_env_or_flag,
-)
+from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.pool import SharedKVPool
 from deltakv.sidecar.rooms import RoomRegistry
-from deltakv.sidecar.transport.base import PageRun
+from deltakv.sidecar.transport.base import PageRun, TransportOptions
 from deltakv.sidecar.transport.registry import create_transport
+from tests.support.faults import TRANSPORT, FaultSpec, FaultyTransport, sidecar_args
+from tests.support.layouts import TOY_LAYOUT
 
 
-def test_parse_spec() -> None:
-    spec = FaultSpec.parse("delay_ms=500, fail_batch=2,hang=1,batch_entries=1,rooms=3")
+def test_options_split_into_faults_and_inner_options() -> None:
+    spec, rest = FaultSpec.from_options({"delay_ms": "500", "fail_batch": 2, "hang": "1",
+                                         "batch_entries": 1, "rooms": 3, "max_entries": 7})
     assert spec == FaultSpec(delay_ms=500, fail_batch=2, hang=True, batch_entries=1, rooms=3)
-    assert spec.active
-    assert str(FaultSpec.parse("fail_batch=2")) == "fail_batch=2"
-    assert not FaultSpec.parse("").active
+    assert rest == {"max_entries": 7}
+    assert str(FaultSpec(fail_batch=2)) == "fail_batch=2"
 
 
-@pytest.mark.parametrize("bad", ["delay=5", "delay_ms", "delay_ms=x", "fail_batch=-1",
-                                 "hang=1,oops=2"])
-def test_parse_rejects_bad_spec(bad: str) -> None:
+@pytest.mark.parametrize("extra", [{"delay_ms": "x"}, {"fail_batch": -1}, {"rooms": None}])
+def test_bad_fault_values_are_invalid_argument(extra: dict) -> None:
     with pytest.raises(InvalidArgument):
-        FaultSpec.parse(bad)
+        FaultSpec.from_options(extra)
 
 
-def test_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert spec_from_env_or_flag(None) is None
-    monkeypatch.setenv(ENV_VAR, "delay_ms=5")
-    assert spec_from_env_or_flag(None) == FaultSpec(delay_ms=5)
-    assert spec_from_env_or_flag("fail_batch=1") == FaultSpec(fail_batch=1)
+def test_inner_backend_is_required() -> None:
+    with pytest.raises(InvalidArgument, match="inner="):
+        create_transport(TRANSPORT, TransportOptions(extra={"delay_ms": 1}))
+
+
+def test_sidecar_args_select_the_wrapper_through_the_registry() -> None:
+    assert sidecar_args("delay_ms=5, rooms=1") == [
+        "--transport", "tests.support.faults:FaultyTransport",
+        "--transport-option", "inner=shm", "--transport-option", "delay_ms=5",
+        "--transport-option", "rooms=1"]
 
 
 class Rig:
-    """Two real pools and a real shm transport between them (in one process)."""
+    """Two real pools, the wrapper around a real shm transport, and a peer table."""
 
-    def __init__(self, spec: FaultSpec) -> None:
+    def __init__(self, extra: dict) -> None:
         tag = uuid.uuid4().hex[:10]
         self.src = SharedKVPool.create(TOY_LAYOUT, name=f"deltakv-ut-src-{tag}")
         self.dst = SharedKVPool.create(TOY_LAYOUT, name=f"deltakv-ut-dst-{tag}")
         self.src.as_bytes().copy_(torch.randint(0, 256, self.src.as_bytes().shape,
                                                 dtype=torch.uint8))
-        self.inner = create_transport("shm")
-        self.inner.register_pool(self.src)
-        self.transport = maybe_wrap(self.inner, spec)
+        self.transport = create_transport(TRANSPORT,
+                                          TransportOptions(extra={"inner": "shm", **extra}))
+        assert isinstance(self.transport, FaultyTransport) and self.transport.name == "shm"
+        self.transport.register_pool(self.src)
         peer_side = create_transport("shm")
         peer_side.register_pool(self.dst)
-        self.peer = self.transport.connect(peer_side.describe("dst-ep", TOY_LAYOUT))
+        self.peers = PeerTable(self.transport, TOY_LAYOUT)
+        self.peer = self.peers.connect(peer_side.describe("dst-ep", TOY_LAYOUT))
         peer_side.close()
         self.rooms = RoomRegistry()
 
     def close(self) -> None:
+        self.peers.close()
         self.transport.close()
         self.src.close()
         self.dst.close()
@@ -73,64 +75,53 @@ class Rig:
     def written(self, page: int) -> bool:
         return bool(torch.equal(self.dst.as_bytes()[page], self.src.as_bytes()[page]))
 
+    def write(self, ticket, batch: list[PageRun]) -> None:
+        ticket.check_can_start()  # the writer admits each batch, as the servicer does
+        self.transport.write(self.peer, batch, ticket)
+
 
 @pytest.fixture
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    r = Rig(FaultSpec.parse(request.param))
+    r = Rig(request.param)
     yield r
     r.close()
 
 
-def test_inactive_spec_does_not_wrap() -> None:
-    inner = create_transport("shm")
-    try:
-        assert maybe_wrap(inner, FaultSpec()) is inner
-        assert maybe_wrap(inner, None) is inner
-    finally:
-        inner.close()
-
-
-@pytest.mark.parametrize("rig", ["fail_batch=2,batch_entries=1"], indirect=True)
-def test_fail_batch_counts_per_room(rig: Rig) -> None:
-    assert isinstance(rig.transport, FaultyTransport)
-    assert rig.transport.limits.max_entries == 1
-    deadline = time.monotonic() + 30
-    ticket = rig.rooms.begin(1, "r", deadline)
-    with rig.rooms.running(ticket):
-        ticket.check_can_start()
-        rig.transport.write(rig.peer, [PageRun(0, 0, 1)], deadline)
-        ticket.check_can_start()
-        with pytest.raises(TransferFailed, match="batch 2"):
-            rig.transport.write(rig.peer, [PageRun(1, 1, 1)], deadline)
+@pytest.mark.parametrize("rig", [{"fail_batch": "2", "batch_entries": "1", "rooms": "1",
+                                  "max_entries": "8"}], indirect=True)
+def test_fail_batch_counts_per_room_and_rooms_limit(rig: Rig) -> None:
+    assert rig.transport.limits.max_entries == 1  # min(inner max_entries=8, batch_entries)
+    assert rig.transport.inner.limits.max_entries == 8  # the rest reached the inner backend
+    far = time.monotonic() + 30
+    ticket = rig.rooms.begin(1, "r", far)
+    rig.write(ticket, [PageRun(0, 0, 1)])
+    with pytest.raises(TransferFailed, match="batch 2"):
+        rig.write(ticket, [PageRun(1, 1, 1)])
     assert rig.written(0) and not rig.written(1)
-    # Outside a room (e.g. the benchmark's write_block) nothing is faulted.
-    rig.transport.write(rig.peer, [PageRun(1, 1, 1)], deadline)
-    assert rig.written(1)
+    # A second room is beyond rooms=1: its second batch is written.
+    other = rig.rooms.begin(2, "r", far)
+    rig.write(other, [PageRun(2, 2, 1)])
+    rig.write(other, [PageRun(1, 1, 1)])
+    assert rig.written(1) and rig.written(2)
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("rig", ["hang=1"], indirect=True)
+@pytest.mark.parametrize("rig", [{"hang": "1"}], indirect=True)
 def test_hang_ends_at_deadline_without_writing(rig: Rig) -> None:
-    deadline = time.monotonic() + 0.2
-    ticket = rig.rooms.begin(2, "r", deadline)
-    with rig.rooms.running(ticket), pytest.raises(DeadlineExceeded):
-        ticket.check_can_start()
-        rig.transport.write(rig.peer, [PageRun(0, 0, 2)], deadline)
+    ticket = rig.rooms.begin(2, "r", time.monotonic() + 0.2)
+    with pytest.raises(DeadlineExceeded):
+        rig.write(ticket, [PageRun(0, 0, 2)])
     assert not rig.written(0) and not rig.written(1)
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("rig", ["delay_ms=20000,rooms=1"], indirect=True)
-def test_delay_is_interrupted_by_abort_and_rooms_limit(rig: Rig) -> None:
-    deadline = time.monotonic() + 60
-    ticket = rig.rooms.begin(3, "r", deadline)
+@pytest.mark.parametrize("rig", [{"delay_ms": "20000"}], indirect=True)
+def test_delay_is_interrupted_by_abort(rig: Rig) -> None:
+    ticket = rig.rooms.begin(3, "r", time.monotonic() + 60)
+    ticket.check_can_start()
     ticket.abort_event.set()  # as RoomRegistry.abort does
-    with rig.rooms.running(ticket), pytest.raises(Aborted):
-        rig.transport.write(rig.peer, [PageRun(0, 0, 1)], deadline)
+    t0 = time.monotonic()
+    with pytest.raises(Aborted):
+        rig.transport.write(rig.peer, [PageRun(0, 0, 1)], ticket)
+    assert time.monotonic() - t0 < 5
     assert not rig.written(0)
-    # A second room is beyond rooms=1: written at once, no delay.
-    other = rig.rooms.begin(4, "r", deadline)
-    with rig.rooms.running(other):
-        other.check_can_start()
-        rig.transport.write(rig.peer, [PageRun(0, 0, 1)], deadline)
-    assert rig.written(0)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from deltakv.errors import InvalidArgument
-from deltakv.layout import TOY_LAYOUT
 from deltakv.services.model import loader
 from deltakv.services.model.llama import LlamaSpec
 from deltakv.services.model.runner import ModelRunner
+from tests.support.layouts import TOY_LAYOUT
 
 PROMPT = [1, 80, 90, 100, 3, 7, 250, 2, 1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 

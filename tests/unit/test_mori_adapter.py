@@ -1,11 +1,12 @@
-"""The ``mori`` transport adapter (sidecar/transport/mori.py) on the MORI-IO test stand-in.
+"""The ``mori`` transport adapter (sidecar/transport/mori/) on the MORI-IO test stand-in.
 
 In one process: two transports (writer and target) with real shared-memory pools; the
 stand-in moves the bytes one-sidedly into the target's segment. Covers option resolution and
 its path into ``RdmaBackendConfig``, the descriptor format, the lazy import and its one-line
 message (in a clean subprocess), the mapping of every MORI-IO status code and exception to
 deltakv's typed errors (nothing written on failure), deadline/lease handling of a write stuck
-in progress, batching and coalescing into byte offsets, and incarnation changes.
+in progress, one ``batch_write`` per planned batch with byte offsets, and incarnation changes
+through the peer table (remote engines registered and deregistered).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from deltakv.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -33,14 +34,14 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
+from deltakv.sidecar.peers import PeerTable
+from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.rooms import RoomTicket
 from deltakv.sidecar.transport import (
-    BackendUnavailable,
     PageRun,
     TransportOptions,
-    create_transport,
 )
-from deltakv.sidecar.transport import mori as mori_transport
 from deltakv.sidecar.transport.mori import (
     MAX_ENTRY_BYTES,
     OPTIONS,
@@ -51,6 +52,7 @@ from deltakv.sidecar.transport.mori import (
     unpack_descriptor,
 )
 from deltakv.v1 import kv_pb2
+from tests.support.tickets import ticket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDINS = REPO_ROOT / "tests" / "standins"
@@ -64,9 +66,7 @@ PB = LAYOUT.page_bytes
 def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``import mori.io`` resolves to the stand-in for this test only."""
     monkeypatch.syspath_prepend(str(STANDINS))
-    monkeypatch.setenv("DELTAKV_MORI_STANDIN", "1")
-    for key in [k for k in os.environ if k.startswith("DELTAKV_MORI_") and k !=
-                "DELTAKV_MORI_STANDIN"] + ["MORI_STANDIN_FAULTS"]:
+    for key in [k for k in os.environ if k.startswith("DELTAKV_MORI_")] + ["MORI_STANDIN_FAULTS"]:
         monkeypatch.delenv(key, raising=False)
     yield
     for name in [n for n in sys.modules if n == "mori" or n.startswith("mori.")]:
@@ -121,8 +121,17 @@ def pair(pools) -> Iterator[Pair]:
     p.close()
 
 
-def soon(seconds: float = 20.0) -> float:
-    return time.monotonic() + seconds
+def soon(seconds: float = 20.0) -> RoomTicket:
+    return ticket(seconds)
+
+
+def remotes(t: MoriTransport) -> list[str]:
+    """Remote engines registered with ``t``'s (stand-in) engine."""
+    return t._engine.standin_remote_engines()
+
+
+def batch_writes(t: MoriTransport) -> list[list[tuple[int, int, int]]]:
+    return t._engine.standin_batch_writes()
 
 
 # ---------------------------------------------------------------------------- options
@@ -216,15 +225,6 @@ def test_backend_start_failures_are_typed(monkeypatch: pytest.MonkeyPatch) -> No
         MoriTransport(TransportOptions(port=70000))
 
 
-def test_standin_is_refused_without_the_test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DELTAKV_MORI_STANDIN")
-    with pytest.raises(BackendUnavailable) as exc_info:
-        create_transport("mori", TransportOptions())
-    assert "stand-in" in str(exc_info.value)
-    assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert MoriTransport.probe() is not None
-
-
 _NO_MORI = """
 import json, sys
 from deltakv.sidecar.transport import available_backends, create_transport, TransportOptions
@@ -243,8 +243,7 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(120)
 def test_without_amd_mori_only_mori_is_unavailable_with_one_clear_line() -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "DELTAKV_MORI_STANDIN")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", _NO_MORI], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
@@ -302,17 +301,19 @@ def test_describe_before_register_pool_is_failed_precondition() -> None:
 
 # ---------------------------------------------------------------------------- connect
 
-def test_connect_validates_before_any_engine_call(pair: Pair) -> None:
+def test_refused_connects_register_nothing(pair: Pair) -> None:
+    # Backend and layout are the peer table's checks; descriptor checks are the adapter's.
+    table = PeerTable(pair.writer, pair.writer_pool.layout)
     other = kv_pb2.EndpointInfo()
     other.CopyFrom(pair.info)
     other.backend = "shm"
     with pytest.raises(FailedPrecondition, match="'shm'"):
-        pair.writer.connect(other)
+        table.connect(other)
     wrong = kv_pb2.EndpointInfo()
     wrong.CopyFrom(pair.info)
     wrong.layout.head_dim = 16
     with pytest.raises(LayoutMismatch) as exc_info:
-        pair.writer.connect(wrong)
+        table.connect(wrong)
     assert exc_info.value.field == "head_dim"
     garbled = kv_pb2.EndpointInfo()
     garbled.CopyFrom(pair.info)
@@ -324,10 +325,12 @@ def test_connect_validates_before_any_engine_call(pair: Pair) -> None:
     larger.layout.num_pages = 49  # claims more pages than its registered region holds
     with pytest.raises(InvalidArgument, match="smaller than its layout"):
         pair.writer.connect(larger)
-    assert pair.writer.registered_engines == []  # nothing was registered by refused connects
-    handle = pair.writer.connect(pair.info)
-    assert pair.writer.connect(pair.info) is handle
-    assert pair.writer.registered_engines == [pair.target.key]
+    assert remotes(pair.writer) == []  # nothing was registered by refused connects
+    handle = table.connect(pair.info)
+    assert table.connect(pair.info) is handle
+    assert remotes(pair.writer) == [pair.target.key]
+    table.close()
+    assert handle.closed and remotes(pair.writer) == []
 
 
 def test_unreachable_peer_fails_connect_within_the_bound(pools) -> None:
@@ -337,45 +340,49 @@ def test_unreachable_peer_fails_connect_within_the_bound(pools) -> None:
         p.target.close()  # its engine's listener is gone: nothing answers at that address
         with pytest.raises(Unavailable, match="session"):
             p.writer.connect(info)
-        assert p.writer.registered_engines == []
+        assert remotes(p.writer) == []
     finally:
         p.close()
 
 
 # ---------------------------------------------------------------------------- writes
 
-def test_runs_become_coalesced_split_byte_offsets_and_land(pools) -> None:
+def test_each_planned_batch_is_one_batch_write_of_byte_offsets(pools) -> None:
     p = Pair(pools, max_message_bytes=str(3 * PB), max_entries="2")
     try:
         handle = p.writer.connect(p.info)
-        runs = [PageRun(0, 10, 5), PageRun(5, 15, 2), PageRun(9, 30, 1), PageRun(40, 47, 1)]
-        entries = mori_transport._entries(runs, PB, p.writer._max_run_pages(PB))
-        assert entries == [(0, 10 * PB, 3 * PB), (3 * PB, 13 * PB, 3 * PB),
-                           (6 * PB, 16 * PB, PB), (9 * PB, 30 * PB, PB), (40 * PB, 47 * PB, PB)]
-        p.writer.write(handle, runs, soon())  # 5 entries -> 3 batch_write calls of <= 2
-        p.apply(runs)
+        # 7 delta pages: src 0..6 -> dst 10..16 (one stretch), src 9 -> 30, src 40 -> 47.
+        msg = kv_pb2.TransferInfo(room=5, dst_page_indices=[*range(10, 17), 30, 47],
+                                  prompt_len=9 * LAYOUT.page_size, lease_ms=20_000)
+        plan = plan_delta(msg, [*range(7), 9, 40], LAYOUT, p.target_pool.layout,
+                          p.writer.limits)
+        assert plan.runs == [PageRun(0, 10, 3), PageRun(3, 13, 3), PageRun(6, 16, 1),
+                             PageRun(9, 30, 1), PageRun(40, 47, 1)]
+        for batch in plan.batches:
+            p.writer.write(handle, batch, soon())
+        # One engine call per planned batch, its runs as they are: no re-merge, no re-split.
+        assert batch_writes(p.writer) == [
+            [(0, 10 * PB, 3 * PB), (3 * PB, 13 * PB, 3 * PB)],
+            [(6 * PB, 16 * PB, PB), (9 * PB, 30 * PB, PB)],
+            [(40 * PB, 47 * PB, PB)]]
+        p.apply(plan.runs)
         p.writer.write(handle, [], soon())    # empty batch: no engine call, nothing moves
-        p.writer.write_block(handle, 100, 20 * PB + 7, 1000, soon())
-        p.expected.view(-1)[20 * PB + 7:20 * PB + 1007] = p.writer_pool.as_bytes().view(-1)[
-            100:1100]
+        assert len(batch_writes(p.writer)) == 3
         p.check()
         assert p.writer.in_flight == 0 and p.writer.drain(0.0)
     finally:
         p.close()
 
 
-def test_out_of_range_and_past_deadline_move_nothing(pair: Pair) -> None:
+def test_aborted_or_past_deadline_ticket_moves_nothing(pair: Pair) -> None:
     handle = pair.writer.connect(pair.info)
-    with pytest.raises(InvalidArgument):
-        pair.writer.write(handle, [PageRun(0, 0, 1), PageRun(1, 47, 2)], soon())
-    with pytest.raises(InvalidArgument):
-        pair.writer.write(handle, [PageRun(63, 0, 2)], soon())
-    with pytest.raises(InvalidArgument):
-        pair.writer.write_block(handle, 0, 48 * PB - 10, 20, soon())
     with pytest.raises(DeadlineExceeded):
-        pair.writer.write(handle, [PageRun(0, 0, 4)], time.monotonic() - 1)
-    with pytest.raises(DeadlineExceeded):
-        pair.writer.write_block(handle, 0, 0, PB, time.monotonic() - 1)
+        pair.writer.write(handle, [PageRun(0, 0, 4)], ticket(-1))
+    aborted = ticket()
+    aborted.abort_event.set()
+    with pytest.raises(Aborted):
+        pair.writer.write(handle, [PageRun(0, 0, 4)], aborted)
+    assert batch_writes(pair.writer) == []
     pair.check()
 
 
@@ -403,15 +410,18 @@ def test_engine_failure_codes_map_to_typed_errors_and_write_nothing(
     pair.check()
 
 
-def test_failure_stops_the_remaining_batch_calls(pools) -> None:
+def test_failed_batch_writes_nothing_and_the_next_batch_works(pools) -> None:
     p = Pair(pools, max_entries="2")
     try:
         handle = p.writer.connect(p.info)
         p.writer._engine.standin_set_faults("fail=ERR_RDMA_OP,after=1,count=1")
-        runs = [PageRun(i, 2 * i, 1) for i in range(6)]  # 6 entries -> calls of 2, 2, 2
-        with pytest.raises(TransferFailed, match="batch_write 2/3"):
-            p.writer.write(handle, runs, soon())
-        p.apply(runs[:2])  # only the first call's pages landed; the third never started
+        batches = [[PageRun(0, 0, 1), PageRun(1, 2, 1)], [PageRun(2, 4, 1), PageRun(3, 6, 1)],
+                   [PageRun(4, 8, 1)]]
+        p.writer.write(handle, batches[0], soon())
+        with pytest.raises(TransferFailed, match="ERR_RDMA_OP"):
+            p.writer.write(handle, batches[1], soon())
+        p.writer.write(handle, batches[2], soon())
+        p.apply(batches[0] + batches[2])  # the failed call moved nothing
         p.check()
     finally:
         p.close()
@@ -423,14 +433,14 @@ def test_write_stuck_in_progress_ends_at_the_lease(pools) -> None:
         handle = p.writer.connect(p.info)
         p.writer._engine.standin_set_faults("stuck=1")
         with pytest.raises(DeadlineExceeded) as exc_info:
-            p.writer.write(handle, [PageRun(0, 0, 2)], time.monotonic() + 0.3)
+            p.writer.write(handle, [PageRun(0, 0, 2)], ticket(0.3))
         err = exc_info.value
         assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert err.details["in_flight"] is True and "may still land" in str(err)
         assert p.writer.in_flight == 1  # kept referenced, reported, never silently dropped
         assert not p.writer.drain(0.05)
         with pytest.raises(DeadlineExceeded):
-            p.writer.write_block(handle, 0, 0, PB, time.monotonic() + 0.1)
+            p.writer.write(handle, [PageRun(2, 2, 1)], ticket(0.1))
         assert p.writer.in_flight == 2
         p.check()
     finally:
@@ -443,7 +453,7 @@ def test_slow_write_that_settles_after_the_deadline_is_not_in_flight(pools) -> N
         handle = p.writer.connect(p.info)
         p.writer._engine.standin_set_faults("delay_ms=400")
         with pytest.raises(DeadlineExceeded) as exc_info:
-            p.writer.write(handle, [PageRun(4, 6, 2)], time.monotonic() + 0.1)
+            p.writer.write(handle, [PageRun(4, 6, 2)], ticket(0.1))
         assert exc_info.value.details["in_flight"] is False
         assert p.writer.in_flight == 0
         p.apply([PageRun(4, 6, 2)])  # it landed during the settle grace, nothing after
@@ -482,11 +492,12 @@ def test_restarted_peer_at_the_same_address_replaces_the_old_incarnation(pools) 
     writer = MoriTransport(TransportOptions(extra={"role": "prefill"}))
     old = MoriTransport(TransportOptions(port=port, extra={"role": "decode"}))
     new = None
+    table = PeerTable(writer, LAYOUT)
     try:
         writer.register_pool(writer_pool)
         old.register_pool(target_pool)
         old_info = old.describe("decode-incarnation-1", target_pool.layout)
-        old_handle = writer.connect(old_info)
+        old_handle = table.connect(old_info)
         writer.write(old_handle, [PageRun(0, 0, 1)], soon())
         old.close()  # the old incarnation goes away...
         with pytest.raises(TransferFailed):  # ...and a write to it fails, typed and bounded
@@ -495,21 +506,43 @@ def test_restarted_peer_at_the_same_address_replaces_the_old_incarnation(pools) 
         new.register_pool(target_pool)
         new_info = new.describe("decode-incarnation-2", target_pool.layout)
         assert new_info.address == old_info.address and new.key != old.key
-        new_handle = writer.connect(new_info)
-        assert writer.registered_engines == [new.key]  # the old engine was deregistered
+        new_handle = table.connect(new_info)
+        assert remotes(writer) == [new.key]  # the old engine was deregistered
         with pytest.raises(UnknownEndpoint, match="newer incarnation"):
             writer.write(old_handle, [PageRun(1, 1, 1)], soon())
+        with pytest.raises(UnknownEndpoint, match="dead incarnation"):
+            table.connect(old_info)
         writer.write(new_handle, [PageRun(3, 5, 2)], soon())
         assert torch.equal(target_pool.as_bytes()[5:7], writer_pool.as_bytes()[3:5])
-        writer.disconnect(new_info.endpoint_id)
-        assert writer.registered_engines == []
+        table.drop(new_info.endpoint_id)
+        assert remotes(writer) == []
         with pytest.raises(UnknownEndpoint):
             writer.write(new_handle, [PageRun(3, 5, 2)], soon())
     finally:
+        table.close()
         writer.close()
         old.close()
         if new is not None:
             new.close()
+
+
+def test_one_engine_registration_shared_by_two_handles(pair: Pair) -> None:
+    # Two endpoint ids naming the same engine (the adapter never assumes one per engine):
+    # the registration lives until the last handle using it is disconnected.
+    first = pair.writer.connect(pair.info)
+    alias = kv_pb2.EndpointInfo()
+    alias.CopyFrom(pair.info)
+    alias.endpoint_id = "decode-1-alias"
+    second = pair.writer.connect(alias)
+    assert remotes(pair.writer) == [pair.target.key]
+    pair.writer.disconnect(first)
+    pair.writer.disconnect(first)  # idempotent: does not release the other handle's share
+    assert remotes(pair.writer) == [pair.target.key]
+    pair.writer.write(second, [PageRun(1, 1, 1)], soon())
+    pair.apply([PageRun(1, 1, 1)])
+    pair.writer.disconnect(second)
+    assert remotes(pair.writer) == []
+    pair.check()
 
 
 def test_close_is_idempotent_and_final(pair: Pair) -> None:

@@ -1,4 +1,5 @@
-"""Delta planner: DESIGN §5 validation (each rule, its gRPC code), coalescing and batching."""
+"""Delta planner: DESIGN §5 validation (each rule, its gRPC code), the one delta formula,
+coalescing and batching."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltakv.errors import DeltaKVError, LayoutMismatch
-from deltakv.layout import TOY_LAYOUT
-from deltakv.sidecar.planner import WritePlan, coalesce, plan_delta
+from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.layout import delta_pages
+from deltakv.sidecar.planner import WritePlan, coalesce, plan_delta, validate_transfer
 from deltakv.sidecar.transport.base import BatchLimits, PageRun
 from deltakv.v1 import kv_pb2
+from tests.support.layouts import TOY_LAYOUT
 
 PS = TOY_LAYOUT.page_size  # 16
 PB = TOY_LAYOUT.page_bytes  # 32,768
@@ -28,8 +30,8 @@ def info(prompt_len: int, dst: list[int], prefix: int | None = None, lease_ms: i
 
 
 def plan(msg: kv_pb2.TransferInfo, src: list[int], local=TOY_LAYOUT, remote=TOY_LAYOUT,
-         limits: BatchLimits = LIMITS) -> WritePlan:
-    return plan_delta(msg, src, local, remote, limits)
+         limits: BatchLimits = LIMITS, max_lease_ms: int = 0) -> WritePlan:
+    return plan_delta(msg, src, local, remote, limits, max_lease_ms=max_lease_ms)
 
 
 def expect(code: grpc.StatusCode, fragment: str, msg: kv_pb2.TransferInfo, src: list[int],
@@ -86,6 +88,16 @@ def test_to_stats_carries_the_plan_figures():
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_room_zero_rejected():
+    expect(INVALID, "room must be a non-zero 64-bit id", info(16, [1], room=0), [0])
+
+
+def test_lease_above_the_sidecars_maximum_rejected():
+    expect(INVALID, "exceeds the sidecar's maximum of 1000 ms", info(16, [1], lease_ms=1001),
+           [0], max_lease_ms=1000)
+    assert plan(info(16, [1], lease_ms=1000), [0], max_lease_ms=1000).pages == 1
+
+
 def test_zero_prompt_len_rejected():
     expect(INVALID, "prompt_len must be > 0", info(0, []), [])
 
@@ -134,15 +146,6 @@ def test_source_pages_inside_the_prefix_are_not_range_checked():
     assert p.runs == [PageRun(3, 5, 1)]
 
 
-def test_layout_mismatch_is_failed_precondition_naming_the_field():
-    remote = TOY_LAYOUT.__class__(num_layers=2, num_kv_heads=2, head_dim=64, page_size=32,
-                                  model_fingerprint="toy")
-    err = expect(grpc.StatusCode.FAILED_PRECONDITION, "'page_size'", info(16, [0]), [0],
-                 remote=remote)
-    assert isinstance(err, LayoutMismatch)
-    assert err.local == 16 and err.remote == 32
-
-
 def test_num_pages_may_differ_between_pools():
     p = plan(info(32, [100, 101]), [0, 1], remote=TOY_LAYOUT.with_pages(128))
     assert p.runs == [PageRun(0, 100, 2)]
@@ -153,6 +156,44 @@ def test_backend_limits_that_cannot_hold_a_page_are_failed_precondition():
            limits=BatchLimits(max_entries=4, max_message_bytes=PB - 1))
     expect(grpc.StatusCode.FAILED_PRECONDITION, "max_entries must be > 0", info(16, [0]), [0],
            limits=BatchLimits(max_entries=0))
+
+
+@pytest.mark.parametrize("bad", [
+    info(16, [1], room=0), info(0, []), info(50, [1, 2], prefix=20), info(32, [], prefix=48),
+    info(16, [1], lease_ms=0), info(50, [1, 2, 3], prefix=32), info(48, [4, 5, 4]),
+])
+def test_validate_transfer_is_the_same_check_prefill_runs_early(bad):
+    # Prefill calls validate_transfer with its own layout before allocating anything; the
+    # sidecar's plan_delta runs the very same function, so both reject with the same message.
+    with pytest.raises(InvalidArgument) as early:
+        validate_transfer(bad, TOY_LAYOUT)
+    with pytest.raises(InvalidArgument) as late:
+        plan(bad, list(range(4)))
+    assert str(early.value) == str(late.value)
+
+
+def test_validate_transfer_returns_the_delta_pages():
+    assert validate_transfer(info(50, [10, 11], prefix=32), TOY_LAYOUT) == 2
+    assert validate_transfer(info(32, [], prefix=32), TOY_LAYOUT) == 0
+
+
+@pytest.mark.parametrize(("prompt", "prefix", "pages"), [
+    (50, 32, 2),   # G2: page-aligned prefix
+    (32, 32, 0),   # G1: full-prefix hit
+    (5, 0, 1),     # G3: shorter than a page
+    (34, 32, 1),   # G4: last partial page
+    (1, 0, 1), (16, 0, 1), (17, 16, 1), (48, 0, 3),
+])
+def test_delta_pages_is_the_scenario_oracle(prompt, prefix, pages):
+    assert delta_pages(prompt, prefix, 16) == pages
+    assert TOY_LAYOUT.delta_pages(prompt, prefix) == pages
+
+
+@pytest.mark.parametrize(("prompt", "prefix", "page_size"), [(10, 11, 16), (10, 0, 0),
+                                                             (-1, 0, 16), (10, -16, 16)])
+def test_delta_pages_rejects_impossible_counts(prompt, prefix, page_size):
+    with pytest.raises(InvalidArgument):
+        delta_pages(prompt, prefix, page_size)
 
 
 # --- coalescing and batching -----------------------------------------------------------------
@@ -222,6 +263,10 @@ def test_property_runs_cover_exactly_the_delta_pairs(case):
     assert sum(r.num_pages for r in p.runs) * layout.page_bytes == p.bytes
     assert [r for b in p.batches for r in b] == p.runs
     assert all(1 <= len(b) <= limits.max_entries for b in p.batches)
+    # Transports do not range-check: every run must lie inside both pools.
+    assert all(r.src_page >= 0 and r.src_page + r.num_pages <= layout.num_pages
+               and r.dst_page >= 0 and r.dst_page + r.num_pages <= layout.num_pages
+               and r.num_pages >= 1 for r in p.runs)
     if limits.max_message_bytes:
         assert all(r.num_pages * layout.page_bytes <= limits.max_message_bytes for r in p.runs)
     # Maximal coalescing: two neighbouring runs are never mergeable unless a cap split them.

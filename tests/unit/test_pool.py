@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
-from deltakv.layout import TOY_LAYOUT, KVLayout
+from deltakv.layout import KVLayout
 from deltakv.sidecar.pool import SHM_DIR, SharedKVPool, reclaim_stale_segments
+from tests.support.layouts import TOY_LAYOUT
 
 SMALL = TOY_LAYOUT.with_pages(8)
 

@@ -5,16 +5,17 @@ sides live in this process here, each with its own real pool and engine."""
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import pytest
 
 from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
-from deltakv.layout import TOY_LAYOUT
+from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.pool import SharedKVPool
 from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
 from deltakv.v1 import kv_pb2
+from tests.support.layouts import TOY_LAYOUT
+from tests.support.tickets import ticket
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ def test_shm_accepts_a_peer_in_another_pod_on_the_same_machine(pools):
     ta, tb, info = _pair("shm", pools)
     try:
         handle = ta.connect(_with_descriptor(info, host="decode-pod-7f9c"))
-        ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
+        ta.write(handle, [PageRun(0, 0, 1)], ticket(10))
     finally:
         ta.close()
         tb.close()
@@ -108,10 +109,10 @@ def test_shm_peer_whose_segment_vanished_is_unavailable(pools):
     ta, tb, info = _pair("shm", pools)
     try:
         handle = ta.connect(info)
-        ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
+        ta.write(handle, [PageRun(0, 0, 1)], ticket(10))
         pools[1].unlink()  # the owner's segment is gone (e.g. the decode sidecar stopped)
         with pytest.raises(Unavailable, match="removed or replaced"):
-            ta.write(handle, [PageRun(0, 0, 1)], time.monotonic() + 10)
+            ta.write(handle, [PageRun(0, 0, 1)], ticket(10))
         with pytest.raises(FailedPrecondition, match="does not exist"):
             ta.connect(info)  # UnknownEndpoint: nothing by that name any more
     finally:
@@ -145,16 +146,20 @@ def test_mooncake_unreachable_session_is_unavailable_at_connect(pools):
 
 
 @pytest.mark.timeout(60)
-def test_mooncake_small_max_entries_splits_one_write_into_batches(pools):
+def test_mooncake_moves_each_planned_batch_as_one_engine_call(pools):
     a, b = pools
     a.as_bytes()[:20].fill_(7)
     ta, tb, info = _pair("mooncake", pools, extra={"max_entries": 3})
     try:
         assert ta.limits.max_entries == 3
+        msg = kv_pb2.TransferInfo(room=9, dst_page_indices=[2 * i for i in range(10)],
+                                  prompt_len=10 * TOY_LAYOUT.page_size, lease_ms=20_000)
+        plan = plan_delta(msg, list(range(10)), a.layout, b.layout, ta.limits)
+        assert [len(batch) for batch in plan.batches] == [3, 3, 3, 1]
         handle = ta.connect(info)
-        runs = [PageRun(i, 2 * i, 1) for i in range(10)]  # 4 engine batches
-        ta.write(handle, runs, time.monotonic() + 20)
-        for r in runs:
+        for batch in plan.batches:
+            ta.write(handle, batch, ticket(20))
+        for r in plan.runs:
             assert bool((b.as_bytes()[r.dst_page] == 7).all())
         assert int(b.as_bytes()[1].sum()) == 0  # gaps between scattered runs untouched
         assert ta.in_flight == 0 and ta.drain(1.0)

@@ -6,13 +6,18 @@ dims * 4 B = 737,280 B) three ways:
 
 * **contiguous** — one consecutive run through the sidecar (``WritePages`` RPC, end to end);
 * **scattered** — fully scattered pages through the sidecar (every page its own run);
-* **raw** — the benchmark's own engine writes one block (``Transport.write_block``) from its
-  own pool to the decode sidecar's endpoint: what the backend can do without deltakv.
+* **raw** — the benchmark's own transport, in this process, writes the same source pages
+  (the prefill sidecar's pool, mapped here) to the decode sidecar's endpoint as ONE
+  ``Transport.write`` of one run covering the block: no RPC, no planner, no peer table —
+  what the backend can do without deltakv around it.
 
 It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
-the same bytes in this process. Every method's destination is zeroed before each repeat and
-compared byte for byte after it (``verified``). DESIGN §10's bar: contiguous sidecar >= 90 %
-of raw; shm close to memcpy.
+the same bytes in this process. Before every repeat (the untimed warm-up included) each
+method gets fresh random bytes in its source pages and zeros in its destination pages, both
+written in place, the same way for every method (so all see equally warm memory); after it
+the destination is compared byte for byte with the source (``verified``), so every timed
+repeat proves it wrote its own bytes. DESIGN §10's bar: contiguous sidecar >= 90 % of raw;
+shm close to memcpy.
 """
 
 from __future__ import annotations
@@ -115,7 +120,8 @@ class _Sidecar:
 def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],
                   verify: Callable[[], bool]) -> tuple[float, bool]:
     """Median seconds of ``action`` over ``repeats`` (plus one untimed warm-up); ``prepare``
-    and ``verify`` run outside the timing around every repetition."""
+    and ``verify`` run outside the timing around every repetition. Verified only if every
+    repetition verified."""
     times, ok = [], True
     for i in range(repeats + 1):
         prepare()
@@ -126,6 +132,33 @@ def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[]
         if i:
             times.append(elapsed)
     return statistics.median(times), ok
+
+
+def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view: Any,
+                     dst_pages: list[int], action: Callable[[], None],
+                     seed: int = 0) -> tuple[float, bool]:
+    """Median seconds of ``action`` copying pages ``src_pages`` of ``src_view`` to pages
+    ``dst_pages`` of ``dst_view`` (both ``uint8 [num_pages, page_bytes]`` tensors over the
+    real pools), and whether every repetition verified.
+
+    Before each repetition the source pages get fresh random bytes and the destination pages
+    zeros, written in place (``view[index] = ...``; ``view[index].zero_()`` would zero a
+    copy): a repetition that wrote nothing, or wrote the previous repetition's bytes, fails
+    the byte-for-byte check after it.
+    """
+    import torch
+
+    src_index = torch.tensor(src_pages, dtype=torch.long)
+    dst_index = torch.tensor(dst_pages, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(src_pages), src_view.shape[1])
+
+    def prepare() -> None:
+        src_view[src_index] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        dst_view[dst_index] = 0
+
+    return _median_timed(repeats, prepare, action,
+                         lambda: bool(torch.equal(dst_view[dst_index], src_view[src_index])))
 
 
 def measure_memcpy(nbytes: int, repeats: int) -> float:
@@ -147,12 +180,12 @@ def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
                     options: list[str], ready_timeout_s: float) -> dict[str, Any]:
     """Run the three methods on ``backend``; returns the per-backend JSON record."""
     import grpc
-    import torch
 
     from deltakv.layout import KVLayout
     from deltakv.services.cli.serve.sidecar import parse_options
     from deltakv.sidecar.pool import SharedKVPool
-    from deltakv.sidecar.transport.base import TransportOptions
+    from deltakv.sidecar.rooms import RoomTicket
+    from deltakv.sidecar.transport.base import PageRun, TransportOptions
     from deltakv.sidecar.transport.registry import create_transport
     from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -179,9 +212,9 @@ def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
                                        KVLayout.from_proto(pre_desc.endpoint.layout))
         closers.append(pre_pool.close)
         src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
-        src_view.copy_(torch.randint(0, 256, src_view.shape, dtype=torch.uint8))
 
-        def sidecar_method(src: list[int], dst: list[int]) -> tuple[float, bool, int]:
+        def sidecar_method(src: list[int], dst: list[int], seed: int
+                           ) -> tuple[float, bool, int]:
             runs: list[int] = []
 
             def action() -> None:
@@ -197,32 +230,35 @@ def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
                                        f"{len(src)} pages of {page_bytes} B")
                 runs.append(stats.runs)
 
-            seconds, ok = _median_timed(
-                repeats, lambda: dst_view[dst].zero_(), action,
-                lambda: bool(torch.equal(dst_view[dst], src_view[src])))
+            seconds, ok = time_page_writes(repeats, src_view, src, dst_view, dst, action,
+                                           seed=seed)
             return seconds, ok, runs[-1]
 
         contiguous = list(range(pages))
-        t_contig, ok_contig, runs_contig = sidecar_method(contiguous, contiguous)
+        t_contig, ok_contig, runs_contig = sidecar_method(contiguous, contiguous, seed=1)
         # Source on even pages ascending, destination on odd pages descending: no two
         # neighbours are consecutive on either side, so every page is its own run.
         scat_src = [2 * i for i in range(pages)]
         scat_dst = [2 * (pages - 1 - i) + 1 for i in range(pages)]
-        t_scat, ok_scat, runs_scat = sidecar_method(scat_src, scat_dst)
+        t_scat, ok_scat, runs_scat = sidecar_method(scat_src, scat_dst, seed=2)
 
-        # Raw engine: this process's own pool and transport, one write_block.
-        raw_pool = SharedKVPool.create(layout, name=f"deltakv-bench-{secrets.token_hex(6)}")
-        closers.append(raw_pool.close)
-        raw_pool.as_bytes()[:pages].copy_(src_view[:pages])
+        # Raw engine: this process's own transport over the same source pool, one write of
+        # one run covering the block, straight to the decode sidecar's endpoint.
         engine = create_transport(backend, TransportOptions(
             host="127.0.0.1", extra=parse_options(options)))
         closers.append(engine.close)
-        engine.register_pool(raw_pool)
+        engine.register_pool(pre_pool)
         peer = engine.connect(dec_desc.endpoint)
-        t_raw, ok_raw = _median_timed(
-            repeats, lambda: dst_view[:pages].zero_(),
-            lambda: engine.write_block(peer, 0, 0, nbytes, time.monotonic() + 120.0),
-            lambda: bool(torch.equal(dst_view[:pages], raw_pool.as_bytes()[:pages])))
+        closers.append(lambda: engine.disconnect(peer))
+        block = [PageRun(src_page=0, dst_page=0, num_pages=pages)]
+
+        def raw_write() -> None:
+            ticket = RoomTicket(room=1, request_id="bench-raw",
+                                deadline=time.monotonic() + 120.0)
+            engine.write(peer, block, ticket)
+
+        t_raw, ok_raw = time_page_writes(repeats, src_view, contiguous, dst_view, contiguous,
+                                         raw_write, seed=3)
 
         raw = _gbps(nbytes, t_raw)
         return {

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True,
                         help="which worker this sidecar serves")
     parser.add_argument("--transport", default="shm",
-                        help="transfer backend registry name: shm | mooncake | mori (default shm)")
+                        help="transfer backend: shm | mooncake | mori (default shm), or an "
+                             "out-of-tree backend as module.path:ClassName")
     parser.add_argument("--socket", required=True, metavar="PATH",
                         help="Unix domain socket to serve SidecarService on")
     geo = parser.add_argument_group("pool geometry")
@@ -52,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, wait this long for in-flight writes (default 10)")
     parser.add_argument("--max-lease-ms", type=int, default=600_000,
                         help="longest TransferInfo.lease_ms accepted (default 600000)")
-    parser.add_argument("--fault-inject", default=None, metavar="SPEC",
-                        help="TEST FACILITY: inject transport faults, e.g. delay_ms=500, "
-                             "fail_batch=2, hang=1 (see sidecar/faults.py); also "
-                             "$DELTAKV_FAULT_INJECT")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
@@ -119,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
             role=args.role, transport=args.transport, socket_path=args.socket, layout=layout,
             host=args.host, port=args.port, transport_extra=parse_options(args.transport_option),
             shm_name=args.shm_name, health_port=args.health_port,
-            drain_timeout_s=args.drain_timeout_s, fault_inject=args.fault_inject,
-            max_lease_ms=args.max_lease_ms)
+            drain_timeout_s=args.drain_timeout_s, max_lease_ms=args.max_lease_ms)
         server = SidecarServer(config)
     except (ValueError, DeltaKVError) as exc:
         print(f"deltakv serve sidecar: error: {exc}", file=sys.stderr)

@@ -666,6 +666,7 @@ class IOEngine:
         self._links: dict[str, _Link] = {}
         self._sessions: set[tuple[str, int, int]] = set()
         self._batch_calls = 0
+        self._batch_log: list[list[tuple[int, int, int]]] = []
         self._stuck: list[TransferStatus] = []
         self._faults = _Faults.parse(os.environ.get("MORI_STANDIN_FAULTS", ""))
 
@@ -675,6 +676,18 @@ class IOEngine:
         with self._lock:
             self._faults = _Faults.parse(spec)
             self._batch_calls = 0
+
+    def standin_remote_engines(self) -> list[str]:
+        """Keys of the remote engines currently registered (sorted): what tests check to see
+        that a dead peer's registration was dropped."""
+        with self._lock:
+            return sorted(self._remotes)
+
+    def standin_batch_writes(self) -> list[list[tuple[int, int, int]]]:
+        """Every ``batch_write`` call so far: its inner entries ``(local offset, remote
+        offset, size)``, outer entries concatenated in order."""
+        with self._lock:
+            return [list(call) for call in self._batch_log]
 
     # -- engine and backends --------------------------------------------------------------
     def get_engine_desc(self) -> EngineDesc:
@@ -819,6 +832,9 @@ class IOEngine:
         statuses = [TransferStatus() for _ in range(n)]
         with self._lock:
             self._batch_calls += 1
+            self._batch_log.append([entry for i in range(n) for entry in
+                                    zip(local_offsets[i], remote_offsets[i], sizes[i],
+                                        strict=False)])
             faulty = self._faults.hits(self._batch_calls)
             faults = self._faults
             has_rdma = BackendType.RDMA in self._backends

@@ -1,0 +1,324 @@
+"""``SidecarService``: the RPC handlers of one sidecar (DESIGN §2, §5, §6).
+
+:class:`SidecarService` implements every RPC of ``proto/deltakv/v1/sidecar.proto`` on top of
+the pool (:class:`~deltakv.sidecar.pool.SharedKVPool`), the page manager (allocator + radix
+index), the peer table (:class:`~deltakv.sidecar.peers.PeerTable`), the transport backend and
+the room registry. Handlers raise typed errors (``deltakv.errors``);
+:class:`~deltakv.rpc.grpc_util.ErrorMappingInterceptor` turns them into status codes in one
+place, and anything unexpected into INTERNAL.
+
+``WritePages`` is the sidecar's part of the one write path: the peer table checks the decode
+endpoint, :func:`~deltakv.sidecar.planner.plan_delta` checks the ``TransferInfo`` and plans,
+the room registry admits the room, and the transport moves each planned batch. This module
+re-checks nothing those steps own. Process assembly (pool, transport, servers) is
+:mod:`deltakv.sidecar.server`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+import structlog
+
+from deltakv import metrics as deltakv_metrics
+from deltakv import telemetry
+from deltakv.errors import (
+    Aborted,
+    DeltaKVError,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    UnknownEndpoint,
+)
+from deltakv.layout import KVLayout
+from deltakv.sidecar.peers import PeerTable
+from deltakv.sidecar.planner import plan_delta
+from deltakv.sidecar.rooms import RoomRegistry, RoomState
+from deltakv.sidecar.transport.base import Transport
+from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"].full_name
+
+ROLES = {"prefill": sidecar_pb2.SIDECAR_ROLE_PREFILL, "decode": sidecar_pb2.SIDECAR_ROLE_DECODE}
+
+
+def _request_id(value: str, rpc: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{rpc}: request_id must not be empty")
+    return value
+
+
+class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
+    """The ``deltakv.v1.SidecarService`` servicer (sync; one worker thread per call).
+
+    Args:
+        role: ``"prefill"`` or ``"decode"``; only a prefill sidecar serves ``WritePages``.
+        layout: the local pool geometry.
+        pool: the local pool (owned by the caller, must outlive the service).
+        page_manager: allocator + radix index over ``layout.num_pages`` pages (calls are
+            serialised here by one lock).
+        transport: the registered backend; ``endpoint`` its published EndpointInfo.
+        peers: the peer table in front of ``transport`` (owned by the caller).
+        rooms: the room registry (fencing, drain).
+        max_lease_ms: longest accepted ``TransferInfo.lease_ms``; must not exceed the room
+            registry's tombstone TTL so a fenced room outlives every lease.
+        abort_grace_s: how long ``AbortWrite`` waits past an in-flight write's deadline.
+    """
+
+    def __init__(self, *, role: str, layout: KVLayout, pool: Any, page_manager: Any,
+                 transport: Transport, endpoint: kv_pb2.EndpointInfo, peers: PeerTable,
+                 rooms: RoomRegistry, max_lease_ms: int = 600_000,
+                 abort_grace_s: float = 5.0) -> None:
+        if role not in ROLES:
+            raise InvalidArgument(f"sidecar role must be one of {sorted(ROLES)}, got {role!r}")
+        if max_lease_ms <= 0 or max_lease_ms > rooms.tombstone_ttl_s * 1e3:
+            raise InvalidArgument(
+                f"max_lease_ms={max_lease_ms} must be in (0, tombstone TTL "
+                f"{rooms.tombstone_ttl_s * 1e3:.0f} ms]")
+        self.role = role
+        self.layout = layout
+        self.pool = pool
+        self.page_manager = page_manager
+        self.transport = transport
+        self.endpoint = endpoint
+        self.peers = peers
+        self.rooms = rooms
+        self.max_lease_ms = max_lease_ms
+        self.abort_grace_s = abort_grace_s
+        self._pm_lock = threading.RLock()
+        self._counter_lock = threading.Lock()
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        self.bytes_written = 0
+        self.pages_written = 0
+        self.log = log.bind(role=f"{role}-sidecar")
+
+    # -- pool metadata --------------------------------------------------------------------
+
+    def Describe(self, request: sidecar_pb2.DescribeRequest,
+                 context: grpc.ServicerContext) -> sidecar_pb2.DescribeResponse:
+        """EndpointInfo (new endpoint_id per incarnation), role, and how to map the pool:
+        ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes, ``page_bytes``, ``pid``."""
+        return sidecar_pb2.DescribeResponse(
+            endpoint=self.endpoint, role=ROLES[self.role], pool_shm_name=self.pool.name,
+            pool_bytes=self.layout.pool_bytes, page_bytes=self.layout.page_bytes,
+            pid=os.getpid())
+
+    def ConnectPeer(self, request: sidecar_pb2.ConnectPeerRequest,
+                    context: grpc.ServicerContext) -> sidecar_pb2.ConnectPeerResponse:
+        """Preflight a peer (:meth:`PeerTable.connect`): INVALID_ARGUMENT if ``peer`` or its
+        layout is missing/malformed, FAILED_PRECONDITION on layout mismatch (field and both
+        values), a different backend or an unknown/dead incarnation, UNAVAILABLE if the
+        engine cannot reach it."""
+        self.peers.connect(request.peer if request.HasField("peer") else None)
+        return sidecar_pb2.ConnectPeerResponse()
+
+    # -- page manager ---------------------------------------------------------------------
+
+    def MatchPrefix(self, request: sidecar_pb2.MatchPrefixRequest,
+                    context: grpc.ServicerContext) -> sidecar_pb2.MatchPrefixResponse:
+        """Longest cached page-aligned prefix of ``token_ids`` (at most ``max_tokens`` tokens,
+        0 = no cap), locked for ``request_id``. INVALID_ARGUMENT for an empty request_id."""
+        rid = _request_id(request.request_id, "MatchPrefix")
+        with self._pm_lock:
+            matched, pages = self.page_manager.match_prefix(rid, list(request.token_ids),
+                                                  max_tokens=request.max_tokens)
+        return sidecar_pb2.MatchPrefixResponse(matched_len=matched, page_indices=pages)
+
+    def Allocate(self, request: sidecar_pb2.AllocateRequest,
+                 context: grpc.ServicerContext) -> sidecar_pb2.AllocateResponse:
+        """``num_pages`` new pages owned by ``request_id`` (consecutive where possible),
+        evicting unlocked LRU leaves; RESOURCE_EXHAUSTED if they cannot fit, INVALID_ARGUMENT
+        for an empty request_id."""
+        rid = _request_id(request.request_id, "Allocate")
+        with self._pm_lock:
+            pages = self.page_manager.allocate(rid, request.num_pages)
+        return sidecar_pb2.AllocateResponse(page_indices=pages)
+
+    def Commit(self, request: sidecar_pb2.CommitRequest,
+               context: grpc.ServicerContext) -> sidecar_pb2.CommitResponse:
+        """Insert the full pages of ``token_ids`` (page table ``page_indices``) into the radix
+        index; returns the canonical page table and the cached length (tokens).
+        INVALID_ARGUMENT for a page table that does not fit the tokens or names pages the
+        request does not hold."""
+        rid = _request_id(request.request_id, "Commit")
+        with self._pm_lock:
+            pages, cached = self.page_manager.commit(rid, list(request.token_ids),
+                                           list(request.page_indices))
+        return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
+
+    def Release(self, request: sidecar_pb2.ReleaseRequest,
+                context: grpc.ServicerContext) -> sidecar_pb2.ReleaseResponse:
+        """End of a request: unlock its locks and free (or quarantine for ``quarantine_ms``)
+        the pages it still owns. NOT_FOUND for a request that holds nothing."""
+        rid = _request_id(request.request_id, "Release")
+        with self._pm_lock:
+            freed, quarantined = self.page_manager.release(rid, quarantine_ms=request.quarantine_ms)
+        return sidecar_pb2.ReleaseResponse(freed=freed, quarantined=quarantined)
+
+    def PageChecksums(self, request: sidecar_pb2.PageChecksumsRequest,
+                      context: grpc.ServicerContext) -> sidecar_pb2.PageChecksumsResponse:
+        """CRC32 of each listed page (request order); INVALID_ARGUMENT if one is out of
+        range."""
+        return sidecar_pb2.PageChecksumsResponse(
+            crc32=self.pool.page_crc32([int(p) for p in request.page_indices]))
+
+    def pool_page_counts(self) -> dict[str, int]:
+        """Pages by state (free, cached, live, quarantined, locked, evictable) for the
+        ``deltakv.pool.pages`` gauge; thread-safe (the exporter's thread calls it)."""
+        with self._pm_lock:
+            stats = self.page_manager.stats()
+        return {"free": stats.free, "cached": stats.cached, "live": stats.live,
+                "quarantined": stats.quarantined, "locked": stats.locked,
+                "evictable": stats.evictable}
+
+    def GetStats(self, request: kv_pb2.GetStatsRequest,
+                 context: grpc.ServicerContext) -> sidecar_pb2.SidecarStats:
+        """Pool accounting (free + cached + live + quarantined == num_pages) and transfer
+        counters (rooms in flight, transfers ok/failed, pages and bytes written)."""
+        with self._pm_lock:
+            stats = self.page_manager.stats()
+        with self._counter_lock:
+            counters = dict(transfers_ok=self.transfers_ok, transfers_failed=self.transfers_failed,
+                            bytes_written=self.bytes_written, pages_written=self.pages_written)
+        return sidecar_pb2.SidecarStats(
+            pool=kv_pb2.PoolStats(
+                num_pages=stats.num_pages, free=stats.free, cached=stats.cached,
+                live=stats.live, quarantined=stats.quarantined, locked=stats.locked,
+                evictable=stats.evictable, page_bytes=self.layout.page_bytes),
+            live_requests=stats.live_requests, rooms_in_flight=self.rooms.in_flight,
+            **counters)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def WritePages(self, request: sidecar_pb2.WritePagesRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+        """Write the delta pages of one prompt to the decode endpoint and wait for every write.
+
+        Order (DESIGN §5-§6): record the receipt time; check the decode endpoint
+        (``PeerTable.check``: FAILED_PRECONDITION for a layout mismatch, another backend or a
+        dead incarnation) and plan (``plan_delta``: every TransferInfo rule and page range,
+        INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if in flight
+        or used, ABORTED if fenced, UNAVAILABLE while draining); connect (cached per
+        endpoint); then write batch by batch. The deadline is
+        ``receipt + min(lease_remaining_ms or lease_ms, lease_ms)``, tightened by the call's
+        own gRPC deadline. No batch starts after the deadline (DEADLINE_EXCEEDED), an abort
+        or a cancelled call (ABORTED); an engine error fails the room at once and stops the
+        remaining batches (UNAVAILABLE with the reason). Returns TransferStats only after
+        every write completed.
+
+        Traced as the ``kv.transfer`` span (child of this call's server span; attributes in
+        docs/telemetry.md; a failure sets status ERROR with the reason) and counted in the
+        ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
+        """
+        info = request.transfer_info
+        instruments = deltakv_metrics.current()
+        with telemetry.span(
+                "kv.transfer", room=info.room, request_id=info.request_id or None,
+                prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
+                delta_pages=len(info.dst_page_indices),
+                pages_skipped=info.decode_prefix_len // self.layout.page_size,
+                lease_ms=info.lease_ms,
+                backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
+            try:
+                response = self._write_pages(request, context)
+            except Exception as exc:
+                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
+                raise
+            stats = response.stats
+            seconds = stats.duration_us / 1e6
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(
+                    pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
+                    batches=stats.batches, duration_ms=stats.duration_us / 1e3,
+                    gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
+            instruments.transfers.add(1, {"outcome": "ok"})
+            instruments.transfer_duration.record(seconds)
+            instruments.transfer_size.record(stats.bytes)
+        return response
+
+    def _write_pages(self, request: sidecar_pb2.WritePagesRequest,
+                     context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+        receipt = time.monotonic()
+        if self.role != "prefill":
+            raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
+                                     f"{self.role}")
+        if not request.HasField("transfer_info"):
+            raise InvalidArgument("WritePages: transfer_info is missing")
+        info = request.transfer_info
+        if not info.HasField("decode_endpoint"):
+            raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
+        endpoint = info.decode_endpoint
+        remote = self.peers.check(endpoint)
+        plan = plan_delta(info, request.src_page_indices, self.layout, remote,
+                          self.transport.limits, max_lease_ms=self.max_lease_ms)
+        lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
+        deadline = receipt + lease_ms / 1e3
+        telemetry.annotate(bytes=plan.bytes, runs=len(plan.runs), batches=len(plan.batches),
+                           lease_remaining_ms=lease_ms)
+        rpc_left = context.time_remaining()
+        if rpc_left is not None:
+            deadline = min(deadline, time.monotonic() + rpc_left)
+
+        room_log = self.log.bind(room=info.room, request_id=info.request_id)
+        ticket = self.rooms.begin(info.room, info.request_id, deadline)
+        ok = False
+        pages_done = 0
+        started = receipt
+        try:
+            peer = self.peers.connect(endpoint)
+            ticket.check_alive()
+            started = time.monotonic()
+            for batch in plan.batches:
+                if not context.is_active():
+                    raise Aborted(f"room {info.room}: WritePages call was cancelled")
+                ticket.check_can_start()
+                try:
+                    self.transport.write(peer, batch, ticket)
+                except (Unavailable, UnknownEndpoint):
+                    # The peer may be gone: the next connect checks and connects it afresh.
+                    self.peers.drop(peer.endpoint_id)
+                    raise
+                pages_done += sum(run.num_pages for run in batch)
+            ok = True
+        except DeltaKVError as exc:
+            room_log.warning("write_failed", code=exc.code.name, error=exc.message,
+                             batches_started=ticket.batches_started, pages_written=pages_done)
+            telemetry.annotate(batches_started=ticket.batches_started, pages_written=pages_done)
+            raise
+        finally:
+            state = self.rooms.finish(ticket, ok)
+            with self._counter_lock:
+                self.pages_written += pages_done
+                self.bytes_written += pages_done * self.layout.page_bytes
+                if ok and state is RoomState.DONE:
+                    self.transfers_ok += 1
+                else:
+                    self.transfers_failed += 1
+        if state is RoomState.ABORTED:
+            # Fenced after the last batch landed: decode has given up on this room.
+            raise Aborted(f"room {info.room} was aborted while its last batch completed")
+        duration_us = int((time.monotonic() - started) * 1e6)
+        stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
+                              prefill_cached_len=request.prefill_cached_len)
+        room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
+                      batches=stats.batches, duration_us=duration_us)
+        return sidecar_pb2.WritePagesResponse(stats=stats)
+
+    def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:
+        """Fence ``room`` (a tombstone if it is unknown) and return once no write for it is in
+        flight or can start. INVALID_ARGUMENT for room 0; DEADLINE_EXCEEDED if a write is
+        still in flight after its deadline + grace or the call's own deadline (the room stays
+        fenced; the caller keeps the pages quarantined)."""
+        timeout = context.time_remaining()
+        known = self.rooms.abort(request.room, timeout_s=None if timeout is None else
+                                 max(timeout - 0.05, 0.0), grace_s=self.abort_grace_s)
+        self.log.info("room_aborted", room=request.room, known=known)
+        return sidecar_pb2.AbortWriteResponse(known=known)

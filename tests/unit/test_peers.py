@@ -1,0 +1,246 @@
+"""The peer table (sidecar/peers.py) over real shm transports and real pools: endpoint checks,
+one connection per endpoint (also under concurrent connects), incarnation fencing."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from deltakv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LayoutMismatch,
+    Unavailable,
+    UnknownEndpoint,
+)
+from deltakv.sidecar.peers import PeerTable
+from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.transport.base import PageRun
+from deltakv.sidecar.transport.shm import ShmTransport
+from deltakv.v1 import kv_pb2
+from tests.support.layouts import TOY_LAYOUT
+from tests.support.tickets import ticket
+
+
+class CountingShm(ShmTransport):
+    """The real shm backend, counting engine connects and disconnects; ``connect_delay_s``
+    widens the window in which concurrent connects overlap."""
+
+    def __init__(self, connect_delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.connect_delay_s = connect_delay_s
+        self.connects: list[str] = []
+        self.disconnects: list[str] = []
+        self._count_lock = threading.Lock()
+
+    def connect(self, peer: kv_pb2.EndpointInfo):
+        with self._count_lock:
+            self.connects.append(peer.endpoint_id)
+        time.sleep(self.connect_delay_s)
+        return super().connect(peer)
+
+    def disconnect(self, peer) -> None:
+        with self._count_lock:
+            self.disconnects.append(peer.endpoint_id)
+        super().disconnect(peer)
+
+
+class Decode:
+    """A decode-side pool with its own shm transport; ``restart()`` is a new incarnation at
+    the same address (same segment name, new inode, new endpoint id)."""
+
+    def __init__(self, endpoint_id: str = "decode-1") -> None:
+        self.name = f"deltakv-ut-peer-{uuid.uuid4().hex[:10]}"
+        self.pool = SharedKVPool.create(TOY_LAYOUT, name=self.name)
+        self.endpoint_id = endpoint_id
+        self.info = self._describe()
+
+    def _describe(self) -> kv_pb2.EndpointInfo:
+        side = ShmTransport()
+        side.register_pool(self.pool)
+        info = side.describe(self.endpoint_id, TOY_LAYOUT)
+        side.close()
+        return info
+
+    def restart(self) -> kv_pb2.EndpointInfo:
+        self.pool.close()
+        self.pool = SharedKVPool.create(TOY_LAYOUT, name=self.name)
+        self.endpoint_id = f"decode-{uuid.uuid4().hex[:6]}"
+        self.info = self._describe()
+        return self.info
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@pytest.fixture
+def prefill_pool() -> Iterator[SharedKVPool]:
+    pool = SharedKVPool.create(TOY_LAYOUT, name=f"deltakv-ut-src-{uuid.uuid4().hex[:10]}")
+    pool.as_bytes().copy_(torch.randint(0, 256, pool.as_bytes().shape, dtype=torch.uint8))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def decode() -> Iterator[Decode]:
+    d = Decode()
+    yield d
+    d.close()
+
+
+def make_table(pool: SharedKVPool, **kw) -> tuple[PeerTable, CountingShm]:
+    transport = CountingShm(**kw)
+    transport.register_pool(pool)
+    return PeerTable(transport, TOY_LAYOUT), transport
+
+
+def edited(info: kv_pb2.EndpointInfo, **fields) -> kv_pb2.EndpointInfo:
+    out = kv_pb2.EndpointInfo()
+    out.CopyFrom(info)
+    for key, value in fields.items():
+        if key.startswith("layout_"):
+            setattr(out.layout, key[len("layout_"):], value)
+        else:
+            setattr(out, key, value)
+    return out
+
+
+def test_endpoint_checks_before_any_engine_call(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    info = decode.info
+    with pytest.raises(InvalidArgument, match="missing"):
+        table.connect(None)
+    with pytest.raises(InvalidArgument, match="endpoint_id is empty"):
+        table.connect(edited(info, endpoint_id=""))
+    no_layout = edited(info)
+    no_layout.ClearField("layout")
+    with pytest.raises(InvalidArgument, match="no layout"):
+        table.connect(no_layout)
+    with pytest.raises(LayoutMismatch) as exc_info:
+        table.connect(edited(info, layout_head_dim=32))
+    err = exc_info.value
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (err.field, err.local, err.remote) == ("head_dim", 64, 32)
+    with pytest.raises(FailedPrecondition, match="'carrier-pigeon'"):
+        table.connect(edited(info, backend="carrier-pigeon"))
+    assert transport.connects == [] and len(table) == 0
+    assert table.check(info) == TOY_LAYOUT  # the pairing layout, num_pages included
+    table.close()
+
+
+def test_one_engine_connection_per_endpoint(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    handle = table.connect(decode.info)
+    assert table.connect(decode.info) is handle
+    assert transport.connects == ["decode-1"]
+    transport.write(handle, [PageRun(3, 4, 2)], ticket())
+    assert torch.equal(decode.pool.as_bytes()[4:6], prefill_pool.as_bytes()[3:5])
+    # One id names one incarnation: another descriptor under the same id is refused.
+    with pytest.raises(InvalidArgument, match="another EndpointInfo"):
+        table.connect(edited(decode.info, address="elsewhere/x"))
+    # drop() forgets the connection, not the endpoint: the next connect reconnects.
+    table.drop("decode-1")
+    assert handle.closed and transport.disconnects == ["decode-1"]
+    again = table.connect(decode.info)
+    assert again is not handle and transport.connects == ["decode-1", "decode-1"]
+    table.close()
+    assert again.closed
+    with pytest.raises(Unavailable, match="closed"):
+        table.connect(decode.info)
+
+
+def test_new_incarnation_kills_the_old_one(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    old_info = decode.info
+    old = table.connect(old_info)
+    transport.write(old, [PageRun(0, 0, 1)], ticket())
+    new_info = decode.restart()
+    assert new_info.address == old_info.address and new_info.endpoint_id != old_info.endpoint_id
+    new = table.connect(new_info)
+    # The old handle is closed: even a write racing the restart cannot reach the old pool.
+    assert old.closed and transport.disconnects == [old_info.endpoint_id]
+    with pytest.raises(UnknownEndpoint):
+        transport.write(old, [PageRun(1, 1, 1)], ticket())
+    # The old id is dead: rejected before any engine call, and it stays dead after a drop.
+    assert table.is_dead(old_info.endpoint_id)
+    for attempt in (lambda: table.connect(old_info), lambda: table.check(old_info)):
+        with pytest.raises(UnknownEndpoint, match="dead incarnation") as exc_info:
+            attempt()
+        assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert new_info.endpoint_id in str(exc_info.value)
+    table.drop(new_info.endpoint_id)
+    with pytest.raises(UnknownEndpoint):
+        table.connect(old_info)
+    transport.write(table.connect(new_info), [PageRun(5, 6, 1)], ticket())
+    assert torch.equal(decode.pool.as_bytes()[6], prefill_pool.as_bytes()[5])
+    assert transport.connects == [old_info.endpoint_id, new_info.endpoint_id,
+                                  new_info.endpoint_id]
+    del new
+    table.close()
+
+
+def test_dead_ids_are_bounded(prefill_pool, decode) -> None:
+    transport = CountingShm()
+    transport.register_pool(prefill_pool)
+    table = PeerTable(transport, TOY_LAYOUT, max_dead=2)
+    ids = []
+    for _ in range(4):
+        table.connect(decode.info)
+        ids.append(decode.info.endpoint_id)
+        decode.restart()
+    table.connect(decode.info)
+    assert [table.is_dead(i) for i in ids] == [False, False, True, True]  # oldest forgotten
+    table.close()
+
+
+@pytest.mark.timeout(30)
+def test_concurrent_connects_of_a_new_endpoint_connect_once(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool, connect_delay_s=0.3)
+    n = 8
+    start = threading.Barrier(n)
+    handles: list[object] = []
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        start.wait()
+        try:
+            handles.append(table.connect(decode.info))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect) for _ in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert not errors
+    assert len(handles) == n and all(h is handles[0] for h in handles)
+    assert transport.connects == ["decode-1"]  # one engine connection, not eight
+    assert transport.disconnects == [] and len(table) == 1
+    table.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_connect_to_another_peer_does_not_block(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    other = Decode("decode-other")
+    try:
+        transport.connect_delay_s = 2.0
+        slow = threading.Thread(target=table.connect, args=(other.info,))
+        slow.start()
+        time.sleep(0.1)
+        transport.connect_delay_s = 0.0
+        t0 = time.monotonic()
+        table.connect(decode.info)
+        assert time.monotonic() - t0 < 1.5  # not serialised behind the slow peer
+        slow.join(10)
+        assert len(table) == 2
+    finally:
+        table.close()
+        other.close()
