@@ -6,6 +6,7 @@ other projects; and nothing that exists only for tests may ship.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,11 +18,20 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def source_tree(work: Path) -> Path:
+    """A copy of the checkout without build leftovers (``build/`` would otherwise feed stale
+    modules into the wheel), as a fresh clone would build it."""
+    dest = work / "src"
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(ROOT)],
+                    "--no-build-isolation", "-w", str(out), str(source_tree(out))],
                    check=True, capture_output=True, timeout=300)
     (path,) = out.glob("deltakv-*.whl")
     return zipfile.ZipFile(path)
