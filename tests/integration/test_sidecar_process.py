@@ -20,8 +20,8 @@ from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 from tests.integration.sidecar_proc import (
     REPO_ROOT,
     SidecarFactory,
-    SidecarProcess,
     layout_args,
+    start_sidecar,
 )
 from tests.integration.sidecar_proc import sidecar_factory as sidecar_factory  # noqa: F401
 
@@ -53,12 +53,10 @@ def test_model_geometry_and_env_fault_flag(sidecar_factory: SidecarFactory) -> N
     from deltakv.services.model.loader import kv_geometry
 
     path = sidecar_factory.socket_path("model")
-    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode", "--socket", path,
-           "--model", "tiny-random", "--num-pages", "8"]
-    with open(path + ".log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DELTAKV_FAULT_INJECT": "delay_ms=1"})
-    sc = SidecarProcess("decode", path, proc, path + ".log", TOY_LAYOUT, "shm")
+    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode",
+           "--socket", path, "--model", "tiny-random", "--num-pages", "8"]
+    sc = start_sidecar("decode", path, argv=cmd, env={"DELTAKV_FAULT_INJECT": "delay_ms=1"},
+                       wait=False)
     sidecar_factory.procs.append(sc)  # stopped by the fixture whatever happens
     sc.wait_ready(60)
     geo = kv_geometry("tiny-random")
