@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -38,7 +39,11 @@ def test_up_exports_every_request_and_flushes_on_stop(tmp_path, monkeypatch) -> 
         "--metrics-port", str(base)], tmp_path / "up.log", health_target=address,
         stop_timeout_s=30.0).start()
     try:
-        up.wait_serving(180.0)
+        up.wait_serving(180.0)  # decode answers SERVING ...
+        deadline = time.monotonic() + 60
+        while not up.log_text().startswith("deltakv ready at "):  # ... and `up` said so
+            assert up.alive() and time.monotonic() < deadline, up.log_tail()
+            time.sleep(0.05)
         rng = random.Random(11)
         prompts = [[rng.randrange(10, 250) for _ in range(n)] for n in (20, 37)]
         for i, prompt in enumerate(prompts):
