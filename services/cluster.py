@@ -87,6 +87,7 @@ class ManagedProcess:
 
     @property
     def pid(self) -> int | None:
+        """The child's process id (None before :meth:`start`)."""
         return self.popen.pid if self.popen is not None else None
 
     @property
@@ -95,6 +96,7 @@ class ManagedProcess:
         return self.popen.poll() if self.popen is not None else None
 
     def alive(self) -> bool:
+        """True while the child runs."""
         return self.popen is not None and self.popen.poll() is None
 
     def start(self) -> ManagedProcess:
@@ -130,6 +132,7 @@ class ManagedProcess:
                                f"{self.log_tail()}") from None
 
     def log_text(self) -> str:
+        """The child's whole log so far ("" if there is none yet)."""
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
@@ -346,6 +349,8 @@ class LocalCluster:
         return {name: base + off for name, off in METRICS_PORT_OFFSETS.items()} if base else {}
 
     def proc(self, name: str) -> ManagedProcess:
+        """The process named ``name`` (``decode``, ``prefill``, ``decode-sidecar``,
+        ``prefill-sidecar``); StopIteration for another name."""
         return next(p for p in self.procs if p.name == name)
 
     # -- start ----------------------------------------------------------------------------------
@@ -403,6 +408,7 @@ class LocalCluster:
         return {p.name: p.returncode for p in self.procs}
 
     def dead_with_error(self) -> bool:
+        """True if a process exited other than cleanly (0) or by our SIGTERM."""
         return any(p.returncode not in (0, None, -signal.SIGTERM) for p in self.procs)
 
     def __enter__(self) -> LocalCluster:

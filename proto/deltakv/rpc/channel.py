@@ -181,6 +181,7 @@ class HealthWait:
         return max(min(_PROBE_TIMEOUT_S, left), 0.05)
 
     def request(self) -> health_pb2.HealthCheckRequest:
+        """The next Check's request (the service may have fallen back to ``""``)."""
         return health_pb2.HealthCheckRequest(service=self.service)
 
     def done(self, answer: health_pb2.HealthCheckResponse | grpc.RpcError) -> bool:

@@ -69,6 +69,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         self._log = logger or log
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        """The handler of this call, its unary-unary behaviour wrapped."""
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
@@ -102,6 +103,7 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._log = logger or log
 
     async def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        """The handler of this call, its behaviour (whatever its kind) wrapped."""
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
