@@ -24,6 +24,7 @@ speak TLS) while the services stay reachable only through the main port.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -127,8 +128,11 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(inner):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    async for response in inner(request, context):
-                        yield response
+                    # aclosing: when this stream is closed early (GeneratorExit at the yield),
+                    # the handler's own cleanup runs now, inside the call, not at GC time.
+                    async with contextlib.aclosing(inner(request, context)) as responses:
+                        async for response in responses:
+                            yield response
                 except Exception as exc:
                     await abort(exc, context)
 
