@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -18,6 +19,14 @@ from tests.integration.sidecar_proc import short_tmp_dir
 
 pytestmark = pytest.mark.timeout(300)
 LIFECYCLE = ["serving", "signal_received", "draining", "stopped"]
+
+
+@pytest.fixture
+def short_dir():
+    """A short private directory under /tmp (Unix socket paths), removed afterwards."""
+    path = short_tmp_dir("dkv-life-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def events(log_text: str) -> list[str]:
@@ -33,8 +42,8 @@ def events(log_text: str) -> list[str]:
     return out
 
 
-def test_every_serve_command_stops_cleanly_on_sigterm() -> None:
-    run_dir = short_tmp_dir("dkv-life-")
+def test_every_serve_command_stops_cleanly_on_sigterm(short_dir: str) -> None:
+    run_dir = short_dir
     cluster = LocalCluster(ClusterConfig(model="tiny-random", page_size=16, num_pages=32,
                                          decode_port=0, prefill_port=0, run_dir=run_dir,
                                          start_timeout_s=240.0))
@@ -66,9 +75,9 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
     return bool(caught & (1 << (sig - 1)))
 
 
-def test_sigterm_during_start_up_stops_at_once() -> None:
+def test_sigterm_during_start_up_stops_at_once(short_dir: str) -> None:
     """A prefill still waiting (60 s) for a sidecar that never comes stops on SIGTERM, exit 0."""
-    tmp = short_tmp_dir("dkv-life-")
+    tmp = short_dir
     proc = _serve_prefill(tmp, "--sidecar-timeout-s", "60").start()
     try:
         deadline = time.monotonic() + 60
@@ -84,8 +93,8 @@ def test_sigterm_during_start_up_stops_at_once() -> None:
     assert events(proc.log_text())[-2:] == ["stopped_during_start_up", "stopped"]
 
 
-def test_start_up_failure_exits_1_with_its_reason_and_code() -> None:
-    tmp = short_tmp_dir("dkv-life-")
+def test_start_up_failure_exits_1_with_its_reason_and_code(short_dir: str) -> None:
+    tmp = short_dir
     proc = _serve_prefill(tmp, "--sidecar-timeout-s", "1").start()
     try:
         assert proc.wait(120) == 1, proc.log_tail()
