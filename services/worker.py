@@ -1,4 +1,5 @@
-"""Start-up shared by the prefill and decode workers: their sidecar, its pool, the model.
+"""Start-up shared by the prefill and decode workers: their sidecar, its pool, the model, and
+their gRPC server (:func:`worker_server`).
 
 A worker (prefill or decode service) never owns KV memory: it asks its sidecar to ``Describe``
 itself, maps the sidecar's pool zero-copy, loads the model and checks that the model's KV
@@ -8,11 +9,13 @@ geometry is exactly the pool's (a mismatch would silently corrupt attention).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deltakv.errors import FailedPrecondition
 from deltakv.layout import KVLayout
+from deltakv.rpc.server import AioServer
 from deltakv.sidecar.client import SidecarClient
 
 if TYPE_CHECKING:
@@ -86,3 +89,16 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
                  endpoint_id=describe.endpoint.endpoint_id, backend=describe.endpoint.backend)
     return Worker(sidecar=sidecar, describe=describe, layout=layout, pool=pool, model=model,
                   runner=runner)
+
+
+def worker_server(args: Any, service_name: str, add_servicers: Callable[[Any], None],
+                  credentials: Any = None) -> AioServer:
+    """The gRPC server of a prefill or decode worker from its parsed ``--host``, ``--port`` and
+    ``--health-port`` flags: traced when telemetry is on, TLS with ``credentials``
+    (``grpc.ServerCredentials``; None = plain text). Raises Unavailable if a port is taken."""
+    from deltakv import telemetry
+
+    health = f"{args.host}:{args.health_port}" if args.health_port else None
+    return AioServer(f"{args.host}:{args.port}", [service_name], add_servicers,
+                     outer_interceptors=telemetry.aio_server_interceptors(),
+                     credentials=credentials, health_address=health)

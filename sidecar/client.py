@@ -11,26 +11,17 @@ pool segment zero-copy into the worker.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.errors import InvalidArgument, Unavailable, from_rpc_error
-from deltakv.rpc import grpc_util
+from deltakv.errors import InvalidArgument, from_rpc_error
+from deltakv.rpc.channel import options, uds_address, wait_serving_async
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 if TYPE_CHECKING:
     from deltakv.sidecar.pool import SharedKVPool
-
-# Reconnect quickly: the sidecar is local; a restart should be noticed in well under a second.
-_CHANNEL_OPTIONS = [*grpc_util.DEFAULT_OPTIONS,
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class SidecarClient:
@@ -47,7 +38,7 @@ class SidecarClient:
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self.socket_path = socket_path
-        self.target = grpc_util.uds_address(socket_path)
+        self.target = uds_address(socket_path)
         self.timeout_s = timeout_s
         self._interceptors = list(interceptors or [])
         self._channel: grpc.aio.Channel | None = None
@@ -58,7 +49,7 @@ class SidecarClient:
     def _get_stub(self) -> sidecar_pb2_grpc.SidecarServiceStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                self.target, options=_CHANNEL_OPTIONS, interceptors=self._interceptors or None)
+                self.target, options=options("local"), interceptors=self._interceptors or None)
             self._stub = sidecar_pb2_grpc.SidecarServiceStub(self._channel)
         return self._stub
 
@@ -76,26 +67,8 @@ class SidecarClient:
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the sidecar's health service reports SERVING. Raises
         :class:`Unavailable` (UNAVAILABLE) after ``timeout_s`` (> 0) seconds."""
-        if timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self._get_stub()
-        health = health_pb2_grpc.HealthStub(self._channel)
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                resp = await health.Check(health_pb2.HealthCheckRequest(service=""),
-                                          timeout=max(min(1.0, left), 0.05))
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            except grpc.RpcError as err:
-                last = f"{err.code().name}: {err.details()}"
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"sidecar at {self.socket_path} not SERVING after "
-                                  f"{timeout_s:.1f} s ({last})")
-            await asyncio.sleep(0.05)
+        await wait_serving_async(self._channel, timeout_s, what=f"sidecar at {self.socket_path}")
 
     async def describe(self) -> sidecar_pb2.DescribeResponse:
         """Endpoint, role, pool segment name and sizes, pid."""

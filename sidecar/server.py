@@ -19,14 +19,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import structlog
 
 from deltakv import metrics as deltakv_metrics
 from deltakv import telemetry
-from deltakv.errors import FailedPrecondition, InvalidArgument
+from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
-from deltakv.rpc import grpc_util
+from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
+from deltakv.rpc.server import SyncServer
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.rooms import RoomRegistry
 from deltakv.sidecar.servicer import ROLES, SERVICE_NAME, SidecarService
@@ -94,10 +94,7 @@ class SidecarServer:
         self.transport: Transport | None = None
         self.peers: PeerTable | None = None
         self.service: SidecarService | None = None
-        self.server: grpc.Server | None = None
-        self.health_server: grpc.Server | None = None
-        self.health: Any = None
-        self.health_port = 0
+        self.server: SyncServer | None = None
         self.rooms = RoomRegistry(tombstone_ttl_s=max(600.0, config.max_lease_ms / 1e3))
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -107,7 +104,7 @@ class SidecarServer:
     @property
     def address(self) -> str:
         """gRPC target of the UDS server (``unix:/abs/path``)."""
-        return grpc_util.uds_address(self.config.socket_path)
+        return uds_address(self.config.socket_path)
 
     def start(self) -> None:
         """Build and serve (see class docstring)."""
@@ -118,7 +115,7 @@ class SidecarServer:
 
         cfg = self.config
         address = self.address  # validates the path length before anything is built
-        grpc_util.claim_uds_path(cfg.socket_path)
+        claim_uds_path(cfg.socket_path)
         try:
             self.pool = SharedKVPool.create(cfg.layout,
                                             name=cfg.shm_name or default_shm_name(cfg.socket_path))
@@ -133,34 +130,25 @@ class SidecarServer:
                 transport=self.transport, endpoint=endpoint, peers=self.peers,
                 rooms=self.rooms, max_lease_ms=cfg.max_lease_ms,
                 abort_grace_s=cfg.abort_grace_s)
-            self.server = grpc_util.make_server(
-                max_workers=cfg.max_workers, logger=self.log,
-                outer_interceptors=telemetry.server_interceptors())
             self._unobserve_pool = deltakv_metrics.current().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
-            sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(self.service, self.server)
-            self.health = grpc_util.add_health_and_reflection(self.server, [SERVICE_NAME])
-            if self.server.add_insecure_port(address) == 0:
-                raise FailedPrecondition(f"cannot bind the sidecar socket {address}")
-            if cfg.health_port:
-                self.health_server = grpc_util.make_server(max_workers=4)
-                grpc_util.add_health_and_reflection(self.health_server, [SERVICE_NAME],
-                                                    health_servicer=self.health)
-                self.health_port = self.health_server.add_insecure_port(
-                    f"0.0.0.0:{cfg.health_port}")
-                if self.health_port == 0:
-                    raise FailedPrecondition(f"cannot bind health port {cfg.health_port}")
-                self.health_server.start()
+            service = self.service
+            self.server = SyncServer(
+                address, [SERVICE_NAME],
+                lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
+                outer_interceptors=telemetry.server_interceptors(), logger=self.log,
+                max_workers=cfg.max_workers,
+                health_address=f"0.0.0.0:{cfg.health_port}" if cfg.health_port else None)
             self.server.start()
         except BaseException:
             self._release_resources()
             raise
-        grpc_util.set_serving(self.health, [SERVICE_NAME], serving=True)
+        self.server.set_serving()
         self.log.info("sidecar_serving", socket=cfg.socket_path, endpoint_id=self.endpoint_id,
                       transport=cfg.transport, backend=endpoint.backend,
                       address=endpoint.address, pool_shm_name=self.pool.name,
                       num_pages=cfg.layout.num_pages, page_bytes=cfg.layout.page_bytes,
-                      health_port=self.health_port)
+                      health_address=self.server.health_address)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until :meth:`stop` finished (True) or ``timeout_s`` passed (False)."""
@@ -178,8 +166,8 @@ class SidecarServer:
                 return True
             self._stopping = True
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        if self.health is not None:
-            grpc_util.set_serving(self.health, [SERVICE_NAME], serving=False)
+        if self.server is not None:
+            self.server.enter_graceful_shutdown()  # one-way: never SERVING again
         drained = self.rooms.drain(timeout)
         if not drained:
             n = self.rooms.abort_all("sidecar shutting down")
@@ -194,10 +182,9 @@ class SidecarServer:
         if self._unobserve_pool is not None:
             self._unobserve_pool()
             self._unobserve_pool = None
-        for srv in (self.server, self.health_server):
-            if srv is not None:
-                srv.stop(grace=1.0).wait(5.0)
-        self.server = self.health_server = None
+        if self.server is not None:
+            self.server.stop(grace_s=1.0)
+            self.server = None
         if self.peers is not None:
             self.peers.close()  # engine handles go before the engine itself
             self.peers = None
@@ -210,4 +197,4 @@ class SidecarServer:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        grpc_util.remove_uds_path(self.config.socket_path)
+        remove_uds_path(self.config.socket_path)

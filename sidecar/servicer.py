@@ -4,7 +4,7 @@
 the pool (:class:`~deltakv.sidecar.pool.SharedKVPool`), the page manager (allocator + radix
 index), the peer table (:class:`~deltakv.sidecar.peers.PeerTable`), the transport backend and
 the room registry. Handlers raise typed errors (``deltakv.errors``);
-:class:`~deltakv.rpc.grpc_util.ErrorMappingInterceptor` turns them into status codes in one
+the server's error-mapping interceptor (:mod:`deltakv.rpc.server`) turns them into status codes in one
 place, and anything unexpected into INTERNAL.
 
 ``WritePages`` is the sidecar's part of the one write path: the peer table checks the decode

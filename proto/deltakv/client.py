@@ -28,18 +28,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     Internal,
     InvalidArgument,
-    Unavailable,
     from_rpc_error,
 )
 from deltakv.layout import delta_pages
 from deltakv.rpc import tls as tls_files
+from deltakv.rpc.channel import options, wait_serving_async
 from deltakv.rpc.tls import TLSFiles
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
@@ -297,6 +296,7 @@ class DecodeClient:
     def _get_stub(self) -> decode_pb2_grpc.DecodeServiceStub:
         if self._stub is None:
             self._channel = tls_files.aio_channel(self.target, self._credentials,
+                                                  options=options("peer"),
                                                   server_name=self._server_name)
             self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
         return self._stub
@@ -322,33 +322,9 @@ class DecodeClient:
         Raises :class:`InvalidArgument` for a non-positive ``timeout_s`` and
         :class:`Unavailable` (UNAVAILABLE) if the service is not SERVING within ``timeout_s``.
         """
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self._get_stub()
-        assert self._channel is not None
-        health = health_pb2_grpc.HealthStub(self._channel)
-        service = DECODE_SERVICE_NAME
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        last = "not connected"
-        while (left := deadline - loop.time()) > 0:
-            try:
-                # wait_for_ready: queue until the channel connects instead of failing fast.
-                resp = await health.Check(health_pb2.HealthCheckRequest(service=service),
-                                          timeout=min(left, 5.0), wait_for_ready=True)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    return
-                if err.code() == grpc.StatusCode.NOT_FOUND and service:
-                    service = ""  # the service is not registered by name: use overall health
-                    continue
-                last = f"{err.code().name}: {err.details()}"
-            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
-        raise Unavailable(f"decode service at {self.target} not ready within {timeout_s:g} s "
-                          f"(last health answer: {last})")
+        await wait_serving_async(self._channel, timeout_s, service=DECODE_SERVICE_NAME,
+                                 what=f"decode service at {self.target}")
 
     def stream(self, *, timeout_s: float | None = None, **request: object) -> GenerateStream:
         """Start a ``Generate`` call and return its :class:`GenerateStream` (not yet awaited).

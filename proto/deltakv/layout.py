@@ -8,19 +8,42 @@ contiguous byte range ``[p * page_bytes, (p + 1) * page_bytes)`` of the pool's m
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from deltakv.errors import InvalidArgument, LayoutMismatch
 from deltakv.v1 import kv_pb2
 
-# Name <-> torch dtype <-> protobuf enum, the only dtypes a pool may hold.
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "float32": (torch.float32, kv_pb2.KV_DTYPE_FLOAT32),
-    "bfloat16": (torch.bfloat16, kv_pb2.KV_DTYPE_BFLOAT16),
-    "float16": (torch.float16, kv_pb2.KV_DTYPE_FLOAT16),
+if TYPE_CHECKING:
+    import torch
+
+
+class KVDtype(NamedTuple):
+    """One element type a pool may hold: bytes per element (IEEE 754 binary32 and binary16;
+    bfloat16 is the top half of a binary32) and its ``kv.proto`` enum. The torch dtype of the
+    same name is looked up only when a tensor is made (:attr:`KVLayout.torch_dtype`), so
+    sizing a pool or parsing a layout never imports torch."""
+
+    itemsize: int
+    enum: int
+
+
+# The only dtypes a pool may hold, by name (the name is also torch's attribute name).
+DTYPES: dict[str, KVDtype] = {
+    "float32": KVDtype(4, kv_pb2.KV_DTYPE_FLOAT32),
+    "bfloat16": KVDtype(2, kv_pb2.KV_DTYPE_BFLOAT16),
+    "float16": KVDtype(2, kv_pb2.KV_DTYPE_FLOAT16),
 }
-_DTYPE_BY_ENUM = {enum: name for name, (_, enum) in DTYPES.items()}
+_DTYPE_BY_ENUM = {dtype.enum: name for name, dtype in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`DTYPES` name (imports torch). InvalidArgument if the name
+    is not a pool dtype."""
+    if name not in DTYPES:
+        raise InvalidArgument(f"unsupported KV dtype {name!r}; choose one of {sorted(DTYPES)}")
+    import torch
+
+    return getattr(torch, name)
 
 # Fields that must be equal for two pools to exchange pages (everything but num_pages).
 PAIRING_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "layout",
@@ -58,12 +81,13 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        """The pool's torch dtype (imports torch on first use)."""
+        return torch_dtype(self.dtype)
 
     @property
     def dtype_size(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPES[self.dtype].itemsize
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -111,7 +135,7 @@ class KVLayout:
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=DTYPES[self.dtype][1],
+            dtype=DTYPES[self.dtype].enum,
             page_size=self.page_size,
             num_pages=self.num_pages,
             layout=kv_pb2.POOL_LAYOUT_PAGE_MAJOR,

@@ -2,12 +2,13 @@
 
 Steps (each prints progress lines):
 
-1. start ``deltakv up --model smollm2 --transport shm --run-dir DIR`` as a subprocess and wait
-   (bounded) for the one line that carries the decode address ``HOST:PORT``;
+1. start the local cluster of ``deltakv up --model smollm2 --transport shm --run-dir DIR
+   --decode-port 0 --prefill-port 0`` (the same flags and :class:`LocalCluster` as ``up``) and
+   wait (bounded) until every process is healthy;
 2. a scripted 3-turn chat about a city trip: each answer and what its turn reused and moved;
 3. ``bench multiturn --compare`` with small defaults sized for a few minutes on 2 CPU cores;
 4. the per-round table, the measured ratio of rounds >= 1 incremental/full bytes, and the verdict;
-5. stop the cluster (SIGTERM, bounded wait, then SIGKILL).
+5. stop the cluster (SIGTERM, bounded wait, then SIGKILL; children also die with the demo).
 
 Exit 0 only if every request (chat and bench) moved exactly its delta pages * ``page_bytes``,
 nothing failed, and every round >= 1 moved at most a third of the full-transfer bytes; 1 if a
@@ -20,21 +21,17 @@ import argparse
 import asyncio
 import contextlib
 import json
-import queue
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from deltakv.client import DecodeClient, GenerateResult
-from deltakv.errors import DeltaKVError, InvalidArgument, Unavailable
+from deltakv.errors import DeltaKVError, InvalidArgument
 from deltakv.services.cli.bench.multiturn import (
     FULL,
     INCREMENTAL,
@@ -45,7 +42,7 @@ from deltakv.services.cli.bench.multiturn import (
     run_multiturn,
 )
 from deltakv.services.cli.chat import ChatSession, format_turn_stats
-from deltakv.services.cli.up import sigterm_on_parent_death
+from deltakv.services.cluster import ClusterError, LocalCluster, check_transport
 
 # Incremental rounds >= 1 must move at most this fraction of the full-transfer bytes.
 MAX_BYTES_RATIO = 1 / 3
@@ -69,148 +66,24 @@ CHAT_TURNS = (
 )
 CHAT_MAX_NEW_TOKENS = 48
 
-_ADDR = re.compile(r"((?:\d{1,3}\.){3}\d{1,3}|localhost|\[[0-9A-Fa-f:.]+\]):(\d{1,5})\b")
+def start_cluster(model: str, transport: str, run_dir: Path, up_args: list[str],
+                  startup_timeout_s: float, progress: Callable[[str], None]) -> LocalCluster:
+    """A started local cluster from ``deltakv up``'s own flags (``up_args`` after the demo's
+    model, transport, run dir and free ports), each process waited for at most
+    ``startup_timeout_s`` in total. Raises ClusterError (everything stopped, logs kept in
+    ``run_dir``) or InvalidArgument (bad ``up`` flags); argparse exits 2 on unknown flags."""
+    from deltakv.services.cli import up
 
-
-def parse_decode_address(line: str) -> str | None:
-    """The decode service's ``HOST:PORT`` in a line printed by ``deltakv up``, or None.
-
-    ``up`` prints one ready line; if it names several addresses, the one right after the word
-    ``decode`` wins, otherwise the first one.
-    """
-    found = list(_ADDR.finditer(line))
-    if not found:
-        return None
-    for m in found:
-        if "decode" in line[max(0, m.start() - 24):m.start()].lower():
-            return m.group(0)
-    return found[0].group(0)
-
-
-class UpProcess:
-    """A ``deltakv up`` subprocess (2 sidecars, prefill, decode) that this object owns.
-
-    The demo drives ``up`` through its command line, exactly as a user would, rather than
-    through :class:`deltakv.services.cli.up.LocalCluster`: what is demonstrated is the shipped command.
-
-    ``start()`` launches it and waits at most ``startup_timeout_s`` seconds for the ready line;
-    ``stop()`` sends SIGTERM, waits at most ``stop_timeout_s`` seconds, then SIGKILLs. The
-    cluster's stdout and stderr go to ``run_dir/up.log`` (tail printed on failure). Use as a
-    context manager so it is stopped on every path, Ctrl-C included.
-    """
-
-    def __init__(self, run_dir: Path, *, model: str = "smollm2", transport: str = "shm",
-                 startup_timeout_s: float = 600.0, stop_timeout_s: float = 30.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        if not startup_timeout_s > 0 or not stop_timeout_s > 0:
-            raise InvalidArgument("startup and stop timeouts must be > 0 s")
-        self.run_dir = run_dir
-        self.model = model
-        self.transport = transport
-        self.startup_timeout_s = startup_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.extra_args = extra_args
-        self.log_path = run_dir / "up.log"
-        self.target: str | None = None
-        self.ready_line: str | None = None
-        self._proc: subprocess.Popen[str] | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader: threading.Thread | None = None
-
-    def command(self) -> list[str]:
-        """The argv of the ``up`` subprocess."""
-        return [sys.executable, "-m", "deltakv.services.cli.main", "up", "--model", self.model,
-                "--transport", self.transport, "--run-dir", str(self.run_dir), *self.extra_args]
-
-    def _pump(self, stream: TextIO, log: TextIO) -> None:
-        # Keeps draining after the ready line so a chatty cluster never blocks on a full pipe.
-        try:
-            for line in stream:
-                log.write(line)
-                log.flush()
-                self._lines.put(line)
-        finally:
-            log.close()
-            self._lines.put(None)
-
-    def start(self, progress: Callable[[str], None] | None = None,
-              progress_every_s: float = 15.0) -> str:
-        """Launch ``up`` and return the decode ``HOST:PORT`` once its ready line appears.
-
-        ``progress`` gets a "still starting" line every ``progress_every_s`` seconds (loading
-        SmolLM2 into two workers takes a minute or two on 2 CPU cores). Raises
-        :class:`Unavailable` (UNAVAILABLE) if ``up`` exits first or no ready line comes within
-        ``startup_timeout_s``; the process is stopped before raising.
-        """
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("a")
-        # PDEATHSIG: if the demo is killed (SIGTERM from `timeout`, a cancelled job), `up` gets
-        # SIGTERM and stops its cluster instead of being orphaned with it.
-        self._proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                      preexec_fn=sigterm_on_parent_death)
-        assert self._proc.stdout is not None
-        self._reader = threading.Thread(target=self._pump, args=(self._proc.stdout, log),
-                                        name="deltakv-up-log", daemon=True)
-        self._reader.start()
-        t0 = time.monotonic()
-        deadline = t0 + self.startup_timeout_s
-        next_tick = t0 + progress_every_s
-        while True:
-            now = time.monotonic()
-            if progress is not None and now >= next_tick:
-                progress(f"cluster still starting ({now - t0:.0f} s: sidecars, model load, "
-                         f"health checks)")
-                next_tick = now + progress_every_s
-            left = deadline - now
-            if left <= 0:
-                self.stop()
-                raise Unavailable(f"deltakv up printed no decode address within "
-                                  f"{self.startup_timeout_s:g} s; log: {self.log_path}\n"
-                                  f"{self.log_tail()}")
-            try:
-                line = self._lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.stop()
-                raise Unavailable(f"deltakv up exited with code {code} before it was ready; "
-                                  f"log: {self.log_path}\n{self.log_tail()}")
-            target = parse_decode_address(line)
-            if target is not None:
-                self.target, self.ready_line = target, line.strip()
-                return target
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the cluster's log (for error messages)."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> int | None:
-        """Stop the cluster: SIGTERM, wait ``stop_timeout_s``, then SIGKILL. Returns its exit
-        code (None if it was never started). Idempotent."""
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-        return proc.returncode
-
-    def __enter__(self) -> UpProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    parser = argparse.ArgumentParser(prog="deltakv up")
+    up.add_arguments(parser)
+    args = parser.parse_args(["--model", model, "--transport", transport, "--run-dir",
+                              str(run_dir), "--decode-port", "0", "--prefill-port", "0",
+                              "--start-timeout-s", str(startup_timeout_s), *up_args])
+    config = up.cluster_config(args)
+    check_transport(config.transport)
+    cluster = LocalCluster(config)
+    cluster.start(progress)
+    return cluster
 
 
 def _chat_turn_record(question: str, result: GenerateResult) -> dict:
@@ -297,14 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="built-in model of the cluster")
     parser.add_argument("--transport", default="shm", help="KV transfer backend")
     parser.add_argument("--run-dir", type=Path, default=None,
-                        help="cluster run directory (default: a fresh temporary one, removed "
-                             "after a successful run)")
+                        help="cluster run directory: sockets and each process's log (default: "
+                             "a fresh temporary one, removed after a successful run)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="bound on the cluster becoming ready (s)")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="bound on reaching the decode service once ready (s)")
     parser.add_argument("--up-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `deltakv up` (repeatable, e.g. "
+                        help="extra `deltakv up` flag for the cluster (repeatable, e.g. "
                              "--up-arg=--page-size --up-arg=16)")
     add_workload_arguments(parser, DEMO_WORKLOAD)
 
@@ -333,30 +206,33 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     own_dir = args.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="deltakv-demo-")) if own_dir else args.run_dir
-    # Free ports: the demo must not collide with a cluster already on the default ports.
-    extra = ("--decode-port", "0", "--prefill-port", "0", *args.up_arg)
-    cluster = UpProcess(run_dir, model=args.model, transport=args.transport,
-                        startup_timeout_s=args.startup_timeout, extra_args=tuple(extra))
-    say(f"starting the local cluster: {' '.join(cluster.command()[1:])}")
-    say(f"cluster log: {cluster.log_path}")
+    say(f"starting the local cluster (deltakv up --model {args.model} --transport "
+        f"{args.transport} {' '.join(args.up_arg)}); process logs in {run_dir}")
     t0 = time.monotonic()
     try:
-        try:
-            target = cluster.start(say)
-        except DeltaKVError as exc:
-            print(f"deltakv demo: {exc}", file=sys.stderr)
-            return 2
+        cluster = start_cluster(args.model, args.transport, run_dir, args.up_arg,
+                                args.startup_timeout, say)
+    except DeltaKVError as exc:  # ClusterError is not one: caught below
+        print(f"deltakv demo: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"deltakv demo: the cluster did not start: {exc}\nlogs: {run_dir}",
+              file=sys.stderr)
+        return 2
+    try:
+        target = cluster.decode_address
         say(f"cluster ready in {time.monotonic() - t0:.0f} s; decode service at {target}")
         try:
             result = asyncio.run(run_demo(target, config, out, args.connect_timeout))
         except DeltaKVError as exc:
-            print(f"deltakv demo: {type(exc).__name__}: {exc}\n{cluster.log_tail()}",
-                  file=sys.stderr)
+            tails = "\n".join(p.log_tail() for p in cluster.procs)
+            print(f"deltakv demo: {type(exc).__name__}: {exc}\n{tails}", file=sys.stderr)
             return 1
     finally:
         say("stopping the cluster")
-        code = cluster.stop()
-        say(f"cluster exited with code {code}")
+        codes = cluster.stop()
+        say("cluster stopped, exit codes: "
+            + ", ".join(f"{name} {code}" for name, code in codes.items()))
     out.write("\n" + format_table(result["bench"]) + "\n")
     v = result["verdict"]
     ratios = ", ".join("n/a" if x is None else f"{x:.3f}" for x in v["round_bytes_ratios"])

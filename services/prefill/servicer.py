@@ -34,7 +34,6 @@ from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     InvalidArgument,
-    status_of,
 )
 from deltakv.layout import KVLayout
 from deltakv.services.model.sampling import Sampler
@@ -107,7 +106,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await self.worker.sidecar.connect_peer(request.decode_endpoint)
         except DeltaKVError as exc:
             log.warning("handshake refused", reason=str(exc))
-            await context.abort(*status_of(exc))
+            raise  # the server's error interceptor sends its status
         return prefill_pb2.HandshakeResponse(prefill_endpoint=self.worker.describe.endpoint,
                                              model=self.model_name)
 
@@ -129,7 +128,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except DeltaKVError as exc:
             self.counters["requests_failed"] += 1
             telemetry.fail_current(exc)
-            await context.abort(*status_of(exc))
+            raise  # the server's error interceptor sends its status
         attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}")
         self.attempts[info.room] = attempt
         try:
@@ -141,7 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.counters["requests_failed"] += 1
             log.warning("prefill failed", code=exc.code.name, reason=str(exc))
             telemetry.fail_current(exc)
-            await context.abort(*status_of(exc))
+            raise
         except asyncio.CancelledError:
             self.counters["requests_failed"] += 1
             log.info("prefill cancelled by the caller")
@@ -149,7 +148,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             # Shielded: a cancelled handler must still drain its forward/write and free pages.
             await asyncio.shield(self._cleanup(attempt))
-        raise AssertionError("unreachable")  # context.abort raises
 
     async def AbortTransfer(self, request: prefill_pb2.AbortTransferRequest,
                             context: grpc.aio.ServicerContext) -> prefill_pb2.AbortTransferResponse:
@@ -159,10 +157,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         attempt = self.attempts.get(request.room)
         if attempt is not None:
             attempt.aborted = True
-        try:
-            known = await self.worker.sidecar.abort_write(request.room)
-        except DeltaKVError as exc:
-            await context.abort(*status_of(exc))
+        known = await self.worker.sidecar.abort_write(request.room)
         self.counters["transfers_aborted"] += 1
         log.info("transfer aborted", known=known or attempt is not None)
         return prefill_pb2.AbortTransferResponse(known=known or attempt is not None)

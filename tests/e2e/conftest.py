@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from deltakv.client import DecodeClient
-from deltakv.services.cli.up import ClusterConfig, LocalCluster
+from deltakv.services.cluster import ClusterConfig, LocalCluster
 
 TOY_PAGE_SIZE = 16
 TOY_PAGE_BYTES = 32_768

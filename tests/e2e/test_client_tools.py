@@ -1,5 +1,5 @@
 """The client tools on real clusters: ``bench multiturn --compare``, ``deltakv chat`` piped, and
-``deltakv demo`` end to end (its own ``deltakv up``), all on ``tiny-random`` in geometry T.
+``deltakv demo`` end to end (its own local cluster), all on ``tiny-random`` in geometry T.
 
 Exact numbers use page_size 16 and page_bytes 32,768 (scenarios.md). The multi-turn workload here
 is 2 clients x 3 rounds, request 48 tokens, question 8, output 8: round r's prompt is
@@ -115,4 +115,5 @@ def test_demo_end_to_end_on_tiny_random(tmp_path: Path) -> None:
     v = result["verdict"]
     assert v["ok"] and v["chat_bytes_defects"] == 0 and v["bench_bytes_defects"] == 0
     assert all(x <= 1 / 3 for x in v["round_bytes_ratios"])
-    assert "cluster exited with code 0" in proc.stdout
+    assert ("cluster stopped, exit codes: decode-sidecar 0, prefill-sidecar 0, prefill 0, "
+            "decode 0") in proc.stdout

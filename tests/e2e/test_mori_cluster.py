@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deltakv.services.cli.up import LocalCluster
+from deltakv.services.cluster import LocalCluster
 from tests.e2e.conftest import (
     TOY_PAGE_BYTES,
     generate,

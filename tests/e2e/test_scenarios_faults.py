@@ -21,7 +21,7 @@ from deltakv.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from deltakv.services.cli.up import ClusterError
+from deltakv.services.cluster import ClusterError
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2_grpc
 from tests.e2e.conftest import (
     TOY_NUM_PAGES,

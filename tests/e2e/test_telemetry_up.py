@@ -2,7 +2,8 @@
 sends the traces of every request to that collector, and ``--metrics-port`` serves Prometheus
 on four ports.
 
-``deltakv up`` runs as a subprocess (deltakv.services.cli.demo.UpProcess, as a user would run it) with a
+``deltakv up`` runs as a subprocess, as a user would run it, under the process supervisor
+(``deltakv.services.cluster.ManagedProcess``: ready when decode's health answers SERVING) with a
 tiny-random model. The span batch delay is set far beyond the test's length, so every span
 that arrives was flushed by the processes' graceful shutdown: stopping ``up`` loses nothing.
 """
@@ -10,11 +11,13 @@ that arrives was flushed by the processes' graceful shutdown: stopping ``up`` lo
 from __future__ import annotations
 
 import random
+import sys
+import time
 import urllib.request
 
 import pytest
 
-from deltakv.services.cli.demo import UpProcess
+from deltakv.services.cluster import ManagedProcess, free_port
 from tests.e2e.conftest import generate, run
 from tests.e2e.test_telemetry import GENERATE, _free_port_block
 from tests.otlp_receiver import OtlpReceiver
@@ -28,12 +31,19 @@ def test_up_exports_every_request_and_flushes_on_stop(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # only the shutdown flush exports
     monkeypatch.setenv("OTEL_SERVICE_NAME", "must-not-be-shared")
     base = _free_port_block()
-    up = UpProcess(tmp_path / "up", model="tiny-random", startup_timeout_s=180.0,
-                   extra_args=("--decode-port", "0", "--prefill-port", "0",
-                               "--page-size", "16", "--num-pages", "64",
-                               "--metrics-port", str(base)))
+    address = f"127.0.0.1:{free_port()}"
+    up = ManagedProcess("up", [
+        sys.executable, "-m", "deltakv.services.cli.main", "up", "--model", "tiny-random",
+        "--run-dir", str(tmp_path / "up"), "--decode-port", address.rsplit(":", 1)[1],
+        "--prefill-port", "0", "--page-size", "16", "--num-pages", "64",
+        "--metrics-port", str(base)], tmp_path / "up.log", health_target=address,
+        stop_timeout_s=30.0).start()
     try:
-        address = up.start()
+        up.wait_serving(180.0)  # decode answers SERVING ...
+        deadline = time.monotonic() + 60
+        while not up.log_text().startswith("deltakv ready at "):  # ... and `up` said so
+            assert up.alive() and time.monotonic() < deadline, up.log_tail()
+            time.sleep(0.05)
         rng = random.Random(11)
         prompts = [[rng.randrange(10, 250) for _ in range(n)] for n in (20, 37)]
         for i, prompt in enumerate(prompts):
@@ -51,7 +61,8 @@ def test_up_exports_every_request_and_flushes_on_stop(tmp_path, monkeypatch) -> 
     try:
         assert code == 0, up.log_tail()
         # `up` printed its one ready line and nothing else.
-        assert up.log_path.read_text().strip().splitlines() == [up.ready_line]
+        lines = up.log_text().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"deltakv ready at {address} "), lines
 
         def complete(spans) -> bool:
             roots = {s.attributes.get("deltakv.request_id"): s.trace_id for s in spans

@@ -10,8 +10,9 @@ Reusable by integration and e2e tests::
         stub = prefill.stub()            # sync SidecarService stub on the UDS
         info = decode.describe()         # DescribeResponse
 
-Each process runs ``sys.executable -m deltakv.services.cli.serve.sidecar ...`` (the same as ``deltakv serve
-sidecar``, without importing the other subcommands) with its socket in a short private
+Each process runs ``sys.executable -m deltakv.services.cli.serve.sidecar ...`` (the same as
+``deltakv serve sidecar``, without importing the other subcommands) under the one process
+supervisor, :class:`deltakv.services.cluster.ManagedProcess`, with its socket in a short private
 directory under /tmp (a Unix socket path must stay under 107 bytes, pytest's tmp paths often do
 not), logs to a file beside it (no pipe to fill up), and is stopped by the fixture's
 finalizer: SIGTERM, then SIGKILL after a bounded wait. Use :func:`start_sidecar`
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -33,7 +33,8 @@ import grpc
 import pytest
 
 from deltakv.layout import KVLayout
-from deltakv.rpc import grpc_util
+from deltakv.rpc.channel import uds_address
+from deltakv.services.cluster import ManagedProcess, ProcessError
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 from tests.support.faults import sidecar_args as fault_args
 from tests.support.layouts import TOY_LAYOUT
@@ -55,45 +56,45 @@ def short_tmp_dir(prefix: str = "dkv-") -> str:
 
 
 class SidecarProcess:
-    """One running sidecar process. ``socket_path``: its UDS; ``log_path``: its stderr+stdout
-    (JSON log lines). The process is owned by whoever started it and must be stopped."""
+    """One running sidecar process: a :class:`~deltakv.services.cluster.ManagedProcess` (own
+    session, SIGTERM when the test process dies, SIGTERM then SIGKILL on stop) plus a cached
+    sync stub. ``socket_path``: its UDS; ``log_path``: its stdout+stderr (JSON log lines)."""
 
-    def __init__(self, role: str, socket_path: str, proc: subprocess.Popen, log_path: str,
-                 layout: KVLayout, transport: str) -> None:
+    def __init__(self, role: str, socket_path: str, proc: ManagedProcess, layout: KVLayout,
+                 transport: str) -> None:
         self.role = role
         self.socket_path = socket_path
         self.proc = proc
-        self.log_path = log_path
         self.layout = layout
         self.transport = transport
         self._channel: grpc.Channel | None = None
 
     @property
-    def target(self) -> str:
-        return grpc_util.uds_address(self.socket_path)
+    def log_path(self) -> str:
+        return str(self.proc.log_path)
 
     @property
-    def pid(self) -> int:
+    def target(self) -> str:
+        return uds_address(self.socket_path)
+
+    @property
+    def pid(self) -> int | None:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.alive()
 
     def log_text(self) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
+        return self.proc.log_text()
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until health is SERVING; on failure kill the process and raise
         RuntimeError with the tail of its log."""
         try:
-            grpc_util.wait_serving(self.target, timeout_s=timeout_s, alive=self.alive)
-        except Exception as exc:
+            self.proc.wait_serving(timeout_s)
+        except ProcessError as exc:
             self.kill()
-            raise RuntimeError(f"{self.role} sidecar did not become ready: {exc}\n--- log ---\n"
-                               f"{self.log_text()[-4000:]}") from exc
+            raise RuntimeError(f"{self.role} sidecar did not become ready: {exc}") from None
 
     def stub(self) -> sidecar_pb2_grpc.SidecarServiceStub:
         """A sync stub on a channel cached by this object (closed by :meth:`stop`)."""
@@ -116,54 +117,56 @@ class SidecarProcess:
             self._channel.close()
             self._channel = None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
         """Send ``sig`` and wait up to ``timeout_s`` for exit, then SIGKILL. Returns the exit
         code (negative signal number if killed by a signal). Idempotent."""
         self.close_channel()
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(sig)
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
+        return self.proc.stop(sig, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL and reap (leaves the pool segment and socket behind, like a crash)."""
         self.close_channel()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.proc.kill()
+
+
+def sidecar_command(role: str, socket_path: str, *, transport: str = "shm",
+                    layout: KVLayout = TOY_LAYOUT, faults: str | None = None,
+                    extra_args: Sequence[str] = ()) -> list[str]:
+    """The argv of ``deltakv serve sidecar`` (run as ``python -m``, without importing the
+    other subcommands) for these options. ``faults`` (e.g. ``"delay_ms=500,rooms=1"``) wraps
+    ``transport`` in the test-only fault injector (tests/support/faults.py), loaded through
+    the registry's ``module:Class`` form (the repository root must be on ``PYTHONPATH``)."""
+    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
+           "--transport", transport, "--socket", socket_path, *layout_args(layout),
+           "--log-level", "info", *extra_args]
+    if faults:
+        cmd += fault_args(faults, inner=transport)
+    return cmd
 
 
 def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
                   layout: KVLayout = TOY_LAYOUT, faults: str | None = None,
                   extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                   log_path: str | None = None, ready_timeout_s: float = 60.0,
-                  wait: bool = True) -> SidecarProcess:
+                  wait: bool = True, argv: Sequence[str] | None = None) -> SidecarProcess:
     """Start ``deltakv serve sidecar`` as a child process and (by default) wait for SERVING.
 
-    ``faults`` (e.g. ``"delay_ms=500,rooms=1"``) wraps ``transport`` in the test-only
-    fault injector (tests/support/faults.py), loaded through the registry's ``module:Class``
-    form with the repository root on ``PYTHONPATH``. ``extra_args`` are appended to the
-    command line (e.g. ``["--drain-timeout-s", "2"]``); ``env`` entries are added to the
-    inherited environment. Raises RuntimeError (with the log tail) if the process dies or is
-    not SERVING within ``ready_timeout_s``.
+    ``faults``: see :func:`sidecar_command`. ``extra_args`` are appended to the command line (e.g. ``["--drain-timeout-s", "2"]``);
+    ``argv`` replaces the whole command; ``env`` entries are added to the inherited
+    environment. Raises RuntimeError (with the log tail) if the process dies or is not
+    SERVING within ``ready_timeout_s``.
     """
-    log_path = log_path or f"{socket_path}.log"
-    cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
-           "--transport", transport, "--socket", socket_path, *layout_args(layout),
-           "--log-level", "info", *extra_args]
+    cmd = list(argv) if argv is not None else sidecar_command(
+        role, socket_path, transport=transport, layout=layout, faults=faults,
+        extra_args=extra_args)
     full_env = {**os.environ, **(env or {})}
-    if faults:
-        cmd += fault_args(faults, inner=transport)
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    sc = SidecarProcess(role, socket_path, proc, log_path, layout, transport)
+    # The repository root on the path: `tests.support.faults:...` backends load from it.
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+    proc = ManagedProcess(f"{role} sidecar", cmd, log_path or f"{socket_path}.log",
+                          health_target=uds_address(socket_path), cwd=REPO_ROOT,
+                          env=full_env).start()
+    sc = SidecarProcess(role, socket_path, proc, layout, transport)
     if wait:
         sc.wait_ready(ready_timeout_s)
     return sc

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deltakv.services.cli.up import ClusterConfig, ClusterError, LocalCluster
+from deltakv.services.cluster import ClusterConfig, ClusterError, LocalCluster
 from deltakv.sidecar.pool import SHM_DIR
 from deltakv.sidecar.server import default_shm_name
 from tests.integration.sidecar_proc import layout_args, short_tmp_dir

@@ -19,8 +19,8 @@ from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 from tests.integration.sidecar_proc import (
     REPO_ROOT,
     SidecarFactory,
-    SidecarProcess,
     layout_args,
+    start_sidecar,
 )
 from tests.integration.sidecar_proc import sidecar_factory as sidecar_factory  # noqa: F401
 from tests.support.faults import sidecar_args as fault_args
@@ -57,11 +57,7 @@ def test_model_geometry_and_an_out_of_tree_transport(sidecar_factory: SidecarFac
     cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "decode",
            "--socket", path, "--model", "tiny-random", "--num-pages", "8",
            *fault_args("delay_ms=1")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(path + ".log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd="/", stdout=log, stderr=subprocess.STDOUT, env=env)
-    sc = SidecarProcess("decode", path, proc, path + ".log", TOY_LAYOUT, "shm")
+    sc = start_sidecar("decode", path, argv=cmd, wait=False)
     sidecar_factory.procs.append(sc)  # stopped by the fixture whatever happens
     sc.wait_ready(60)
     geo = kv_geometry("tiny-random")

@@ -5,8 +5,8 @@ services; spans go to an in-memory exporter on the real TracerProvider. Checked:
 crosses the hop (one trace, server span child of client span); health checks are not traced;
 an aborted call is ERROR with its details; a call cancelled by its client ends both the client
 and the server span with ERROR (unary and server-streaming: the stock aio interceptor misses
-this); in the sync server (the sidecar's) the tracing interceptor sits outside the
-error-mapping one, so a typed error's code and message reach the span.
+this); in both server flavours the tracing interceptor sits outside the error-mapping one,
+so a typed error a handler raises reaches the span with its code and message.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deltakv import telemetry
-from deltakv.errors import ResourceExhausted, Unavailable, status_of
-from deltakv.rpc import grpc_util
-from deltakv.rpc.aio_server import AioServer
+from deltakv.errors import ResourceExhausted, Unavailable
+from deltakv.rpc.channel import uds_address, wait_serving
+from deltakv.rpc.server import AioServer, SyncServer
 from deltakv.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -75,7 +75,7 @@ def by_kind(spans, name: str, kind: trace.SpanKind):
 class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
     """Prefill hangs until cancelled (records that it was); GetStats answers; AbortTransfer
     fails: UNAVAILABLE for room 14, RESOURCE_EXHAUSTED otherwise (reported like the real
-    handlers do: ``fail_current`` then abort)."""
+    handlers do: ``fail_current``, then raise for the server's error mapping)."""
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
@@ -95,7 +95,7 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
         exc = (Unavailable("engine of room 14 is gone") if request.room == 14
                else ResourceExhausted("no room for 9 pages"))
         telemetry.fail_current(exc)
-        await context.abort(*status_of(exc))
+        raise exc
 
 
 class Decode(decode_pb2_grpc.DecodeServiceServicer):
@@ -117,9 +117,9 @@ async def serve(tmp_path, tel):
     names = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
              decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
     server = AioServer(f"unix:{tmp_path}/w.sock", names, add,
-                       interceptors=tel.aio_server_interceptors())
+                       outer_interceptors=tel.aio_server_interceptors())
     await server.start()
-    await server.set_serving(True)
+    await server.set_serving()
     channel = grpc.aio.insecure_channel(f"unix:{tmp_path}/w.sock",
                                         interceptors=tel.aio_client_interceptors())
     return server, channel, prefill
@@ -244,23 +244,22 @@ class Sidecar(sidecar_pb2_grpc.SidecarServiceServicer):
 
 def test_sync_server_span_sees_the_mapped_error(traced, tmp_path) -> None:
     tel, memory = traced
-    server = grpc_util.make_server(max_workers=4,
-                                   outer_interceptors=tel.server_interceptors())
-    sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(Sidecar(), server)
-    health = grpc_util.add_health_and_reflection(server, ["deltakv.v1.SidecarService"])
-    grpc_util.set_serving(health, ["deltakv.v1.SidecarService"], serving=True)
-    address = grpc_util.uds_address(tmp_path / "sc.sock")
-    server.add_insecure_port(address)
+    address = uds_address(tmp_path / "sc.sock")
+    server = SyncServer(
+        address, ["deltakv.v1.SidecarService"],
+        lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(Sidecar(), s),
+        outer_interceptors=tel.server_interceptors(), max_workers=4)
     server.start()
+    server.set_serving()
     try:
-        grpc_util.wait_serving(address, timeout_s=10)
+        wait_serving(address, timeout_s=10)
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as err:
                 sidecar_pb2_grpc.SidecarServiceStub(channel).Allocate(
                     sidecar_pb2.AllocateRequest(request_id="r", num_pages=9), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        server.stop(0).wait(5)
+        server.stop(0)
     spans = wait_spans(memory, lambda s: any(x.name == ALLOCATE for x in s))
     assert not [s for s in spans if "grpc.health" in s.name]
     rpc = by_kind(spans, ALLOCATE, trace.SpanKind.SERVER)

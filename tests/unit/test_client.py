@@ -1,4 +1,4 @@
-"""DecodeClient, ChatSession, run_multiturn and UpProcess over real gRPC and real processes.
+"""DecodeClient, ChatSession, run_multiturn and the demo's chat over real gRPC.
 
 The server here is a *protocol reference* of ``DecodeService``: it serves real gRPC (with the
 standard health service) on a Unix socket and computes ``Usage`` with DESIGN.md's delta
@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import signal
-import sys
-import textwrap
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -47,7 +44,7 @@ from deltakv.services.cli.bench.multiturn import (
     run_multiturn,
 )
 from deltakv.services.cli.chat import ChatSession, chat_loop, format_turn_stats
-from deltakv.services.cli.demo import UpProcess, run_demo
+from deltakv.services.cli.demo import run_demo
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
 PAGE_SIZE = 16
@@ -422,80 +419,3 @@ def test_run_demo_against_live_stream(tmp_path: Path) -> None:
     v = result["verdict"]
     # round 1: prompt 160, 143 tokens of KV held -> 8 pages cached, 2 of 10 move
     assert v["round_bytes_ratios"] == [pytest.approx(0.2)] and v["ok"]
-
-
-# --------------------------------------------------------------------------- UpProcess
-
-
-class _ScriptCluster(UpProcess):
-    """UpProcess whose subprocess is a small script instead of ``deltakv up``."""
-
-    def __init__(self, run_dir: Path, script: str, **kw) -> None:
-        super().__init__(run_dir, **kw)
-        self.script = textwrap.dedent(script)
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-u", "-c", self.script]
-
-
-@pytest.mark.timeout(60)
-def test_local_cluster_parses_ready_line_and_stops(tmp_path: Path) -> None:
-    script = """
-        import signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-        print("starting sidecars", flush=True)
-        print("deltakv up ready: decode 127.0.0.1:45678 prefill 127.0.0.1:45679", flush=True)
-        time.sleep(600)
-    """
-    cluster = _ScriptCluster(tmp_path / "run", script, startup_timeout_s=30, stop_timeout_s=10)
-    with cluster:
-        assert cluster.target == "127.0.0.1:45678"
-        assert cluster._proc is not None and cluster._proc.poll() is None
-    assert cluster._proc.returncode == 0
-    assert "starting sidecars" in cluster.log_path.read_text()
-
-
-@pytest.mark.timeout(60)
-def test_local_cluster_reports_progress_while_starting(tmp_path: Path) -> None:
-    script = """
-        import signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-        time.sleep(1.5)
-        print("deltakv ready at 127.0.0.1:45670 (model=x)", flush=True)
-        time.sleep(600)
-    """
-    cluster = _ScriptCluster(tmp_path / "run", script, startup_timeout_s=30, stop_timeout_s=10)
-    ticks: list[str] = []
-    try:
-        assert cluster.start(ticks.append, progress_every_s=0.3) == "127.0.0.1:45670"
-    finally:
-        cluster.stop()
-    assert ticks and all("still starting" in t for t in ticks)
-
-
-@pytest.mark.timeout(60)
-def test_local_cluster_reports_early_exit(tmp_path: Path) -> None:
-    script = """
-        import sys
-        print("model smollm2 not found", flush=True)
-        sys.exit(3)
-    """
-    cluster = _ScriptCluster(tmp_path / "run", script, startup_timeout_s=30)
-    with pytest.raises(Unavailable, match="exited with code 3") as info:
-        cluster.start()
-    assert "model smollm2 not found" in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_local_cluster_startup_timeout_kills_a_stuck_process(tmp_path: Path) -> None:
-    script = """
-        import signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("loading", flush=True)
-        time.sleep(600)
-    """
-    cluster = _ScriptCluster(tmp_path / "run", script, startup_timeout_s=1.0, stop_timeout_s=1.0)
-    with pytest.raises(Unavailable, match="no decode address within"):
-        cluster.start()
-    # It ignored SIGTERM, so the bounded stop had to SIGKILL it.
-    assert cluster._proc is not None and cluster._proc.returncode == -signal.SIGKILL

@@ -29,7 +29,7 @@ from deltakv.services.cli.bench.multiturn import (
     report_ok,
     summarize,
 )
-from deltakv.services.cli.demo import MAX_BYTES_RATIO, parse_decode_address, verdict
+from deltakv.services.cli.demo import MAX_BYTES_RATIO, verdict
 
 PAGE_BYTES_T = 32_768  # toy geometry T of scenarios.md
 
@@ -251,14 +251,3 @@ def test_demo_verdict_passes_at_a_fifth_and_fails_above_a_third() -> None:
     bad_chat = [{"transferred_bytes": 65_537, "min_bytes": 65_536}]
     v = verdict(bad_chat, build_report(cfg, _compare_records()))
     assert v["chat_bytes_defects"] == 1 and not v["ok"]
-
-
-@pytest.mark.parametrize("line,addr", [
-    ("deltakv ready: decode 127.0.0.1:50051 (prefill 127.0.0.1:50052)", "127.0.0.1:50051"),
-    ("prefill=127.0.0.1:7001 decode=127.0.0.1:7002", "127.0.0.1:7002"),
-    ("ready at localhost:50051", "localhost:50051"),
-    ("listening [::1]:6000", "[::1]:6000"),
-    ("loading model smollm2 ...", None),
-])
-def test_parse_decode_address(line: str, addr: str | None) -> None:
-    assert parse_decode_address(line) == addr

@@ -383,12 +383,12 @@ def test_code_label() -> None:
 
 def test_up_forwards_flags_with_distinct_metrics_ports(tmp_path) -> None:
     from deltakv.services.cli.main import build_parser
-    from deltakv.services.cli.up import LocalCluster, _metrics_base_port
+    from deltakv.services.cli.up import _metrics_base_port
+    from deltakv.services.cluster import ClusterConfig, LocalCluster
 
     args = build_parser().parse_args(["up", "--otel-endpoint", "http://c:4317",
                                       "--metrics-port", "9400", "--model", "tiny-random"])
     assert _metrics_base_port(args) == 9400
-    from deltakv.services.cli.up import ClusterConfig
 
     cluster = LocalCluster(ClusterConfig(
         model="tiny-random", decode_port=0, prefill_port=0, run_dir=str(tmp_path),

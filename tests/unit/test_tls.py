@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.errors import InvalidArgument
 from deltakv.rpc import tls
-from deltakv.rpc.aio_server import AioServer
+from deltakv.rpc.server import AioServer
 from tests.tls_certs import PKI, make_pki
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,10 +53,10 @@ def test_health_port_mirrors_the_tls_port_through_start_serving_and_drain(pki):
         assert server.health_address and server.health_address != server.address
         await server.start()
         client = tls.channel_credentials(files(pki))
-        for serving in (None, True, False, True):
-            if serving is not None:
-                await server.set_serving(serving)
-            status = SERVING if serving else NOT_SERVING
+        for step, status in ((None, NOT_SERVING), (server.set_serving, SERVING),
+                             (server.enter_graceful_shutdown, NOT_SERVING)):
+            if step is not None:
+                await step()
             assert await _check(server.address, client, SERVICE) == status
             assert await _check(server.health_address, None, SERVICE) == status
             assert await _check(server.health_address) == status
@@ -72,7 +72,7 @@ def test_tls_port_refuses_plain_text_and_mutual_tls_refuses_clients_without_a_ce
     async def scenario():
         server = _server(pki, mutual=True)
         await server.start()
-        await server.set_serving(True)
+        await server.set_serving()
         try:
             for creds in (None, tls.channel_credentials(files(pki))):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -99,7 +99,7 @@ def test_server_name_overrides_the_host_checked_in_the_certificate(pki):
     async def scenario():
         server = _server(pki, mutual=False)
         await server.start()
-        await server.set_serving(True)
+        await server.set_serving()
         try:
             # The certificate names localhost and 127.0.0.1, not the Service name asked for.
             assert await check(server.address, "localhost") == SERVING

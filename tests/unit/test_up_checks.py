@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 
 import pytest
 
 from deltakv.client import build_request
 from deltakv.errors import InvalidArgument
+from deltakv.rpc.server import AioServer
 from deltakv.services.cli.argtypes import port_number
-from deltakv.services.cli.up import ClusterError, check_port_free, check_transport
+from deltakv.services.cluster import ClusterError, check_port_free, check_transport
 
 
 def test_port_number_accepts_0_to_65535_and_rejects_the_rest() -> None:
@@ -28,6 +30,47 @@ def test_a_taken_port_is_refused_before_anything_starts() -> None:
         with pytest.raises(ClusterError, match=f"127.0.0.1:{port}"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # free again once closed
+
+
+def _port_in_time_wait() -> int:
+    """A loopback port whose only socket is a closed connection in TIME_WAIT: the server side
+    of an accepted connection closes first (the active closer keeps TIME_WAIT, about 60 s on
+    Linux), then the listener goes away — a cluster restarted a moment ago."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        accepted, _ = listener.accept()
+        accepted.close()  # active close: this side, on `port`, will sit in TIME_WAIT
+        assert client.recv(1) == b""  # the FIN arrived
+        client.close()
+    return port
+
+
+def _time_wait_on(port: int) -> bool:
+    """True if /proc/net/tcp lists a TIME_WAIT (state 06) socket bound to 127.0.0.1:port."""
+    local = f"0100007F:{port:04X}"
+    with open("/proc/net/tcp") as table:
+        return any(line.split()[1] == local and line.split()[3] == "06"
+                   for line in table.readlines()[1:])
+
+
+@pytest.mark.timeout(30)
+def test_a_port_in_time_wait_is_free_for_up_as_for_grpc() -> None:
+    port = _port_in_time_wait()
+    assert _time_wait_on(port)
+    with socket.socket() as plain, pytest.raises(OSError):  # what the old check did
+        plain.bind(("127.0.0.1", port))
+    check_port_free("127.0.0.1", port)  # SO_REUSEADDR, like gRPC's own listener
+
+    async def grpc_binds() -> None:
+        server = AioServer(f"127.0.0.1:{port}", [], lambda s: None)
+        await server.start()
+        await server.stop(0)
+
+    asyncio.run(grpc_binds())
 
 
 def test_transport_is_checked_up_front() -> None:

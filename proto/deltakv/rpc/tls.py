@@ -5,7 +5,7 @@ Who uses what:
 * ``deltakv serve prefill|decode`` serve their gRPC port with TLS when given ``--tls-cert`` and
   ``--tls-key``; with ``--tls-ca`` too they **require** a client certificate signed by that CA
   (mutual TLS). ``--health-port`` adds a plain-text port that serves only ``grpc.health.v1``
-  (kubelet gRPC probes cannot speak TLS); see :class:`deltakv.rpc.aio_server.AioServer`.
+  (kubelet gRPC probes cannot speak TLS); see :class:`deltakv.rpc.server.AioServer`.
 * decode's channel to prefill, ``DecodeClient`` and the client tools (``deltakv chat``,
   ``deltakv bench multiturn``, ``deltakv generate --target``) dial with TLS when given a CA
   (``--tls-ca``) and present ``--tls-cert``/``--tls-key`` as their client certificate.

@@ -27,9 +27,7 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,42 +77,34 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 class _Sidecar:
-    """A sidecar child process for the benchmark (stopped with SIGTERM, killed if stuck)."""
+    """A ``deltakv serve sidecar`` child of the benchmark (a ManagedProcess: dies with the
+    benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction."""
 
     def __init__(self, role: str, backend: str, layout: Any, workdir: str,
                  options: list[str], ready_timeout_s: float) -> None:
-        from deltakv.rpc import grpc_util
+        from deltakv.rpc.channel import uds_address
+        from deltakv.services.cluster import ManagedProcess
 
-        self.role = role
         self.socket = os.path.join(workdir, f"{role}-{backend}.sock")
-        self.log_path = self.socket + ".log"
-        cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role, "--transport", backend,
-               "--socket", self.socket, "--page-size", str(layout.page_size),
-               "--num-pages", str(layout.num_pages), "--num-layers", str(layout.num_layers),
-               "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
-               "--dtype", layout.dtype, "--fingerprint", layout.model_fingerprint,
-               "--log-level", "warning"]
+        self.target = uds_address(self.socket)
+        cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
+               "--transport", backend, "--socket", self.socket,
+               "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
+               "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
+               "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
+               "--fingerprint", layout.model_fingerprint, "--log-level", "warning"]
         for opt in options:
             cmd += ["--transport-option", opt]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.target = grpc_util.uds_address(self.socket)
+        self.proc = ManagedProcess(f"{role} sidecar ({backend})", cmd, self.socket + ".log",
+                                   health_target=self.target).start()
         try:
-            grpc_util.wait_serving(self.target, timeout_s=ready_timeout_s,
-                                   alive=lambda: self.proc.poll() is None)
-        except Exception as exc:
-            self.stop()
-            tail = Path(self.log_path).read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{role} sidecar ({backend}) did not start: {exc}\n{tail}") from exc
+            self.proc.wait_serving(ready_timeout_s)
+        except Exception:
+            self.proc.stop()
+            raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.proc.stop()
 
 
 def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],

@@ -10,7 +10,7 @@ DEFAULT_PORT = 50051
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deltakv.services.decode.servicer import DecodeConfig
+    from deltakv.services.decode.config import DecodeConfig
 
     d = DecodeConfig()
     parser.add_argument("--model", default="smollm2",
@@ -50,9 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
+    """Serve until SIGTERM/SIGINT (the lifecycle of :mod:`deltakv.services.runtime.lifecycle`)."""
+    from deltakv.services.runtime import lifecycle
 
-    return asyncio.run(_serve(args))
+    return lifecycle.run(args, build, role="decode", process="worker")
 
 
 async def handshake(channel, endpoint, timeout_s: float, log) -> None:
@@ -86,21 +87,19 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
+async def build(args: argparse.Namespace, stack, log):
+    """Sidecar, model, prefill pairing, servicer and server of one decode worker; each part's
+    close goes onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model
+    load; a prefill with another layout is refused (FAILED_PRECONDITION) before serving."""
     from deltakv import telemetry
-    from deltakv.errors import DeltaKVError
     from deltakv.rpc import tls
-    from deltakv.rpc.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
-    from deltakv.services.decode.servicer import DecodeConfig, DecodeServicer
-    from deltakv.services.runtime.logs import configure_logging
-    from deltakv.services.worker import start_worker
+    from deltakv.rpc.channel import options
+    from deltakv.services.decode.config import DecodeConfig
+    from deltakv.services.decode.servicer import DecodeServicer
+    from deltakv.services.runtime.lifecycle import Service
+    from deltakv.services.worker import start_worker, worker_server
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
 
-    log = configure_logging("decode", args.log_level, args.log_format)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
@@ -108,54 +107,22 @@ async def _serve(args: argparse.Namespace) -> int:
         quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
-    tel = None
-    try:
-        tel = telemetry.setup_from_args(args, "decode", "worker")
-        # Bad TLS files fail here, before the sidecar wait and the model load.
-        tls.check_health_port(args.health_port, args.port)
-        credentials = tls.server_credentials(tls.files_from_args(args))
-        prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
-        worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
-    except DeltaKVError as exc:
-        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
-        if tel is not None:
-            tel.shutdown()
-        return 2
-    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=CLIENT_OPTIONS,
+    tls.check_health_port(args.health_port, args.port)
+    credentials = tls.server_credentials(tls.files_from_args(args))
+    prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
+    worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
+    stack.push_async_callback(worker.close)
+    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
                               interceptors=telemetry.aio_client_interceptors())
-    try:
-        await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
-    except DeltaKVError as exc:
-        log.error("refusing to pair with prefill", reason=str(exc), code=exc.code.name)
-        await channel.close()
-        await worker.close()
-        tel.shutdown()
-        return 3
+    stack.push_async_callback(channel.close)
+    await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     servicer = DecodeServicer(worker, channel, config)
     servicer.start()
+    stack.push_async_callback(servicer.stop)
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-    try:
-        server = worker_server(
-            args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-            credentials)
-    except DeltaKVError as exc:
-        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
-        await servicer.stop()
-        await channel.close()
-        await worker.close()
-        tel.shutdown()
-        return 2
-    await server.start()
-    await server.set_serving(True)
-    log.info("decode serving", address=server.address, prefill=args.prefill_target,
-             tls=credentials is not None, client_certs=bool(args.tls_ca),
-             prefill_tls=prefill_credentials is not None, health_address=server.health_address)
-    await stop.wait()
-    log.info("decode draining", grace_s=args.drain_timeout_s)
-    await server.drain(args.drain_timeout_s)
-    await servicer.stop()
-    await channel.close()
-    await worker.close()
-    tel.shutdown()  # after the drain, so the last requests' spans are flushed
-    log.info("decode stopped")
-    return 0
+    server = worker_server(
+        args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+        credentials)
+    return Service.of_server(server, prefill=args.prefill_target, tls=credentials is not None,
+                             client_certs=bool(args.tls_ca),
+                             prefill_tls=prefill_credentials is not None)

@@ -30,60 +30,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
+    """Serve until SIGTERM/SIGINT (the lifecycle of :mod:`deltakv.services.runtime.lifecycle`)."""
+    from deltakv.services.runtime import lifecycle
 
-    return asyncio.run(_serve(args))
+    return lifecycle.run(args, build, role="prefill", process="worker")
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from deltakv import telemetry
-    from deltakv.errors import DeltaKVError
+async def build(args: argparse.Namespace, stack, log):
+    """Sidecar, model, servicer and server of one prefill worker; each part's close goes
+    onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model load."""
     from deltakv.rpc import tls
-    from deltakv.rpc.aio_server import install_stop_signals, worker_server
     from deltakv.services.prefill.servicer import PrefillServicer
-    from deltakv.services.runtime.logs import configure_logging
-    from deltakv.services.worker import start_worker
+    from deltakv.services.runtime.lifecycle import Service
+    from deltakv.services.worker import start_worker, worker_server
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
 
-    log = configure_logging("prefill", args.log_level, args.log_format)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    tel = None
-    try:
-        tel = telemetry.setup_from_args(args, "prefill", "worker")
-        # Bad TLS files fail here, before the sidecar wait and the model load.
-        tls.check_health_port(args.health_port, args.port)
-        credentials = tls.server_credentials(tls.files_from_args(args))
-        worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
-    except DeltaKVError as exc:
-        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
-        if tel is not None:
-            tel.shutdown()
-        return 2
+    tls.check_health_port(args.health_port, args.port)
+    credentials = tls.server_credentials(tls.files_from_args(args))
+    worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
+    stack.push_async_callback(worker.close)
     servicer = PrefillServicer(worker, args.model)
+    stack.callback(servicer.close)
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-    try:
-        server = worker_server(
-            args, name,
-            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-            credentials)
-    except DeltaKVError as exc:
-        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
-        servicer.close()
-        await worker.close()
-        tel.shutdown()
-        return 2
-    await server.start()
-    await server.set_serving(True)
-    log.info("prefill serving", address=server.address, tls=credentials is not None,
-             client_certs=bool(args.tls_ca), health_address=server.health_address)
-    await stop.wait()
-    log.info("prefill draining", grace_s=args.drain_timeout_s)
-    await server.drain(args.drain_timeout_s)
-    servicer.close()
-    await worker.close()
-    tel.shutdown()  # after the drain, so the last requests' spans are flushed
-    log.info("prefill stopped")
-    return 0
+    server = worker_server(
+        args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        credentials)
+    return Service.of_server(server, tls=credentials is not None,
+                             client_certs=bool(args.tls_ca))

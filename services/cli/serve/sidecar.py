@@ -4,16 +4,13 @@ Geometry comes either from a model (``--model NAME``: layers, KV heads, head dim
 fingerprint of that model) or from explicit ``--num-layers --num-kv-heads --head-dim --dtype
 --fingerprint``. The process serves until SIGTERM/SIGINT, then drains (bounded by
 ``--drain-timeout-s``), frees the pool segment and removes its socket. Exit status: 0 after a
-clean stop, 2 for bad arguments, 1 if start-up failed.
+clean stop, 2 for bad arguments, 1 if start-up failed (see ``services/runtime/lifecycle.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
-import threading
 from typing import Any
 
 from deltakv.services.cli.argtypes import port_number
@@ -101,56 +98,38 @@ def build_layout(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the sidecar, serve until SIGTERM/SIGINT, shut down gracefully."""
-    from deltakv import telemetry
-    from deltakv.errors import DeltaKVError
-    from deltakv.services.runtime.logs import configure_logging
+    """Serve until SIGTERM/SIGINT (the lifecycle of :mod:`deltakv.services.runtime.lifecycle`)."""
+    from deltakv.services.runtime import lifecycle
+
+    return lifecycle.run(args, build, role=args.role, process="sidecar",
+                         log_role=f"{args.role}-sidecar")
+
+
+async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
+    """The sidecar of ``args`` as a lifecycle Service. Its gRPC server is sync (one thread per
+    call, blocking engine waits), so start and drain run off the event loop; start creates the
+    pool, the engine and the server and reports SERVING, drain is ``SidecarServer.stop``
+    (NOT_SERVING for good, in-flight writes drained or fenced, pool unlinked, socket removed)."""
+    import asyncio
+
+    from deltakv.services.runtime.lifecycle import Service
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
-    log = configure_logging(f"{args.role}-sidecar", level=args.log_level, fmt=args.log_format)
-    tel = None
-    try:
-        tel = telemetry.setup_from_args(args, args.role, "sidecar")
-        layout = build_layout(args)
-        config = SidecarConfig(
-            role=args.role, transport=args.transport, socket_path=args.socket, layout=layout,
-            host=args.host, port=args.port, transport_extra=parse_options(args.transport_option),
-            shm_name=args.shm_name, health_port=args.health_port,
-            drain_timeout_s=args.drain_timeout_s, max_lease_ms=args.max_lease_ms)
-        server = SidecarServer(config)
-    except (ValueError, DeltaKVError) as exc:
-        print(f"deltakv serve sidecar: error: {exc}", file=sys.stderr)
-        if tel is not None:
-            tel.shutdown()
-        return 2
+    config = SidecarConfig(
+        role=args.role, transport=args.transport, socket_path=args.socket,
+        layout=build_layout(args), host=args.host, port=args.port,
+        transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
+        health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
+        max_lease_ms=args.max_lease_ms)
+    server = SidecarServer(config)
 
-    stop_requested = threading.Event()
+    async def start() -> None:
+        await asyncio.to_thread(server.start)
 
-    def on_signal(signum: int, frame: object) -> None:
-        log.info("signal_received", signal=signal.Signals(signum).name)
-        stop_requested.set()
+    async def drain(grace_s: float) -> None:
+        await asyncio.to_thread(server.stop, grace_s)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    try:
-        server.start()
-    except DeltaKVError as exc:
-        log.error("sidecar_start_failed", error=str(exc), code=exc.code.name)
-        tel.shutdown()
-        return 1
-    except OSError as exc:
-        log.error("sidecar_start_failed", error=str(exc))
-        tel.shutdown()
-        return 1
-    try:
-        # Wake regularly so signal handlers run promptly on the main thread.
-        while not stop_requested.wait(0.5):
-            pass
-    finally:
-        server.stop()
-        tel.shutdown()  # after the drain: the last transfers' spans are exported too
-    log.info("sidecar_exit", pid=os.getpid())
-    return 0
+    return Service(start, drain, {"socket": args.socket})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,419 @@
+"""Local deltakv processes, supervised: :class:`ManagedProcess` and :class:`LocalCluster`.
+
+:class:`ManagedProcess` is the one way deltakv starts a child: ``deltakv up``'s four processes,
+``deltakv demo``'s cluster, ``deltakv bench transfer``'s sidecars and the test fixtures all use
+it. A child
+
+* runs in its own session (Ctrl-C in a terminal reaches the parent only, which stops the
+  children in order) and gets SIGTERM when the thread that started it dies, whatever the cause
+  (Linux ``PR_SET_PDEATHSIG``), so no child outlives its parent — start children from a
+  long-lived thread (the main thread);
+* writes stdout and stderr to its own log file (no pipe to fill up), whose tail goes into
+  every error;
+* is ready when its ``grpc.health.v1`` answers SERVING (:func:`deltakv.rpc.channel.wait_serving`,
+  bounded, ended early by the child's death or the caller's interruption);
+* is stopped with SIGTERM, then SIGKILL after a bound.
+
+:class:`LocalCluster` is the 1P1D cluster of ``deltakv up`` (two sidecars, prefill, decode)
+as a Python object, used by ``up``, ``demo`` and the e2e tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltakv.errors import Unavailable
+from deltakv.rpc.channel import uds_address, wait_serving
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_KILL_WAIT_S = 10.0  # reaping a SIGKILLed child is immediate; bounded anyway
+
+
+class ProcessError(RuntimeError):
+    """A child failed to start, was not healthy in time, or start-up was interrupted; the
+    message carries the tail of its log."""
+
+
+class ClusterError(ProcessError):
+    """The local cluster cannot start (a port taken, a transport missing, a child failed)."""
+
+
+def sigterm_on_parent_death() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the thread that started it dies (Linux
+    ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _detach_and_die_with_parent() -> None:
+    sigterm_on_parent_death()
+    os.setsid()
+
+
+class ManagedProcess:
+    """One supervised child process (see the module docstring).
+
+    ``name``: used in errors and log tails. ``argv``: the command. ``log_path``: stdout and
+    stderr are appended there. ``health_target``: gRPC address whose health service says the
+    child is ready (None: :meth:`wait_serving` is not available). ``env``: the child's whole
+    environment (default: this process's), ``PYTHONUNBUFFERED=1`` added so log tails are
+    current. ``stop_timeout_s``: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | os.PathLike[str], *,
+                 health_target: str | None = None, env: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None, stop_timeout_s: float = 20.0) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.health_target = health_target
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.stop_timeout_s = stop_timeout_s
+        self.popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before :meth:`start`)."""
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once exited (negative: killed by that signal), else None."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def alive(self) -> bool:
+        """True while the child runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    def start(self) -> ManagedProcess:
+        """Spawn the child (again, if it exited). Raises ProcessError if it is running."""
+        if self.alive():
+            raise ProcessError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log:  # the child holds its own descriptor
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                          preexec_fn=_detach_and_die_with_parent)
+        return self
+
+    def wait_serving(self, timeout_s: float,
+                     interrupted: Callable[[], bool] | None = None) -> None:
+        """Block until the child's health is SERVING. Raises ProcessError (with the log tail)
+        if it exits first, is not SERVING within ``timeout_s``, or ``interrupted()`` turns
+        true (e.g. SIGTERM to the parent during start-up); the child keeps running."""
+        if self.health_target is None:
+            raise ProcessError(f"{self.name} has no health target to wait for")
+        stopped = interrupted or (lambda: False)
+        try:
+            wait_serving(self.health_target, timeout_s=max(timeout_s, 0.05),
+                         alive=lambda: self.alive() and not stopped(), what=self.name)
+        except Unavailable as exc:
+            if stopped():
+                raise ProcessError(f"start-up interrupted while waiting for {self.name}") from None
+            if not self.alive():
+                raise ProcessError(f"{self.name} exited with code {self.returncode} during "
+                                   f"start-up\n{self.log_tail()}") from None
+            raise ProcessError(f"{self.name} not healthy within {timeout_s:.0f} s ({exc})\n"
+                               f"{self.log_tail()}") from None
+
+    def log_text(self) -> str:
+        """The child's whole log so far ("" if there is none yet)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the child's log, indented and prefixed with its name."""
+        text = self.log_text().splitlines()[-lines:]
+        if not text:
+            return "  (no log)"
+        return "\n".join(f"  {self.name}| {line}" for line in text)
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` if the child is running (no wait)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait at most ``timeout_s`` for the child to exit; its exit status.
+        ``subprocess.TimeoutExpired`` if it is still running; ProcessError if never started."""
+        if self.popen is None:
+            raise ProcessError(f"{self.name} was never started")
+        return self.popen.wait(timeout_s)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int | None:
+        """Send ``sig`` and wait up to ``timeout_s`` (default ``stop_timeout_s``), then SIGKILL.
+        Returns the exit status (None if never started). Idempotent."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+            try:
+                self.popen.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL and reap (what a crash leaves behind stays behind)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(_KILL_WAIT_S)
+
+
+# -- the local 1P1D cluster -----------------------------------------------------------------------
+
+DEFAULT_DECODE_PORT = 50051
+DEFAULT_PREFILL_PORT = 50061
+# Distinct scrape ports for the four processes of `deltakv up --metrics-port P`.
+METRICS_PORT_OFFSETS = {"decode": 0, "prefill": 1, "decode-sidecar": 2, "prefill-sidecar": 3}
+# Start order, one group at a time; stop order is decode first, sidecars last.
+START_GROUPS = (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",))
+STOP_ORDER = ("decode", "prefill", "decode-sidecar", "prefill-sidecar")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ClusterError if ``host:port`` cannot be bound now (another cluster or program listens
+    there): said before any process starts, instead of a child failing later.
+
+    Binds with SO_REUSEADDR, as gRPC's own listener does, so a port that only has connections
+    in TIME_WAIT (about a minute after a restart) counts as free, exactly as it is for gRPC.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ClusterError(f"cannot use {host}:{port}: {exc.strerror}; choose another "
+                               f"port (0 picks a free one)") from None
+
+
+def check_transport(name: str) -> None:
+    """ClusterError with the registry's one-line reason if the backend cannot run here
+    (unknown name, or its optional dependency is missing). Probes that backend only."""
+    from deltakv.errors import InvalidArgument
+    from deltakv.sidecar.transport.registry import BACKENDS, unavailable_reason
+
+    try:
+        reason = unavailable_reason(name)
+    except InvalidArgument:
+        raise ClusterError(f"unknown transport {name!r}; choose one of "
+                           f"{', '.join(sorted(BACKENDS))}") from None
+    if reason is not None:
+        raise ClusterError(reason)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ClusterConfig:
+    """Options of a local cluster (flags of ``deltakv up``; seconds unless named otherwise)."""
+
+    model: str = "smollm2"
+    transport: str = "shm"
+    page_size: int = 16
+    num_pages: int = 2048
+    prefill_num_pages: int = 0  # 0 = same as num_pages
+    decode_port: int = DEFAULT_DECODE_PORT
+    prefill_port: int = DEFAULT_PREFILL_PORT
+    host: str = "127.0.0.1"
+    run_dir: str | None = None
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 20.0
+    transport_options: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    prefill_sidecar_args: list[str] = field(default_factory=list)
+    decode_sidecar_args: list[str] = field(default_factory=list)
+    log_level: str = "info"
+    env: dict[str, str] = field(default_factory=dict)
+    # --otel-* flags passed to every process; metrics_port: Prometheus base port, each
+    # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
+    telemetry_args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+
+
+class LocalCluster:
+    """The four processes of a 1P1D cluster, each a ``deltakv serve ...`` command (what the
+    Helm chart runs). Ports are checked (ClusterError) at construction; ``start()`` returns
+    once all are healthy; ``stop()`` is idempotent and always leaves no process and no pool
+    segment behind."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        for port in (config.decode_port, config.prefill_port):
+            if port:
+                check_port_free(config.host, port)
+        if config.decode_port == 0:
+            config.decode_port = free_port(config.host)
+        if config.prefill_port == 0:
+            config.prefill_port = free_port(config.host)
+        self.own_run_dir = config.run_dir is None
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="deltakv-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster_id = uuid.uuid4().hex[:8]
+        self.decode_address = f"{config.host}:{config.decode_port}"
+        self.prefill_address = f"{config.host}:{config.prefill_port}"
+        self.sockets = {role: str(self.run_dir / f"{role}-sidecar.sock")
+                        for role in ("prefill", "decode")}
+        self.shm_names = {role: f"deltakv-{self.cluster_id}-{role}" for role in ("prefill", "decode")}
+        self.procs = self._plan()
+        self._stopped = False
+
+    # -- process plan ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _cli(*words: str) -> list[str]:
+        return [sys.executable, "-m", "deltakv.services.cli.main", *words]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # Four processes cannot share one service name: each names itself
+        # (deltakv-decode, deltakv-prefill, deltakv-sidecar) unless config.env says otherwise.
+        env.pop("OTEL_SERVICE_NAME", None)
+        env.setdefault("OTEL_EXPORTER_PROMETHEUS_HOST", self.config.host)
+        env.update(self.config.env)
+        return env
+
+    def _plan(self) -> list[ManagedProcess]:
+        c = self.config
+        argvs: dict[str, list[str]] = {}
+        for role in ("decode", "prefill"):
+            pages = c.num_pages if role == "decode" or not c.prefill_num_pages else c.prefill_num_pages
+            argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
+                             "--socket", self.sockets[role], "--model", c.model,
+                             "--page-size", str(c.page_size), "--num-pages", str(pages),
+                             "--host", c.host, "--port", "0", "--shm-name", self.shm_names[role],
+                             "--log-level", c.log_level)
+            for opt in c.transport_options:
+                argv += ["--transport-option", opt]
+            argvs[f"{role}-sidecar"] = argv + (c.prefill_sidecar_args if role == "prefill"
+                                               else c.decode_sidecar_args)
+        argvs["prefill"] = self._cli(
+            "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets["prefill"],
+            "--host", c.host, "--port", str(c.prefill_port), "--log-level", c.log_level,
+            "--log-format", "json", *c.prefill_args)
+        argvs["decode"] = self._cli(
+            "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets["decode"],
+            "--prefill-target", self.prefill_address, "--host", c.host,
+            "--port", str(c.decode_port), "--log-level", c.log_level, "--log-format", "json",
+            *c.decode_args)
+        env = self._env()
+        procs = []
+        for name, argv in argvs.items():
+            argv += c.telemetry_args
+            if c.metrics_port:
+                argv += ["--metrics-port", str(self.metrics_ports()[name])]
+            procs.append(ManagedProcess(name, argv, self.run_dir / f"{name}.log",
+                                        health_target=self._health_target(name, argv), env=env,
+                                        stop_timeout_s=c.stop_timeout_s))
+        return procs
+
+    def _health_target(self, name: str, argv: list[str]) -> str:
+        if name.endswith("sidecar"):
+            return uds_address(self.sockets[name.split("-")[0]])
+        # A worker given --health-port (e.g. by tests running it with TLS through
+        # prefill_args/decode_args) mirrors its status there in plain text.
+        if "--health-port" in argv[:-1]:
+            port = argv[argv.index("--health-port") + 1]
+            if port != "0":
+                return f"{self.config.host}:{port}"
+        return self.prefill_address if name == "prefill" else self.decode_address
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Prometheus scrape port of each process ({} when ``metrics_port`` is 0)."""
+        base = self.config.metrics_port
+        return {name: base + off for name, off in METRICS_PORT_OFFSETS.items()} if base else {}
+
+    def proc(self, name: str) -> ManagedProcess:
+        """The process named ``name`` (``decode``, ``prefill``, ``decode-sidecar``,
+        ``prefill-sidecar``); StopIteration for another name."""
+        return next(p for p in self.procs if p.name == name)
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start(self, progress: Callable[[str], None] | None = None,
+              interrupted: Callable[[], bool] | None = None) -> None:
+        """Start sidecars, then prefill, then decode, each group waited for (bounded by
+        ``start_timeout_s`` in total). Raises ClusterError (and stops everything) when a
+        process fails, or as soon as ``interrupted()`` returns true (e.g. SIGTERM during
+        start-up)."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        try:
+            for group in START_GROUPS:
+                for name in group:
+                    self.proc(name).start()
+                for name in group:
+                    if progress:
+                        progress(f"waiting for {name}")
+                    self.proc(name).wait_serving(deadline - time.monotonic(), interrupted)
+        except ProcessError as exc:
+            self.stop()
+            raise ClusterError(str(exc)) from None
+        except BaseException:
+            self.stop()
+            raise
+
+    def restart_proc(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a stopped process again and wait for its health (fault tests)."""
+        self.proc(name).start().wait_serving(timeout_s)
+
+    def dead(self) -> list[ManagedProcess]:
+        """Processes that have exited."""
+        return [p for p in self.procs if p.returncode is not None]
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def stop_proc(self, name: str, sig: int = signal.SIGTERM) -> int | None:
+        """Signal one process and wait (bounded); SIGKILL if it does not exit. Exit status."""
+        return self.proc(name).stop(sig)
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop decode, prefill, then the sidecars (SIGTERM, bounded wait, SIGKILL); unlink
+        the pool segment of a sidecar that had to be killed; remove a run directory this
+        object created unless a process failed (its logs are kept). Idempotent; returns each
+        process's exit status (None: never started)."""
+        if not self._stopped:
+            self._stopped = True
+            for name in STOP_ORDER:
+                self.stop_proc(name)
+            for shm in self.shm_names.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{shm}")
+            if self.own_run_dir and not self.dead_with_error():
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        return {p.name: p.returncode for p in self.procs}
+
+    def dead_with_error(self) -> bool:
+        """True if a process exited other than cleanly (0) or by our SIGTERM."""
+        return any(p.returncode not in (0, None, -signal.SIGTERM) for p in self.procs)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
