@@ -60,13 +60,13 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
     """
-    from deltakv import telemetry
     from deltakv.services.model.loader import load_model
     from deltakv.services.model.runner import ModelRunner
+    from deltakv.services.runtime import otel_grpc
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
-    sidecar = SidecarClient(sidecar_socket, interceptors=telemetry.aio_client_interceptors())
+    sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
     await sidecar.wait_ready(timeout_s=ready_timeout_s)
     describe = await sidecar.describe()
     layout = KVLayout.from_proto(describe.endpoint.layout)
@@ -81,7 +81,7 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     pool = sidecar.map_pool(describe)
     runner = ModelRunner(model, pool.tensor)
     if log is not None:
-        log.info("worker ready", model=model_name, page_size=layout.page_size,
+        log.info("worker_ready", model=model_name, page_size=layout.page_size,
                  num_pages=layout.num_pages, page_bytes=layout.page_bytes,
                  endpoint_id=describe.endpoint.endpoint_id, backend=describe.endpoint.backend)
     return Worker(sidecar=sidecar, describe=describe, layout=layout, pool=pool, model=model,

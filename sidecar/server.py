@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,7 +267,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         """
         info = request.transfer_info
         dpl = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         with telemetry.span(
                 "kv.transfer", room=info.room, request_id=info.request_id or None,
                 prompt_len=info.prompt_len, decode_prefix_len=dpl,
@@ -426,12 +427,15 @@ class SidecarServer:
     released before the error propagates.
     """
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, interceptors: Sequence[Any] = ()) -> None:
+        """``interceptors``: sync gRPC server interceptors installed outermost (the entry
+        point's tracing ones, so a span sees the status the error mapping aborts with)."""
         if config.role not in ROLES:
             raise InvalidArgument(f"--role must be one of {sorted(ROLES)}, got {config.role!r}")
         if config.drain_timeout_s <= 0:
             raise InvalidArgument(f"drain timeout must be > 0 s, got {config.drain_timeout_s}")
         self.config = config
+        self.interceptors = list(interceptors)
         self.endpoint_id = uuid.uuid4().hex
         self.log = log.bind(role=f"{config.role}-sidecar")
         self.pool: Any = None
@@ -479,8 +483,8 @@ class SidecarServer:
                 max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s)
             self.server = grpc_util.make_server(
                 max_workers=cfg.max_workers, logger=self.log,
-                outer_interceptors=telemetry.server_interceptors())
-            self._unobserve_pool = deltakv_metrics.current().observe_pool(
+                outer_interceptors=self.interceptors)
+            self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(self.service, self.server)
             self.health = grpc_util.add_health_and_reflection(self.server, [SERVICE_NAME])

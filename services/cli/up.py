@@ -381,9 +381,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
-    telemetry.add_arguments(parser, metrics_port_help=(
+    otel.add_arguments(parser, metrics_port_help=(
         "Prometheus base port: decode P, prefill P+1, decode sidecar P+2, prefill sidecar P+3 "
         "(0 = off)"))
 
@@ -391,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _metrics_base_port(args: argparse.Namespace) -> int:
     """--metrics-port, or the OTEL_EXPORTER_PROMETHEUS_PORT (default 9464) base when the
     environment asks for the prometheus exporter (the four processes need distinct ports)."""
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
     if args.metrics_port is not None:
         return args.metrics_port
@@ -401,7 +401,7 @@ def _metrics_base_port(args: argparse.Namespace) -> int:
     if "prometheus" not in exporters:
         return 0
     raw = os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT") or ""
-    return int(raw) if raw.isdigit() else telemetry.DEFAULT_PROMETHEUS_PORT
+    return int(raw) if raw.isdigit() else otel.DEFAULT_PROMETHEUS_PORT
 
 
 def _decode_bounds(args: argparse.Namespace) -> list[str]:
@@ -414,11 +414,11 @@ def _decode_bounds(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deltakv import telemetry
     from deltakv.errors import DeltaKVError
+    from deltakv.services.runtime import otel
 
     try:  # the same check every process makes, once, before anything starts
-        telemetry.config_from_args(args, "decode", "worker")
+        otel.config_from_args(args, "decode", "worker")
     except DeltaKVError as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
                            prefill_port=args.prefill_port, run_dir=args.run_dir,
                            start_timeout_s=args.start_timeout_s,
                            transport_options=args.transport_option, log_level=args.log_level,
-                           telemetry_args=telemetry.forwarded_args(args),
+                           telemetry_args=otel.forwarded_args(args),
                            decode_args=_decode_bounds(args),
                            metrics_port=_metrics_base_port(args))
     stop = threading.Event()

@@ -101,7 +101,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         t_start = time.monotonic()
         state = _RequestState(request_id=request_id, sidecar_id=f"{request_id}/{uuid.uuid4().hex[:8]}")
         telemetry.annotate(request_id=request_id)  # on the Generate server span
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         try:
             prompt, sampling = self._parse(request)
             first, response, seq = await self._admit_and_prefill(
@@ -397,7 +397,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def _record_usage(self, usage: decode_pb2.Usage) -> None:
         """Metrics of a completed request: outcome, cached-token ratio, bytes saved by
         prefix reuse (``cached_tokens / page_size`` pages that did not cross the network)."""
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         instruments.requests.add(1, {"outcome": "ok"})
         if usage.prompt_tokens:
             instruments.cached_ratio.record(usage.cached_tokens / usage.prompt_tokens)

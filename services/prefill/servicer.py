@@ -219,7 +219,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if sp.is_recording():
                 sp.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         instruments.prefill_duration.record(prefill_ms / 1000.0)
         instruments.prefill_tokens.add(len(tokens) - cached_len, {"kind": "computed"})
         instruments.prefill_tokens.add(cached_len, {"kind": "cached"})

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -133,14 +133,14 @@ class AioServer:
 
 
 def worker_server(args, service_name: str, add_servicers: Callable[[grpc.aio.Server], None],
-                  credentials: grpc.ServerCredentials | None) -> AioServer:
+                  credentials: grpc.ServerCredentials | None,
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AioServer:
     """The AioServer of a prefill or decode worker from its parsed ``--host``, ``--port`` and
-    ``--health-port`` flags, traced when telemetry is on, with TLS when ``credentials``."""
-    from deltakv import telemetry
-
+    ``--health-port`` flags, with TLS when ``credentials`` and ``interceptors`` (the entry
+    point's tracing interceptors, outermost first; none when tracing is off)."""
     health = f"{args.host}:{args.health_port}" if args.health_port else None
     return AioServer(f"{args.host}:{args.port}", [service_name], add_servicers,
-                     interceptors=telemetry.aio_server_interceptors(), credentials=credentials,
+                     interceptors=list(interceptors), credentials=credentials,
                      health_address=health)
 
 

@@ -41,12 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from deltakv import telemetry
     from deltakv.rpc import tls
+    from deltakv.services.runtime import otel
 
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +73,7 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
         try:
             reply = await stub.Handshake(prefill_pb2.HandshakeRequest(decode_endpoint=endpoint),
                                          timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
-            log.info("paired with prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
+            log.info("paired_with_prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
                      model=reply.model)
             return
         except grpc.RpcError as exc:
@@ -89,11 +89,11 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deltakv import telemetry
     from deltakv.errors import DeltaKVError
     from deltakv.rpc import tls
     from deltakv.rpc.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
     from deltakv.services.decode.servicer import DecodeConfig, DecodeServicer
+    from deltakv.services.runtime import otel, otel_grpc
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.services.worker import start_worker
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
@@ -110,23 +110,23 @@ async def _serve(args: argparse.Namespace) -> int:
         admission_timeout_s=args.admission_timeout_s)
     tel = None
     try:
-        tel = telemetry.setup_from_args(args, "decode", "worker")
+        tel = otel.start_from_args(args, "decode", "worker")
         # Bad TLS files fail here, before the sidecar wait and the model load.
         tls.check_health_port(args.health_port, args.port)
         credentials = tls.server_credentials(tls.files_from_args(args))
         prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
         worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
     except DeltaKVError as exc:
-        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
+        log.error("decode_start_failed", reason=str(exc), code=exc.code.name)
         if tel is not None:
             tel.shutdown()
         return 2
     channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=CLIENT_OPTIONS,
-                              interceptors=telemetry.aio_client_interceptors())
+                              interceptors=otel_grpc.aio_client_interceptors())
     try:
         await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     except DeltaKVError as exc:
-        log.error("refusing to pair with prefill", reason=str(exc), code=exc.code.name)
+        log.error("prefill_pairing_refused", reason=str(exc), code=exc.code.name)
         await channel.close()
         await worker.close()
         tel.shutdown()
@@ -137,9 +137,9 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         server = worker_server(
             args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-            credentials)
+            credentials, interceptors=otel_grpc.aio_server_interceptors())
     except DeltaKVError as exc:
-        log.error("decode start-up failed", reason=str(exc), code=exc.code.name)
+        log.error("decode_start_failed", reason=str(exc), code=exc.code.name)
         await servicer.stop()
         await channel.close()
         await worker.close()
@@ -147,15 +147,15 @@ async def _serve(args: argparse.Namespace) -> int:
         return 2
     await server.start()
     await server.set_serving(True)
-    log.info("decode serving", address=server.address, prefill=args.prefill_target,
+    log.info("decode_serving", address=server.address, prefill=args.prefill_target,
              tls=credentials is not None, client_certs=bool(args.tls_ca),
              prefill_tls=prefill_credentials is not None, health_address=server.health_address)
     await stop.wait()
-    log.info("decode draining", grace_s=args.drain_timeout_s)
+    log.info("decode_draining", grace_s=args.drain_timeout_s)
     await server.drain(args.drain_timeout_s)
     await servicer.stop()
     await channel.close()
     await worker.close()
     tel.shutdown()  # after the drain, so the last requests' spans are flushed
-    log.info("decode stopped")
+    log.info("decode_stopped")
     return 0

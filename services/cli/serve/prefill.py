@@ -22,11 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, give in-flight prefills this long to finish")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from deltakv import telemetry
     from deltakv.rpc import tls
+    from deltakv.services.runtime import otel
 
     tls.add_server_arguments(parser)
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,11 +38,11 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deltakv import telemetry
     from deltakv.errors import DeltaKVError
     from deltakv.rpc import tls
     from deltakv.rpc.aio_server import install_stop_signals, worker_server
     from deltakv.services.prefill.servicer import PrefillServicer
+    from deltakv.services.runtime import otel, otel_grpc
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.services.worker import start_worker
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
@@ -52,13 +52,13 @@ async def _serve(args: argparse.Namespace) -> int:
     install_stop_signals(stop)
     tel = None
     try:
-        tel = telemetry.setup_from_args(args, "prefill", "worker")
+        tel = otel.start_from_args(args, "prefill", "worker")
         # Bad TLS files fail here, before the sidecar wait and the model load.
         tls.check_health_port(args.health_port, args.port)
         credentials = tls.server_credentials(tls.files_from_args(args))
         worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
     except DeltaKVError as exc:
-        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
+        log.error("prefill_start_failed", reason=str(exc), code=exc.code.name)
         if tel is not None:
             tel.shutdown()
         return 2
@@ -68,22 +68,22 @@ async def _serve(args: argparse.Namespace) -> int:
         server = worker_server(
             args, name,
             lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-            credentials)
+            credentials, interceptors=otel_grpc.aio_server_interceptors())
     except DeltaKVError as exc:
-        log.error("prefill start-up failed", reason=str(exc), code=exc.code.name)
+        log.error("prefill_start_failed", reason=str(exc), code=exc.code.name)
         servicer.close()
         await worker.close()
         tel.shutdown()
         return 2
     await server.start()
     await server.set_serving(True)
-    log.info("prefill serving", address=server.address, tls=credentials is not None,
+    log.info("prefill_serving", address=server.address, tls=credentials is not None,
              client_certs=bool(args.tls_ca), health_address=server.health_address)
     await stop.wait()
-    log.info("prefill draining", grace_s=args.drain_timeout_s)
+    log.info("prefill_draining", grace_s=args.drain_timeout_s)
     await server.drain(args.drain_timeout_s)
     servicer.close()
     await worker.close()
     tel.shutdown()  # after the drain, so the last requests' spans are flushed
-    log.info("prefill stopped")
+    log.info("prefill_stopped")
     return 0

@@ -59,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -105,15 +105,15 @@ def build_layout(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Start the sidecar, serve until SIGTERM/SIGINT, shut down gracefully."""
-    from deltakv import telemetry
     from deltakv.errors import DeltaKVError
+    from deltakv.services.runtime import otel, otel_grpc
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
     log = configure_logging(f"{args.role}-sidecar", level=args.log_level, fmt=args.log_format)
     tel = None
     try:
-        tel = telemetry.setup_from_args(args, args.role, "sidecar")
+        tel = otel.start_from_args(args, args.role, "sidecar")
         layout = build_layout(args)
         config = SidecarConfig(
             role=args.role, transport=args.transport, socket_path=args.socket, layout=layout,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             shm_name=args.shm_name, health_port=args.health_port,
             drain_timeout_s=args.drain_timeout_s, fault_inject=args.fault_inject,
             max_lease_ms=args.max_lease_ms)
-        server = SidecarServer(config)
+        server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
     except (ValueError, DeltaKVError) as exc:
         print(f"deltakv serve sidecar: error: {exc}", file=sys.stderr)
         if tel is not None:
