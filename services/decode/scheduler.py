@@ -123,7 +123,7 @@ class DecodeScheduler:
                 next_tokens = await loop.run_in_executor(self.executor, self._step, items,
                                                          samplers)
             except Exception as exc:  # a failed forward fails its batch, not the server
-                log.error("decode step failed", error=repr(exc), batch=len(batch))
+                log.error("decode_step_failed", error=repr(exc), batch=len(batch))
                 error = exc if isinstance(exc, DeltaKVError) else Internal(f"decode step: {exc}")
                 self.in_step = set()
                 for seq in batch:

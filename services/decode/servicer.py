@@ -140,7 +140,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         transferred_bytes=usage.transferred_bytes, total_ms=usage.total_ms)))
             self._record_usage(usage)
             self.counters["requests_ok"] += 1
-            log.info("request done", prompt_tokens=usage.prompt_tokens,
+            log.info("request_done", prompt_tokens=usage.prompt_tokens,
                      cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
                      transferred_bytes=usage.transferred_bytes, ttft_ms=round(ttft_ms, 2))
             yield decode_pb2.GenerateResponse(usage=usage)
@@ -149,14 +149,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             instruments.requests.add(1, {"outcome": "rejected"})
             instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
             telemetry.fail_current(exc)  # the request's root span shows why it failed
-            log.warning("request failed", code=exc.code.name, reason=str(exc))
+            log.warning("request_failed", code=exc.code.name, reason=str(exc))
             # Release before the client sees the error, so its next request finds the pages.
             await asyncio.shield(self._cleanup_once(state))
             await context.abort(*status_of(exc))
         except asyncio.CancelledError:
             self.counters["requests_cancelled"] += 1
             instruments.requests.add(1, {"outcome": "cancelled"})
-            log.info("request cancelled by the client")
+            log.info("request_cancelled")
             raise
         finally:
             # Shielded: a cancelled handler still fences its transfer and frees its pages.
@@ -367,7 +367,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await self._commit_kv(state, state.seq)
             await self._release(state, quarantine_ms=0)
         except DeltaKVError as exc:
-            log.error("cleanup failed", reason=str(exc))
+            log.error("cleanup_failed", reason=str(exc))
             if state.holds_pages:
                 await self._release(state, quarantine_ms=0)
 
@@ -377,10 +377,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await self.prefill.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
-            log.info("transfer aborted by prefill")
+            log.info("transfer_aborted")
             return True
         except grpc.RpcError as exc:
-            log.warning("abort not confirmed, quarantining delta pages",
+            log.warning("abort_unconfirmed_pages_quarantined",
                         code=exc.code().name, reason=exc.details())
             return False
 

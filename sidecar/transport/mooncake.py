@@ -27,12 +27,12 @@ drains before tearing the engine down.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 from mooncake.engine import TransferEngine
 
@@ -56,7 +56,7 @@ from deltakv.sidecar.transport.base import (
 )
 from deltakv.v1 import kv_pb2
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 _DESCRIPTOR_VERSION = 1
 # batch_transfer_async_write returns 0 on a submit error, or (uint64)-1 when the peer's
@@ -337,8 +337,8 @@ class MooncakeTransport(Transport):
             # deadline: a superset), then report the deadline.
             settled = batch.done.wait(self._engine_bound_s(lengths))
             if not settled:
-                log.error("mooncake batch to %s outlived the engine's own timeout; "
-                          "drain() before reusing its destination pages", handle.session)
+                log.error("mooncake_batch_outlived_engine_timeout", session=handle.session,
+                          action="drain() before reusing its destination pages")
             raise DeadlineExceeded(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session}: a batch of "
                 f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline"
@@ -409,8 +409,8 @@ class MooncakeTransport(Transport):
                 handle.closed = True
             self._peers.clear()
         if not self.drain():
-            log.warning("mooncake transport closed with %d batch(es) still in the engine; "
-                        "leaking the engine", self.in_flight)
+            log.warning("mooncake_closed_with_batches_in_flight", in_flight=self.in_flight,
+                        effect="engine leaked")
             return
         if self._pool is not None:
             self._engine.unregister_memory(self._pool.data_ptr())

@@ -55,7 +55,6 @@ naming the package, its Python versions and ROCm.
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import os
 import socket
@@ -68,6 +67,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from deltakv.errors import (
     DeadlineExceeded,
@@ -93,7 +94,7 @@ from deltakv.v1 import kv_pb2
 if TYPE_CHECKING:
     from deltakv.sidecar.pool import SharedKVPool
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 #: Largest single MORI-IO entry (``size > 2^32-1`` is ERR_INVALID_ARGS).
 MAX_ENTRY_BYTES = 2**32 - 1
@@ -537,8 +538,8 @@ class MoriTransport(Transport):
             if drop_engine:
                 self._deregister(engine_desc)
             raise
-        log.info("mori peer %s connected: engine %s at %s", peer.endpoint_id, handle.engine_key,
-                 handle.address)
+        log.info("mori_peer_connected", endpoint_id=peer.endpoint_id, engine=handle.engine_key,
+                 address=handle.address)
         return handle
 
     def _build_session(self, handle: MoriPeer) -> Any:
@@ -589,7 +590,7 @@ class MoriTransport(Transport):
         try:
             self._engine.deregister_remote_engine(engine_desc)
         except Exception:  # noqa: BLE001 - the peer is being dropped anyway
-            log.warning("mori: deregister_remote_engine(%s) failed", engine_desc.key,
+            log.warning("mori_deregister_remote_engine_failed", engine=engine_desc.key,
                         exc_info=True)
 
     # ------------------------------------------------------------------ writes
@@ -774,8 +775,8 @@ class MoriTransport(Transport):
             registered = list(self._registered.values())
             self._registered.clear()
         if not self.drain():
-            log.warning("mori transport closed with %d write(s) still in the engine; leaking "
-                        "the engine", self.in_flight)
+            log.warning("mori_closed_with_writes_in_flight", in_flight=self.in_flight,
+                        effect="engine leaked")
             return
         for desc in registered:
             self._deregister(desc)
@@ -783,7 +784,7 @@ class MoriTransport(Transport):
             try:
                 self._engine.deregister_memory(self._memory)
             except Exception:  # noqa: BLE001
-                log.warning("mori: deregister_memory failed", exc_info=True)
+                log.warning("mori_deregister_memory_failed", exc_info=True)
             self._memory = None
             self._pool = None
         self._teardown()
@@ -794,7 +795,7 @@ class MoriTransport(Transport):
             try:
                 engine.remove_backend(kind)
             except Exception:  # noqa: BLE001 - best effort while shutting down
-                log.warning("mori: remove_backend(%s) failed", kind, exc_info=True)
+                log.warning("mori_remove_backend_failed", backend=kind, exc_info=True)
         self._backends = []
         self._engine = None
 
