@@ -26,7 +26,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -40,6 +39,7 @@ from deltakv.errors import (
     from_rpc_error,
     status_of,
 )
+from deltakv.services.decode.config import DecodeConfig
 from deltakv.services.decode.request import (
     ParsedRequest,
     RequestState,
@@ -60,25 +60,6 @@ from deltakv.services.worker import Worker
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = get_logger()
-
-
-@dataclass
-class DecodeConfig:
-    """Bounds and defaults of the decode service (all waits are bounded, DESIGN §6).
-
-    Times in ms unless named ``_s``. ``lease_ms`` must cover prefill compute + transfer; the
-    quarantine after an unconfirmed abort is ``lease_ms + quarantine_grace_ms`` from the send.
-    """
-
-    max_batch_size: int = 8
-    default_max_new_tokens: int = 128
-    max_new_tokens_limit: int = 4096
-    prefill_timeout_ms: int = 60_000
-    lease_ms: int = 60_000
-    quarantine_grace_ms: int = 5_000
-    abort_timeout_ms: int = 5_000
-    prefill_connect_timeout_ms: int = 3_000
-    admission_timeout_s: float = 30.0
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):

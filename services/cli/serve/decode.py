@@ -10,7 +10,7 @@ DEFAULT_PORT = 50051
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deltakv.services.decode.servicer import DecodeConfig
+    from deltakv.services.decode.config import DecodeConfig
 
     d = DecodeConfig()
     parser.add_argument("--model", default="smollm2",
@@ -92,7 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from deltakv.errors import DeltaKVError
     from deltakv.rpc import tls
     from deltakv.rpc.aio_server import CLIENT_OPTIONS, install_stop_signals, worker_server
-    from deltakv.services.decode.servicer import DecodeConfig, DecodeServicer
+    from deltakv.services.decode.config import DecodeConfig
+    from deltakv.services.decode.servicer import DecodeServicer
     from deltakv.services.runtime import otel, otel_grpc
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.services.worker import start_worker

@@ -160,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m deltakv.services.cli.serve.sidecar ...``: the same as ``deltakv serve sidecar ...`` without
     importing the other subcommands (tests and containers start sidecars this way)."""
+    from deltakv.services.cli.main import hub_offline
+
+    hub_offline()  # this is an entry point too (--model reads a model's config)
     parser = argparse.ArgumentParser(prog="deltakv serve sidecar", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

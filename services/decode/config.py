@@ -1,0 +1,28 @@
+"""Bounds and defaults of the decode service, light enough for building the CLI parser.
+
+``deltakv serve decode`` reads its flag defaults from :class:`DecodeConfig` while the parser is
+built (``deltakv --help``), so this module imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeConfig:
+    """Bounds and defaults of the decode service (all waits are bounded, DESIGN §6).
+
+    Times in ms unless named ``_s``. ``lease_ms`` must cover prefill compute + transfer; the
+    quarantine after an unconfirmed abort is ``lease_ms + quarantine_grace_ms`` from the send.
+    """
+
+    max_batch_size: int = 8
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 4096
+    prefill_timeout_ms: int = 60_000
+    lease_ms: int = 60_000
+    quarantine_grace_ms: int = 5_000
+    abort_timeout_ms: int = 5_000
+    prefill_connect_timeout_ms: int = 3_000
+    admission_timeout_s: float = 30.0
