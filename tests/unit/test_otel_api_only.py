@@ -1,7 +1,8 @@
-"""OpenTelemetry's API/SDK line: library modules — deltakv.telemetry, deltakv.metrics and
-everything under deltakv.sidecar — use the API only. The SDK is the entry point's business
-(deltakv.services.runtime.otel), so a program that embeds the sidecar or the contract never
-pulls in the SDK, its exporters or its threads."""
+"""OpenTelemetry's API/SDK line: library modules — deltakv.telemetry, deltakv.metrics, the rest
+of the contract package (errors, layout, client, rpc/) and everything under deltakv.sidecar —
+use the API only. The SDK is the entry point's business (deltakv.services.runtime.otel), so a
+program that embeds the sidecar or the contract never pulls in the SDK, its exporters or its
+threads."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import deltakv
 import deltakv.sidecar
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,9 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def library_modules() -> list[str]:
-    names = ["deltakv.telemetry", "deltakv.metrics", "deltakv.sidecar"]
-    names += [m.name for m in pkgutil.walk_packages(deltakv.sidecar.__path__, "deltakv.sidecar.")]
-    return sorted(names)
+    """The contract (proto/deltakv, generated code aside) and the sidecar, every module."""
+    contract = [m.name for m in pkgutil.walk_packages(deltakv.__path__, "deltakv.")
+                if not m.name.startswith("deltakv.v1")]
+    sidecar = [m.name for m in pkgutil.walk_packages(deltakv.sidecar.__path__, "deltakv.sidecar.")]
+    names = sorted({"deltakv", *contract, "deltakv.sidecar", *sidecar})
+    assert {"deltakv.telemetry", "deltakv.metrics", "deltakv.sidecar.server"} <= set(names)
+    return names
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
