@@ -1,8 +1,5 @@
-"""Bounds and defaults of the decode service, light enough for building the CLI parser.
-
-``deltakv serve decode`` reads its flag defaults from :class:`DecodeConfig` while the parser is
-built (``deltakv --help``), so this module imports nothing beyond the standard library.
-"""
+"""The decode service's bounds and defaults, apart from the servicer so that building the
+``deltakv serve decode`` parser (its flag defaults) imports neither torch nor the model."""
 
 from __future__ import annotations
 

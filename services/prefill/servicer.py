@@ -66,16 +66,16 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, page_size: int
     if info.prompt_len != len(tokens):
         raise InvalidArgument(
             f"transfer_info.prompt_len={info.prompt_len} but {len(tokens)} token ids were sent")
-    dpl = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
-    if dpl % page_size:
-        raise InvalidArgument(f"decode_prefix_len={dpl} is not a multiple of page_size={page_size}")
-    if dpl > info.prompt_len:
-        raise InvalidArgument(f"decode_prefix_len={dpl} exceeds prompt_len={info.prompt_len}")
-    delta = -(-info.prompt_len // page_size) - dpl // page_size
+    prefix_len = info.decode_prefix_len if info.HasField("decode_prefix_len") else 0
+    if prefix_len % page_size:
+        raise InvalidArgument(f"decode_prefix_len={prefix_len} is not a multiple of page_size={page_size}")
+    if prefix_len > info.prompt_len:
+        raise InvalidArgument(f"decode_prefix_len={prefix_len} exceeds prompt_len={info.prompt_len}")
+    delta = -(-info.prompt_len // page_size) - prefix_len // page_size
     if len(info.dst_page_indices) != delta:
         raise InvalidArgument(
             f"{len(info.dst_page_indices)} destination pages for {delta} delta pages "
-            f"(prompt_len={info.prompt_len}, decode_prefix_len={dpl}, page_size={page_size})")
+            f"(prompt_len={info.prompt_len}, decode_prefix_len={prefix_len}, page_size={page_size})")
     if info.lease_ms == 0:
         raise InvalidArgument("transfer_info.lease_ms must be > 0")
 
@@ -212,12 +212,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with telemetry.span("prefill.forward", prompt_len=len(tokens),
                             prefill_cached_len=cached_len,
                             computed_tokens=len(tokens) - cached_len,
-                            pages=len(page_table)) as sp:
+                            pages=len(page_table)) as span:
             attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
             first_token = await attempt.forward
             prefill_ms = (time.monotonic() - t0) * 1000.0
-            if sp.is_recording():
-                sp.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))
         instruments = deltakv_metrics.instruments()
         instruments.prefill_duration.record(prefill_ms / 1000.0)
