@@ -41,10 +41,8 @@ and :func:`deltakv.telemetry.span` is a shared no-op. ``OTEL_SDK_DISABLED=true``
 everything the environment configures; explicit flags still apply (the Helm chart renders
 ``--metrics-port`` for Prometheus while OTLP is off).
 
-Every process's resource has ``service.name`` (``OTEL_SERVICE_NAME`` if set, else
-``deltakv-decode``, ``deltakv-prefill`` or ``deltakv-sidecar``), ``deltakv.role``
-(``decode | prefill``: the worker, or the worker a sidecar serves) and ``deltakv.process``
-(``worker | sidecar``), on top of ``OTEL_RESOURCE_ATTRIBUTES``. See docs/telemetry.md.
+Every resource has ``service.name``, ``deltakv.role`` and ``deltakv.process`` on top of
+``OTEL_RESOURCE_ATTRIBUTES`` (values in docs/telemetry.md).
 """
 
 from __future__ import annotations
@@ -244,11 +242,9 @@ def resolve_config(role: str, process: str, *, traces_exporter: str | None = Non
 
 # -- command-line flags -------------------------------------------------------------------
 
-# (flag, argparse dest) of every flag forwarded verbatim by `deltakv up`.
-_FORWARDED = (("--otel-traces-exporter", "otel_traces_exporter"),
-              ("--otel-metrics-exporter", "otel_metrics_exporter"),
-              ("--otel-endpoint", "otel_endpoint"),
-              ("--otel-sampler-arg", "otel_sampler_arg"))
+# Flags forwarded verbatim by `deltakv up` (argparse dest: the flag in snake_case).
+_FORWARDED = ("--otel-traces-exporter", "--otel-metrics-exporter", "--otel-endpoint",
+              "--otel-sampler-arg")
 
 
 def add_arguments(parser: argparse.ArgumentParser,
@@ -290,8 +286,8 @@ def forwarded_args(args: argparse.Namespace, metrics_port: int | None = None) ->
     """The flags of :func:`add_arguments` that were given, as argv (for ``deltakv up``);
     ``metrics_port`` replaces ``--metrics-port`` (each process needs its own port)."""
     out: list[str] = []
-    for flag, attr in _FORWARDED:
-        value = getattr(args, attr, None)
+    for flag in _FORWARDED:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             out += [flag, str(value)]
     if metrics_port is not None:
