@@ -9,7 +9,7 @@ geometry is exactly the pool's (a mismatch would silently corrupt attention).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +63,13 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
     """
-    from deltakv import telemetry
     from deltakv.services.model.loader import load_model
     from deltakv.services.model.runner import ModelRunner
+    from deltakv.services.runtime import otel_grpc
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
-    sidecar = SidecarClient(sidecar_socket, interceptors=telemetry.aio_client_interceptors())
+    sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
     await sidecar.wait_ready(timeout_s=ready_timeout_s)
     describe = await sidecar.describe()
     layout = KVLayout.from_proto(describe.endpoint.layout)
@@ -84,7 +84,7 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     pool = sidecar.map_pool(describe)
     runner = ModelRunner(model, pool.tensor)
     if log is not None:
-        log.info("worker ready", model=model_name, page_size=layout.page_size,
+        log.info("worker_ready", model=model_name, page_size=layout.page_size,
                  num_pages=layout.num_pages, page_bytes=layout.page_bytes,
                  endpoint_id=describe.endpoint.endpoint_id, backend=describe.endpoint.backend)
     return Worker(sidecar=sidecar, describe=describe, layout=layout, pool=pool, model=model,
@@ -92,13 +92,12 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
 
 
 def worker_server(args: Any, service_name: str, add_servicers: Callable[[Any], None],
-                  credentials: Any = None) -> AioServer:
+                  credentials: Any = None, interceptors: Sequence[Any] = ()) -> AioServer:
     """The gRPC server of a prefill or decode worker from its parsed ``--host``, ``--port`` and
-    ``--health-port`` flags: traced when telemetry is on, TLS with ``credentials``
-    (``grpc.ServerCredentials``; None = plain text). Raises Unavailable if a port is taken."""
-    from deltakv import telemetry
-
+    ``--health-port`` flags: TLS with ``credentials`` (``grpc.ServerCredentials``; None = plain
+    text); ``interceptors`` are the entry point's tracing interceptors (outermost, so spans
+    see the mapped status; none when tracing is off). Raises Unavailable if a port is taken."""
     health = f"{args.host}:{args.health_port}" if args.health_port else None
     return AioServer(f"{args.host}:{args.port}", [service_name], add_servicers,
-                     outer_interceptors=telemetry.aio_server_interceptors(),
+                     outer_interceptors=list(interceptors),
                      credentials=credentials, health_address=health)

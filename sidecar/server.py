@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from deltakv import metrics as deltakv_metrics
-from deltakv import telemetry
 from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
@@ -82,12 +82,15 @@ class SidecarServer:
     released before the error propagates.
     """
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, interceptors: Sequence[Any] = ()) -> None:
+        """``interceptors``: sync gRPC server interceptors installed outermost (the entry
+        point's tracing ones, so a span sees the status the error mapping aborts with)."""
         if config.role not in ROLES:
             raise InvalidArgument(f"--role must be one of {sorted(ROLES)}, got {config.role!r}")
         if config.drain_timeout_s <= 0:
             raise InvalidArgument(f"drain timeout must be > 0 s, got {config.drain_timeout_s}")
         self.config = config
+        self.interceptors = list(interceptors)
         self.endpoint_id = uuid.uuid4().hex
         self.log = log.bind(role=f"{config.role}-sidecar")
         self.pool: Any = None
@@ -130,13 +133,13 @@ class SidecarServer:
                 transport=self.transport, endpoint=endpoint, peers=self.peers,
                 rooms=self.rooms, max_lease_ms=cfg.max_lease_ms,
                 abort_grace_s=cfg.abort_grace_s)
-            self._unobserve_pool = deltakv_metrics.current().observe_pool(
+            self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             service = self.service
             self.server = SyncServer(
                 address, [SERVICE_NAME],
                 lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
-                outer_interceptors=telemetry.server_interceptors(), logger=self.log,
+                outer_interceptors=self.interceptors, logger=self.log,
                 max_workers=cfg.max_workers,
                 health_address=f"0.0.0.0:{cfg.health_port}" if cfg.health_port else None)
             self.server.start()

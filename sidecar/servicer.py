@@ -218,7 +218,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
         """
         info = request.transfer_info
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         with telemetry.span(
                 "kv.transfer", room=info.room, request_id=info.request_id or None,
                 prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,

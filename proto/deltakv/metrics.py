@@ -1,8 +1,11 @@
-"""The deltakv metric instruments (OpenTelemetry metrics API), one set per process.
+"""The deltakv metric instruments, on the OpenTelemetry *API*'s global meter only.
 
-:func:`current` returns the process's :class:`DeltaKVMetrics`. Until
-:func:`deltakv.telemetry.setup_telemetry` installs a real meter it is bound to the
-API's no-op meter, so recording costs a method call and nothing else when metrics are off.
+:func:`instruments` returns the process's :class:`DeltaKVMetrics`, created lazily on first use
+from ``opentelemetry.metrics.get_meter_provider()``. This module configures nothing: a process's
+entry point sets the SDK meter provider once (:func:`deltakv.services.runtime.otel.start`).
+Before that, or when metrics are off, the instruments are the API's proxy/no-op ones, so
+recording costs a method call and nothing else; instruments made before the SDK provider is set
+are re-bound to it by the API itself.
 
 Instruments (OTel name -> Prometheus name; units follow the OTel conventions, durations in
 seconds):
@@ -34,6 +37,7 @@ and evictable are subsets of cached).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,6 +53,7 @@ TRANSFER_BUCKETS_B = (0, 32_768, 131_072, 524_288, 2_097_152, 8_388_608, 33_554_
                       134_217_728, 536_870_912, 2_147_483_648, 4_294_967_296)
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
+METER_NAME = "deltakv"
 POOL_STATES = ("free", "cached", "live", "quarantined", "locked", "evictable")
 
 
@@ -135,18 +140,19 @@ class DeltaKVMetrics:
         return out
 
 
-_current = DeltaKVMetrics(otel_metrics.NoOpMeterProvider().get_meter("deltakv"))
+def instruments() -> DeltaKVMetrics:
+    """The process's instruments, on the meter ``deltakv`` of OpenTelemetry's global meter
+    provider (the API's proxy until an entry point sets the SDK's). Thread-safe; cheap after
+    the first call."""
+    return _instruments_of(otel_metrics.get_meter_provider())
 
 
-def current() -> DeltaKVMetrics:
-    """The process's instruments (no-op until telemetry set-up installs a meter)."""
-    return _current
-
-
-def install(instruments: DeltaKVMetrics) -> None:
-    """Make ``instruments`` the process's current set (called by telemetry set-up)."""
-    global _current
-    _current = instruments
+# Memoised per provider, not stored: OpenTelemetry's global stays the one source of truth, and
+# creating instruments on every call would grow the API proxy's list of meters without bound.
+# A process has one or two providers over its life (proxy, then SDK); tests a few more.
+@functools.lru_cache(maxsize=8)
+def _instruments_of(provider: otel_metrics.MeterProvider) -> DeltaKVMetrics:
+    return DeltaKVMetrics(provider.get_meter(METER_NAME))
 
 
 def code_label(exc: BaseException) -> str:

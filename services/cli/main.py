@@ -3,16 +3,28 @@
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them together (a registry, not an if-chain).
 Modules import heavy dependencies (torch, transformers, grpc servers) inside ``run`` so that
-``deltakv --help`` stays fast.
+``deltakv --help`` stays fast. A subcommand whose module cannot be imported stays listed,
+marked unavailable with the reason, and running it prints that reason (exit status 1).
+
+The entry point also owns process-wide settings: :func:`main` switches the Hugging Face hub
+off (``HF_HUB_OFFLINE=1`` unless already set) before any subcommand runs, so nothing is ever
+downloaded and every child process (``up`` starts four) inherits it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
-# (command words, module, help). Modules not yet present are skipped with a clear message.
+# Set by the entry point, never at import of a library module (models are built in or local
+# files; the loader also passes local_files_only).
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
+UNAVAILABLE_EXIT = 1
+
+# (command words, module, help).
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("serve", "sidecar"), "deltakv.services.cli.serve.sidecar", "run one KV-transfer sidecar (UDS gRPC)"),
     (("serve", "prefill"), "deltakv.services.cli.serve.prefill", "run the prefill service"),
@@ -37,10 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     for words, module_name, help_text in COMMANDS:
         try:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # subcommand not built yet
-            raise
+        except ImportError as exc:  # a missing dependency or a broken install; bugs propagate
+            module, help_text = None, f"(unavailable: {_import_failure(module_name, exc)})"
+            reason = _import_failure(module_name, exc, detail=True)
         for depth in range(1, len(words)):
             prefix = words[:depth]
             if prefix not in parents:
@@ -49,15 +60,49 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[prefix] = sub.add_subparsers(dest=f"cmd_{depth}", required=True,
                                                     metavar="COMMAND")
         leaf = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text)
+        if module is None:
+            # Its flags are unknown: main() lets them through, so the reason is what shows.
+            leaf.set_defaults(_run=_unavailable(" ".join(words), reason), _accepts_any=True)
+            continue
         module.add_arguments(leaf)
         leaf.set_defaults(_run=module.run)
     return parser
 
 
+def _import_failure(module_name: str, exc: ImportError, detail: bool = False) -> str:
+    """Why ``module_name`` did not import: the exception, plus (``detail``) where it was
+    raised, so a broken install or a missing optional dependency is named, not hidden."""
+    what = f"cannot import {module_name}: {type(exc).__name__}: {exc}"
+    if not detail:
+        return what
+    frame = traceback.extract_tb(exc.__traceback__)[-1:]
+    where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    return what + where
+
+
+def _unavailable(command: str, reason: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"deltakv {command}: unavailable: {reason}", file=sys.stderr)
+        return UNAVAILABLE_EXIT
+
+    return run
+
+
+def hub_offline() -> None:
+    """Switch the Hugging Face hub off for this process and its children (unless the
+    environment already says otherwise)."""
+    for name, value in OFFLINE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``deltakv`` console script; returns the process exit code."""
+    hub_offline()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # parse_args, except that an unavailable subcommand takes any flags.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_accepts_any", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -83,9 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
-    telemetry.add_arguments(parser, metrics_port_help=(
+    otel.add_arguments(parser, metrics_port_help=(
         "Prometheus base port: decode P, prefill P+1, decode sidecar P+2, prefill sidecar P+3 "
         "(0 = off)"))
 
@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _metrics_base_port(args: argparse.Namespace) -> int:
     """--metrics-port, or the OTEL_EXPORTER_PROMETHEUS_PORT (default 9464) base when the
     environment asks for the prometheus exporter (the four processes need distinct ports)."""
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
     if args.metrics_port is not None:
         return args.metrics_port
@@ -103,7 +103,7 @@ def _metrics_base_port(args: argparse.Namespace) -> int:
     if "prometheus" not in exporters:
         return 0
     raw = os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT") or ""
-    return int(raw) if raw.isdigit() else telemetry.DEFAULT_PROMETHEUS_PORT
+    return int(raw) if raw.isdigit() else otel.DEFAULT_PROMETHEUS_PORT
 
 
 def _decode_bounds(args: argparse.Namespace) -> list[str]:
@@ -119,16 +119,16 @@ def cluster_config(args: argparse.Namespace):
     """The :class:`~deltakv.services.cluster.ClusterConfig` of parsed ``up`` flags (also used
     by ``deltakv demo``). Raises InvalidArgument (a DeltaKVError) for a bad telemetry
     configuration: the check every process would make, made once before anything starts."""
-    from deltakv import telemetry
     from deltakv.services.cluster import ClusterConfig
+    from deltakv.services.runtime import otel
 
-    telemetry.config_from_args(args, "decode", "worker")
+    otel.config_from_args(args, "decode", "worker")
     return ClusterConfig(model=args.model, transport=args.transport, page_size=args.page_size,
                          num_pages=args.num_pages, decode_port=args.decode_port,
                          prefill_port=args.prefill_port, run_dir=args.run_dir,
                          start_timeout_s=args.start_timeout_s,
                          transport_options=args.transport_option, log_level=args.log_level,
-                         telemetry_args=telemetry.forwarded_args(args),
+                         telemetry_args=otel.forwarded_args(args),
                          decode_args=_decode_bounds(args),
                          metrics_port=_metrics_base_port(args))
 

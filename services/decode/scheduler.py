@@ -1,11 +1,15 @@
-"""Continuous batching of decode steps (one token per running sequence per step).
+"""Continuous batching of decode steps (one token per running request per step).
 
-A sequence joins after prefill produced its first token and leaves when it stops (EOS,
-``max_new_tokens``) or is cancelled; every step batches all running sequences (up to
+A :class:`DecodeRequest` joins after prefill produced its first token and leaves when it stops
+(EOS, ``max_new_tokens``) or is cancelled; every step batches all running requests (up to
 ``max_batch_size``, round-robin beyond that) into one ``ModelRunner.decode_step`` on a dedicated
 thread, so the asyncio loop keeps streaming while torch computes. Cancellation is two-phase: a
-cancelled sequence is dropped at the next step boundary and ``detached`` is set only once no
+cancelled request is dropped at the next step boundary and ``detached`` is set only once no
 in-flight step can still write its KV — the caller waits for it before releasing pages.
+
+Each request's ``events`` queue carries typed events (:data:`StreamEvent`): a :class:`TokenEvent` per
+generated token, then exactly one :class:`FinishEvent` (stopped) or :class:`ErrorEvent` (its
+batch failed, or the service is stopping) — nothing after a cancellation.
 """
 
 from __future__ import annotations
@@ -22,12 +26,35 @@ from deltakv.services.runtime.logs import get_logger
 
 log = get_logger()
 
-#: Queue item that ends a sequence's stream: ("finish", reason) or ("error", exception).
-Event = tuple[str, object]
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token id (its KV is written by the next step)."""
+
+    token_id: int
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The request stopped: ``reason`` is ``"stop"`` (EOS) or ``"length"``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed: its decode step raised (``Internal`` unless already typed) or the
+    service is stopping. The consumer raises ``error``."""
+
+    error: DeltaKVError
+
+
+#: What a request's ``events`` queue carries, in order: tokens, then one Finish or Error.
+StreamEvent = TokenEvent | FinishEvent | ErrorEvent
 
 
 @dataclass(eq=False)
-class Sequence:
+class DecodeRequest:
     """One request being decoded.
 
     ``tokens``: prompt + generated token ids; KV exists for the first ``kv_len`` of them (the
@@ -42,7 +69,7 @@ class Sequence:
     sampler: Sampler
     max_new_tokens: int
     should_stop: Callable[[int, int], str | None]
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     finish_reason: str | None = None
     detached: asyncio.Event = field(default_factory=asyncio.Event)
@@ -66,8 +93,8 @@ class DecodeScheduler:
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
-        self.running: list[Sequence] = []
-        self.in_step: set[Sequence] = set()
+        self.running: list[DecodeRequest] = []
+        self.in_step: set[DecodeRequest] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -79,31 +106,31 @@ class DecodeScheduler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for seq in list(self.running):
-            self._drop(seq, ("error", Internal("decode service is stopping")))
+        for request in list(self.running):
+            self._drop(request, ErrorEvent(Internal("decode service is stopping")))
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, request: DecodeRequest) -> None:
         """Join the running batch at the next step."""
-        self.running.append(seq)
+        self.running.append(request)
         self._wake.set()
 
-    def cancel(self, seq: Sequence) -> None:
-        """Drop ``seq``; ``seq.detached`` is set once no step can write its KV any more."""
-        seq.cancelled = True
-        if seq not in self.in_step:
-            self._drop(seq, None)
+    def cancel(self, request: DecodeRequest) -> None:
+        """Drop ``request``; ``request.detached`` is set once no step can write its KV."""
+        request.cancelled = True
+        if request not in self.in_step:
+            self._drop(request, None)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
-    def _drop(self, seq: Sequence, event: Event | None) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
+    def _drop(self, request: DecodeRequest, event: FinishEvent | ErrorEvent | None) -> None:
+        if request in self.running:
+            self.running.remove(request)
         if event is not None:
-            seq.out.put_nowait(event)
-        seq.detached.set()
+            request.events.put_nowait(event)
+        request.detached.set()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -113,34 +140,34 @@ class DecodeScheduler:
                 await self._wake.wait()
                 continue
             batch = self.running[: self.max_batch_size]
-            # Round-robin beyond max_batch_size so no sequence starves.
+            # Round-robin beyond max_batch_size so no request starves.
             self.running = self.running[len(batch):] + batch
-            items = [DecodeSeq(token_id=s.tokens[-1], seq_len=s.kv_len, page_table=s.page_table)
-                     for s in batch]
-            samplers = [s.sampler for s in batch]
+            items = [DecodeSeq(token_id=r.tokens[-1], seq_len=r.kv_len, page_table=r.page_table)
+                     for r in batch]
+            samplers = [r.sampler for r in batch]
             self.in_step = set(batch)
             try:
                 next_tokens = await loop.run_in_executor(self.executor, self._step, items,
                                                          samplers)
             except Exception as exc:  # a failed forward fails its batch, not the server
-                log.error("decode step failed", error=repr(exc), batch=len(batch))
+                log.error("decode_step_failed", error=repr(exc), batch=len(batch))
                 error = exc if isinstance(exc, DeltaKVError) else Internal(f"decode step: {exc}")
                 self.in_step = set()
-                for seq in batch:
-                    self._drop(seq, ("error", error))
+                for request in batch:
+                    self._drop(request, ErrorEvent(error))
                 continue
             self.in_step = set()
             self.steps += 1
-            for seq, token in zip(batch, next_tokens, strict=True):
-                if seq.cancelled:
-                    self._drop(seq, None)
+            for request, token in zip(batch, next_tokens, strict=True):
+                if request.cancelled:
+                    self._drop(request, None)
                     continue
-                seq.tokens.append(token)
-                seq.out.put_nowait(("token", token))
-                reason = seq.should_stop(token, len(seq.generated))
+                request.tokens.append(token)
+                request.events.put_nowait(TokenEvent(token))
+                reason = request.should_stop(token, len(request.generated))
                 if reason is not None:
-                    seq.finish_reason = reason
-                    self._drop(seq, ("finish", reason))
+                    request.finish_reason = reason
+                    self._drop(request, FinishEvent(reason))
 
     def _step(self, items: list[DecodeSeq], samplers: list[Sampler]) -> list[int]:
         logits = self.runner.decode_step(items)

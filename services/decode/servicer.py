@@ -1,18 +1,21 @@
 """DecodeService: the public entry point; decode-first request flow of DESIGN §3.
 
-One ``Generate``:
+``Generate`` runs five named steps, one method each:
 
-1. tokenize (text, chat template, or token ids) and validate (INVALID_ARGUMENT);
-2. ``MatchPrefix`` on decode's sidecar -> ``decode_prefix_len`` (skipped when
-   ``disable_decode_prefix_reuse``), locked for the request;
-3. ``Allocate`` delta + generation pages, waiting (bounded) for pages other requests still hold;
-   a request that can never fit is RESOURCE_EXHAUSTED before prefill computes anything;
-4. ``Prefill(TransferInfo)`` with a deadline; on failure or cancel: ``AbortTransfer(room)``,
-   and only then free the pages — if the abort cannot be confirmed they stay quarantined until
-   ``lease_ms + grace`` after the request was sent (DESIGN §6);
-5. ``Commit`` the prompt's full pages, stream the first token, decode in the continuous batch;
-6. at the end (finish, error or client cancel): ``Commit`` the full pages of prompt and generated
-   tokens, ``Release`` the rest — exactly once — and send ``Usage``.
+1. **parse** — tokenize and validate (INVALID_ARGUMENT), :mod:`deltakv.services.decode.request`;
+2. **admit** — RESOURCE_EXHAUSTED at once for a request that can never fit; ``MatchPrefix`` ->
+   ``decode_prefix_len`` (skipped when ``disable_decode_prefix_reuse``), locked for the
+   request; ``Allocate`` delta + generation pages, waiting (bounded) for pages others hold;
+3. **prefill** — ``Prefill(TransferInfo)`` with a deadline, then ``Commit`` the prompt's full
+   pages;
+4. **stream** — the first token, then the continuous batch's typed stream events;
+5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
+   rest, send ``Usage``.
+
+On every exit (finish, error, client cancel) the request's one cleanup runs, shielded from
+cancellation: it fences an unanswered prefill with ``AbortTransfer(room)`` before freeing the
+delta pages (unconfirmed: quarantined until ``lease_ms + grace`` after the send, DESIGN §6)
+and releases what the request's ``RequestState`` says it holds — exactly once.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -31,15 +34,26 @@ from deltakv import telemetry
 from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
-    InvalidArgument,
     ResourceExhausted,
     Unavailable,
     from_rpc_error,
 )
 from deltakv.services.decode.config import DecodeConfig
-from deltakv.services.decode.scheduler import DecodeScheduler, Sequence
-from deltakv.services.model.sampling import Sampler, should_stop
-from deltakv.services.model.tokenizer import IncrementalDetokenizer, encode_chat, encode_text
+from deltakv.services.decode.request import (
+    ParsedRequest,
+    RequestState,
+    parse_generate,
+    sampler_for_decode,
+)
+from deltakv.services.decode.scheduler import (
+    DecodeRequest,
+    DecodeScheduler,
+    ErrorEvent,
+    FinishEvent,
+    TokenEvent,
+)
+from deltakv.services.model.sampling import should_stop
+from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -54,7 +68,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                  config: DecodeConfig) -> None:
         self.worker = worker
         self.prefill_channel = prefill_channel
-        self.prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        self.prefill_service = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
         self.config = config
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
@@ -75,69 +89,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Server-streaming generation; see the module docstring for the flow and
-        ``decode.proto`` for the status codes."""
-        request_id = request.request_id or uuid.uuid4().hex
-        bind_request(request_id)
-        t_start = time.monotonic()
-        state = _RequestState(request_id=request_id, sidecar_id=f"{request_id}/{uuid.uuid4().hex[:8]}")
-        telemetry.annotate(request_id=request_id)  # on the Generate server span
-        instruments = deltakv_metrics.current()
+        """Server-streaming generation: the five steps of the module docstring. Streams
+        ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
+        (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
+        FAILED_PRECONDITION (prefill), INTERNAL (a failed decode step)."""
+        state = self._open(request)
         try:
-            prompt, sampling = self._parse(request)
-            first, response, seq = await self._admit_and_prefill(
-                state, prompt, sampling, request.disable_decode_prefix_reuse, context)
-            ttft_ms = (time.monotonic() - t_start) * 1000.0
-            telemetry.annotate(ttft_ms=ttft_ms, room=state.room, prompt_len=state.prompt_len,
-                               decode_prefix_len=state.decode_prefix_len)
-            instruments.ttft.record(ttft_ms / 1000.0)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt)
-            yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(
-                token_ids=[first], text=detok.push(first)))
-            if seq.finish_reason is None:
-                self.scheduler.add(seq)
-                state.seq_in_scheduler = seq
-                while True:
-                    kind, value = await seq.out.get()
-                    if kind == "token":
-                        yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(
-                            token_ids=[value], text=detok.push(value)))
-                    elif kind == "finish":
-                        break
-                    else:
-                        raise value  # type: ignore[misc]
-            tail = detok.flush()
-            if tail:
-                yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(text=tail))
-            with telemetry.span("decode.finish", completion_tokens=len(seq.generated),
-                                finish_reason=seq.finish_reason or "stop") as sp:
-                await self._finish(state, seq)
-                usage = self._usage(state, seq, response, ttft_ms, t_start)
-                if request.echo_prompt_token_ids:
-                    usage.prompt_token_ids.extend(seq.tokens[: seq.prompt_len])
-                if sp.is_recording():
-                    sp.set_attributes(telemetry.prefixed(dict(
-                        prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                        transferred_bytes=usage.transferred_bytes, total_ms=usage.total_ms)))
-            self._record_usage(usage)
-            self.counters["requests_ok"] += 1
-            log.info("request done", prompt_tokens=usage.prompt_tokens,
-                     cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-                     transferred_bytes=usage.transferred_bytes, ttft_ms=round(ttft_ms, 2))
-            yield decode_pb2.GenerateResponse(usage=usage)
+            parsed = self._parse(request)
+            await self._admit(state, parsed)
+            decode_request = await self._prefill(state, parsed, context)
+            async for message in self._stream(state, parsed, decode_request):
+                yield message
+            yield await self._finish(state, parsed, decode_request)
         except DeltaKVError as exc:
-            self.counters["requests_failed"] += 1
-            instruments.requests.add(1, {"outcome": "rejected"})
-            instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
-            telemetry.fail_current(exc)  # the request's root span shows why it failed
-            log.warning("request failed", code=exc.code.name, reason=str(exc))
-            # Release before the client sees the error, so its next request finds the pages.
-            await asyncio.shield(self._cleanup_once(state))
+            await self._fail(state, exc)
             raise  # the server's error interceptor sends its status
         except asyncio.CancelledError:
             self.counters["requests_cancelled"] += 1
-            instruments.requests.add(1, {"outcome": "cancelled"})
-            log.info("request cancelled by the client")
+            deltakv_metrics.instruments().requests.add(1, {"outcome": "cancelled"})
+            log.info("request_cancelled")
             raise
         finally:
             # Shielded: a cancelled handler still fences its transfer and frees its pages.
@@ -150,112 +120,85 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.DecodeStats(pool=stats.pool, running=self.scheduler.num_running,
                                       waiting=self.waiting, **self.counters)
 
-    # -- steps ------------------------------------------------------------------------------
+    # -- the steps of Generate --------------------------------------------------------------
 
-    def _parse(self, request: decode_pb2.GenerateRequest) -> tuple[list[int], kv_pb2.SamplingParams]:
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            prompt = encode_text(self.tokenizer, request.text)
-        elif kind == "chat":
-            if not request.chat.messages:
-                raise InvalidArgument("chat input has no messages")
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            for m in messages:
-                if m["role"] not in ("system", "user", "assistant"):
-                    raise InvalidArgument(f"unknown chat role {m['role']!r}")
-            prompt = encode_chat(self.tokenizer, messages)
-        elif kind == "token_ids":
-            prompt = list(request.token_ids.ids)
-            vocab = self.worker.model.vocab_size
-            bad = next((t for t in prompt if t >= vocab), None)
-            if bad is not None:
-                raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {vocab})")
-        else:
-            raise InvalidArgument("one of text, chat or token_ids is required")
-        if not prompt:
-            raise InvalidArgument("prompt is empty")
-        sampling = kv_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        if sampling.max_new_tokens == 0:
-            sampling.max_new_tokens = self.config.default_max_new_tokens
-        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
-                                  f"{self.config.max_new_tokens_limit}")
-        if sampling.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {sampling.temperature}")
-        if not 0.0 <= sampling.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {sampling.top_p}")
-        # Rejected here, before pages are allocated or prefill computes anything.
-        context = getattr(self.worker.model.config, "max_position_embeddings", 0)
-        if context and len(prompt) + sampling.max_new_tokens > context:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                f"exceeds the model's context of {context} positions")
-        return prompt, sampling
+    def _open(self, request: decode_pb2.GenerateRequest) -> RequestState:
+        """The request's id (the client's, or a fresh one), bound to its log lines and its
+        Generate server span."""
+        request_id = request.request_id or uuid.uuid4().hex
+        bind_request(request_id)
+        telemetry.annotate(request_id=request_id)  # on the Generate server span
+        return RequestState(request_id=request_id,
+                            sidecar_id=f"{request_id}/{uuid.uuid4().hex[:8]}",
+                            started_at=time.monotonic())
 
-    async def _admit_and_prefill(self, state: _RequestState, prompt: list[int],
-                                 sampling: kv_pb2.SamplingParams, no_reuse: bool,
-                                 context: grpc.aio.ServicerContext):
-        sidecar = self.worker.sidecar
+    def _parse(self, request: decode_pb2.GenerateRequest) -> ParsedRequest:
+        """Step 1: tokens and sampling, validated (INVALID_ARGUMENT)."""
+        return parse_generate(request, self.worker.model,
+                              default_max_new_tokens=self.config.default_max_new_tokens,
+                              max_new_tokens_limit=self.config.max_new_tokens_limit)
+
+    async def _admit(self, state: RequestState, parsed: ParsedRequest) -> None:
+        """Step 2: the cached prefix (locked) and freshly allocated pages for the rest of the
+        prompt and the generation. RESOURCE_EXHAUSTED at once if the request exceeds the whole
+        pool, or after ``admission_timeout_s`` of waiting for pages others hold."""
         layout = self.worker.layout
-        ps = layout.page_size
-        n = len(prompt)
-        total_pages = layout.pages_for(n + sampling.max_new_tokens)
+        prompt_len = len(parsed.prompt)
+        max_new = parsed.sampling.max_new_tokens
+        total_pages = layout.pages_for(prompt_len + max_new)
         if total_pages > layout.num_pages:
             raise ResourceExhausted(
-                f"request needs {total_pages} pages ({n} prompt + {sampling.max_new_tokens} new "
-                f"tokens, page_size {ps}) but the decode pool has only {layout.num_pages}")
-        state.prompt_len = n
+                f"request needs {total_pages} pages ({prompt_len} prompt + {max_new} new "
+                f"tokens, page_size {layout.page_size}) but the decode pool has only "
+                f"{layout.num_pages}")
+        state.prompt_len = prompt_len
         state.holds_pages = True  # from here on, Release is owed exactly once
-        with telemetry.span("decode.match_prefix", prompt_len=n, reuse=not no_reuse) as sp:
-            if no_reuse:
-                prefix_len, prefix_pages = 0, []
+        with telemetry.span("decode.match_prefix", prompt_len=prompt_len,
+                            reuse=parsed.reuse_prefix) as span:
+            if parsed.reuse_prefix:
+                prefix_len, prefix_pages = await self.worker.sidecar.match_prefix(
+                    state.sidecar_id, parsed.prompt)
             else:
-                prefix_len, prefix_pages = await sidecar.match_prefix(state.sidecar_id, prompt)
-            if sp.is_recording():
-                sp.set_attributes(telemetry.prefixed(dict(
+                prefix_len, prefix_pages = 0, []
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(
                     decode_prefix_len=prefix_len, matched_pages=len(prefix_pages))))
         state.decode_prefix_len = prefix_len
         with telemetry.span("decode.allocate", pages=total_pages - len(prefix_pages),
                             admission_timeout_s=self.config.admission_timeout_s):
             pages = await self._allocate(state, total_pages - len(prefix_pages))
-        delta = layout.delta_pages(n, prefix_len)
-        page_table = prefix_pages + pages
-        room = secrets.randbits(63) or 1
-        state.room = room
-        bind_request(state.request_id, room)
-        info = kv_pb2.TransferInfo(room=room, request_id=state.request_id,
-                                   decode_endpoint=self.endpoint,
-                                   dst_page_indices=pages[:delta], decode_prefix_len=prefix_len,
-                                   prompt_len=n, lease_ms=self.config.lease_ms)
+        state.page_table = prefix_pages + pages
+        state.delta_pages = pages[: layout.delta_pages(prompt_len, state.decode_prefix_len)]
+
+    async def _prefill(self, state: RequestState, parsed: ParsedRequest,
+                       context: grpc.aio.ServicerContext) -> DecodeRequest:
+        """Step 3: prefill computes the first token and writes the delta pages into this
+        pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
+        ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
+        enter decode's radix index. Returns the request, ready to decode."""
+        state.room = secrets.randbits(63) or 1
+        bind_request(state.request_id, state.room)
+        info = kv_pb2.TransferInfo(
+            room=state.room, request_id=state.request_id, decode_endpoint=self.endpoint,
+            dst_page_indices=state.delta_pages, decode_prefix_len=state.decode_prefix_len,
+            prompt_len=state.prompt_len, lease_ms=self.config.lease_ms)
         timeout_s = self.config.prefill_timeout_ms / 1000.0
         remaining = context.time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
         # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
-        with telemetry.span("decode.first_token", room=room, prompt_len=n,
-                            decode_prefix_len=prefix_len, delta_pages=delta,
-                            lease_ms=self.config.lease_ms) as sp:
-            await self._prefill_connected()
-            state.sent_at = time.monotonic()
-            state.transfer_pending = True
-            try:
-                response = await self.prefill.Prefill(
-                    prefill_pb2.PrefillRequest(token_ids=prompt, sampling=sampling,
-                                               transfer_info=info),
-                    timeout=timeout_s)
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    err = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
-                elif isinstance(err, Unavailable):
-                    err = Unavailable(f"prefill failed: {exc.details()}")
-                raise err from None
-            state.transfer_pending = False
-            canonical, _ = await sidecar.commit(state.sidecar_id, prompt, page_table)
-            page_table[: len(canonical)] = canonical
-            if sp.is_recording():
-                sp.set_attributes(telemetry.prefixed(dict(
+        with telemetry.span("decode.first_token", room=state.room, prompt_len=state.prompt_len,
+                            decode_prefix_len=state.decode_prefix_len,
+                            delta_pages=len(state.delta_pages),
+                            lease_ms=self.config.lease_ms) as span:
+            response = await self._call_prefill(state, prefill_pb2.PrefillRequest(
+                token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info),
+                timeout_s)
+            canonical, _ = await self.worker.sidecar.commit(state.sidecar_id, parsed.prompt,
+                                                            state.page_table)
+            state.page_table[: len(canonical)] = canonical
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(
                     first_token_id=response.first_token_id, transferred_pages=response.stats.pages,
                     transferred_bytes=response.stats.bytes, prefill_ms=response.prefill_ms,
                     transfer_ms=response.transfer_ms,
@@ -263,17 +206,104 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state.response = response
         first = response.first_token_id
         eos = self.worker.model.eos_token_ids
-        max_new = sampling.max_new_tokens
+        sampling = parsed.sampling
 
         def stop_rule(token: int, generated: int) -> str | None:
-            return should_stop(token, generated, max_new, eos, sampling.ignore_eos)
+            return should_stop(token, generated, sampling.max_new_tokens, eos,
+                               sampling.ignore_eos)
 
-        seq = Sequence(request_id=state.request_id, tokens=[*prompt, first], prompt_len=n,
-                       page_table=page_table, sampler=_sampler_for_decode(sampling),
-                       max_new_tokens=max_new, should_stop=stop_rule)
-        seq.finish_reason = stop_rule(first, 1)
-        state.seq = seq
-        return first, response, seq
+        decode_request = DecodeRequest(
+            request_id=state.request_id, tokens=[*parsed.prompt, first],
+            prompt_len=state.prompt_len, page_table=state.page_table,
+            sampler=sampler_for_decode(sampling), max_new_tokens=sampling.max_new_tokens,
+            should_stop=stop_rule)
+        decode_request.finish_reason = stop_rule(first, 1)
+        state.decode_request = decode_request
+        return decode_request
+
+    async def _call_prefill(self, state: RequestState, request: prefill_pb2.PrefillRequest,
+                            timeout_s: float) -> prefill_pb2.PrefillResponse:
+        """The Prefill RPC, its failure as a typed error: DEADLINE_EXCEEDED after
+        ``timeout_s``, UNAVAILABLE naming prefill, or prefill's own typed status.
+        ``state.transfer_pending`` is True from the send until prefill answered."""
+        await self._prefill_connected()
+        state.sent_at = time.monotonic()
+        state.transfer_pending = True
+        try:
+            response = await self.prefill_service.Prefill(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
+            elif isinstance(error, Unavailable):
+                error = Unavailable(f"prefill failed: {exc.details()}")
+            raise error from None
+        state.transfer_pending = False
+        return response
+
+    async def _stream(self, state: RequestState, parsed: ParsedRequest,
+                      decode_request: DecodeRequest
+                      ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """Step 4: the first token (TTFT is measured as it is sent), then every token the
+        continuous batch produces until the request stops, then any text the detokenizer
+        still held. An ``ErrorEvent`` from the batch is raised (INTERNAL)."""
+        state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
+        telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
+                           decode_prefix_len=state.decode_prefix_len)
+        deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=parsed.prompt)
+        first = decode_request.tokens[-1]
+        yield _chunk([first], detokenizer.push(first))
+        if decode_request.finish_reason is None:
+            self.scheduler.add(decode_request)
+            state.in_scheduler = True
+            while True:
+                match await decode_request.events.get():
+                    case TokenEvent(token_id=token_id):
+                        yield _chunk([token_id], detokenizer.push(token_id))
+                    case FinishEvent():
+                        break
+                    case ErrorEvent(error=error):
+                        raise error
+        tail = detokenizer.flush()
+        if tail:
+            yield _chunk([], tail)
+
+    async def _finish(self, state: RequestState, parsed: ParsedRequest,
+                      decode_request: DecodeRequest) -> decode_pb2.GenerateResponse:
+        """Step 5: cache the full pages of prompt + generated tokens, release the request's
+        pages, count it, and return the closing ``Usage`` message."""
+        with telemetry.span("decode.finish", completion_tokens=len(decode_request.generated),
+                            finish_reason=decode_request.finish_reason or "stop") as span:
+            await self._commit_kv(state, decode_request)
+            await self._release(state, quarantine_ms=0)
+            usage = self._usage(state, decode_request)
+            if parsed.echo_prompt:
+                usage.prompt_token_ids.extend(decode_request.tokens[: decode_request.prompt_len])
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(
+                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                    transferred_bytes=usage.transferred_bytes, total_ms=usage.total_ms)))
+        self._record_usage(usage)
+        self.counters["requests_ok"] += 1
+        log.info("request_done", prompt_tokens=usage.prompt_tokens,
+                 cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+                 transferred_bytes=usage.transferred_bytes, ttft_ms=round(state.ttft_ms, 2))
+        return decode_pb2.GenerateResponse(usage=usage)
+
+    async def _fail(self, state: RequestState, exc: DeltaKVError) -> None:
+        """A request that failed with a typed error: counted, its root span marked with the
+        reason, logged, and its resources released before the client sees the error (so the
+        client's next request finds the pages)."""
+        self.counters["requests_failed"] += 1
+        instruments = deltakv_metrics.instruments()
+        instruments.requests.add(1, {"outcome": "rejected"})
+        instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
+        telemetry.fail_current(exc)  # the request's root span shows why it failed
+        log.warning("request_failed", code=exc.code.name, reason=str(exc))
+        await asyncio.shield(self._cleanup_once(state))
+
+    # -- pages of a request -----------------------------------------------------------------
 
     async def _prefill_connected(self) -> None:
         """Wait (bounded) for the prefill connection, e.g. while it reconnects after a prefill
@@ -286,7 +316,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise Unavailable(f"prefill is unreachable (no connection within {timeout_s:g} s)"
                               ) from None
 
-    async def _allocate(self, state: _RequestState, num_pages: int) -> list[int]:
+    async def _allocate(self, state: RequestState, num_pages: int) -> list[int]:
         """Allocate, waiting up to ``admission_timeout_s`` for pages held by other requests."""
         deadline = time.monotonic() + self.config.admission_timeout_s
         self.waiting += 1
@@ -307,32 +337,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             self.waiting -= 1
 
-    async def _finish(self, state: _RequestState, seq: Sequence) -> None:
-        """Cache the full pages of prompt + generated tokens, then release the request."""
-        await self._commit_kv(state, seq)
-        await self._release(state, quarantine_ms=0)
+    async def _commit_kv(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """Insert the full pages of every token whose KV is in the pool into the radix index."""
+        kv_tokens = decode_request.tokens[: decode_request.kv_len]
+        full_pages = len(kv_tokens) // self.worker.page_size
+        if full_pages:
+            await self.worker.sidecar.commit(state.sidecar_id, kv_tokens,
+                                             decode_request.page_table[:full_pages])
 
-    async def _commit_kv(self, state: _RequestState, seq: Sequence) -> None:
-        kv_tokens = seq.tokens[: seq.kv_len]
-        full = len(kv_tokens) // self.worker.page_size
-        if full:
-            await self.worker.sidecar.commit(state.sidecar_id, kv_tokens, seq.page_table[:full])
-
-    def _cleanup_once(self, state: _RequestState) -> asyncio.Future:
+    def _cleanup_once(self, state: RequestState) -> asyncio.Future:
         """The request's one cleanup task (every exit path awaits the same one)."""
         if state.cleanup is None:
             state.cleanup = asyncio.ensure_future(self._cleanup(state))
         return state.cleanup
 
-    async def _cleanup(self, state: _RequestState) -> None:
+    async def _cleanup(self, state: RequestState) -> None:
         """Every exit path: detach from the batch, fence an unfinished transfer, release once."""
         if not state.holds_pages:
             return
         try:
-            seq = state.seq_in_scheduler
-            if seq is not None and not seq.detached.is_set():
-                self.scheduler.cancel(seq)
-                await seq.detached.wait()  # no step may still write this sequence's KV
+            decode_request = state.decode_request
+            if state.in_scheduler and not decode_request.detached.is_set():
+                self.scheduler.cancel(decode_request)
+                await decode_request.detached.wait()  # no step may still write its KV
             if state.transfer_pending:
                 fenced = await self._abort_transfer(state)
                 if fenced:
@@ -342,30 +369,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     hold = self.config.lease_ms + self.config.quarantine_grace_ms - elapsed_ms
                     await self._release(state, quarantine_ms=max(1, int(hold)))
                 return
-            if state.seq is not None:
+            if decode_request is not None:
                 # Cancelled or failed after prefill: the KV written so far is valid; keep the
                 # full pages cached (F9) and free the rest.
-                await self._commit_kv(state, state.seq)
+                await self._commit_kv(state, decode_request)
             await self._release(state, quarantine_ms=0)
         except DeltaKVError as exc:
-            log.error("cleanup failed", reason=str(exc))
+            log.error("cleanup_failed", reason=str(exc))
             if state.holds_pages:
                 await self._release(state, quarantine_ms=0)
 
-    async def _abort_transfer(self, state: _RequestState) -> bool:
+    async def _abort_transfer(self, state: RequestState) -> bool:
         """True once prefill confirmed no write for the room is in flight or can start."""
         try:
-            await self.prefill.AbortTransfer(
+            await self.prefill_service.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
-            log.info("transfer aborted by prefill")
+            log.info("transfer_aborted")
             return True
         except grpc.RpcError as exc:
-            log.warning("abort not confirmed, quarantining delta pages",
+            log.warning("abort_unconfirmed_pages_quarantined",
                         code=exc.code().name, reason=exc.details())
             return False
 
-    async def _release(self, state: _RequestState, quarantine_ms: int) -> None:
+    async def _release(self, state: RequestState, quarantine_ms: int) -> None:
         if not state.holds_pages:
             return
         state.holds_pages = False  # exactly once, even if the RPC below fails
@@ -375,55 +402,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             async with self.pages_freed:
                 self.pages_freed.notify_all()
 
+    # -- accounting -------------------------------------------------------------------------
+
     def _record_usage(self, usage: decode_pb2.Usage) -> None:
         """Metrics of a completed request: outcome, cached-token ratio, bytes saved by
         prefix reuse (``cached_tokens / page_size`` pages that did not cross the network)."""
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         instruments.requests.add(1, {"outcome": "ok"})
         if usage.prompt_tokens:
             instruments.cached_ratio.record(usage.cached_tokens / usage.prompt_tokens)
         instruments.prefix_bytes_saved.add(
             usage.cached_tokens // self.worker.page_size * self.worker.page_bytes)
 
-    def _usage(self, state: _RequestState, seq: Sequence, response: prefill_pb2.PrefillResponse,
-               ttft_ms: float, t_start: float) -> decode_pb2.Usage:
-        stats = response.stats
+    def _usage(self, state: RequestState, decode_request: DecodeRequest) -> decode_pb2.Usage:
+        stats = state.response.stats
         self.counters["prompt_tokens"] += state.prompt_len
         self.counters["cached_tokens"] += state.decode_prefix_len
         self.counters["transferred_bytes"] += stats.bytes
         return decode_pb2.Usage(
             prompt_tokens=state.prompt_len, cached_tokens=state.decode_prefix_len,
-            completion_tokens=len(seq.generated), transferred_pages=stats.pages,
+            completion_tokens=len(decode_request.generated), transferred_pages=stats.pages,
             transferred_bytes=stats.bytes, page_size=self.worker.page_size,
-            page_bytes=self.worker.page_bytes, ttft_ms=ttft_ms, prefill_ms=response.prefill_ms,
-            transfer_ms=response.transfer_ms, finish_reason=seq.finish_reason or "stop",
+            page_bytes=self.worker.page_bytes, ttft_ms=state.ttft_ms,
+            prefill_ms=state.response.prefill_ms, transfer_ms=state.response.transfer_ms,
+            finish_reason=decode_request.finish_reason or "stop",
             prefill_cached_tokens=stats.prefill_cached_len, request_id=state.request_id,
-            total_ms=(time.monotonic() - t_start) * 1000.0)
+            total_ms=(time.monotonic() - state.started_at) * 1000.0)
 
 
-@dataclass
-class _RequestState:
-    """What cleanup must undo for one request."""
-
-    request_id: str
-    sidecar_id: str
-    prompt_len: int = 0
-    decode_prefix_len: int = 0
-    room: int = 0
-    holds_pages: bool = False
-    transfer_pending: bool = False
-    sent_at: float | None = None
-    response: prefill_pb2.PrefillResponse | None = None
-    seq: Sequence | None = None
-    seq_in_scheduler: Sequence | None = None
-    cleanup: asyncio.Future | None = None
-
-
-def _sampler_for_decode(sampling: kv_pb2.SamplingParams) -> Sampler:
-    """Decode's sampler continues prefill's random stream deterministically: prefill used
-    ``seed`` for the first token, decode uses ``seed + 1`` for the rest."""
-    params = kv_pb2.SamplingParams()
-    params.CopyFrom(sampling)
-    if params.HasField("seed"):
-        params.seed = (params.seed + 1) % (1 << 64)
-    return Sampler.from_proto(params)
+def _chunk(token_ids: list[int], text: str) -> decode_pb2.GenerateResponse:
+    return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=token_ids,
+                                                                    text=text))

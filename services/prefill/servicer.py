@@ -105,7 +105,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             await self.worker.sidecar.connect_peer(request.decode_endpoint)
         except DeltaKVError as exc:
-            log.warning("handshake refused", reason=str(exc))
+            log.warning("handshake_refused", reason=str(exc))
             raise  # the server's error interceptor sends its status
         return prefill_pb2.HandshakeResponse(prefill_endpoint=self.worker.describe.endpoint,
                                              model=self.model_name)
@@ -138,12 +138,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return response
         except DeltaKVError as exc:
             self.counters["requests_failed"] += 1
-            log.warning("prefill failed", code=exc.code.name, reason=str(exc))
+            log.warning("prefill_failed", code=exc.code.name, reason=str(exc))
             telemetry.fail_current(exc)
             raise
         except asyncio.CancelledError:
             self.counters["requests_failed"] += 1
-            log.info("prefill cancelled by the caller")
+            log.info("prefill_cancelled")
             raise
         finally:
             # Shielded: a cancelled handler must still drain its forward/write and free pages.
@@ -159,7 +159,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             attempt.aborted = True
         known = await self.worker.sidecar.abort_write(request.room)
         self.counters["transfers_aborted"] += 1
-        log.info("transfer aborted", known=known or attempt is not None)
+        log.info("transfer_aborted", known=known or attempt is not None)
         return prefill_pb2.AbortTransferResponse(known=known or attempt is not None)
 
     async def GetStats(self, request: kv_pb2.GetStatsRequest,
@@ -198,14 +198,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with telemetry.span("prefill.forward", prompt_len=len(tokens),
                             prefill_cached_len=cached_len,
                             computed_tokens=len(tokens) - cached_len,
-                            pages=len(page_table)) as sp:
+                            pages=len(page_table)) as span:
             attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
             first_token = await attempt.forward
             prefill_ms = (time.monotonic() - t0) * 1000.0
-            if sp.is_recording():
-                sp.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
+            if span.is_recording():
+                span.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))
-        instruments = deltakv_metrics.current()
+        instruments = deltakv_metrics.instruments()
         instruments.prefill_duration.record(prefill_ms / 1000.0)
         instruments.prefill_tokens.add(len(tokens) - cached_len, {"kind": "computed"})
         instruments.prefill_tokens.add(cached_len, {"kind": "cached"})
@@ -224,7 +224,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         transfer_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
         await sidecar.commit(attempt.sidecar_request_id, tokens, page_table)
-        log.info("prefill done", prompt_len=len(tokens), prefill_cached_len=cached_len,
+        log.info("prefill_done", prompt_len=len(tokens), prefill_cached_len=cached_len,
                  decode_prefix_len=stats.decode_prefix_len, delta_pages=stats.pages,
                  bytes=stats.bytes, prefill_ms=round(prefill_ms, 2),
                  transfer_ms=round(transfer_ms, 2))
@@ -255,7 +255,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if attempt.holds_pages:
                 await sidecar.release(attempt.sidecar_request_id)
         except DeltaKVError as exc:
-            log.error("cleanup of room failed", room=attempt.room, reason=str(exc))
+            log.error("room_cleanup_failed", room=attempt.room, reason=str(exc))
         finally:
             self.attempts.pop(attempt.room, None)
 

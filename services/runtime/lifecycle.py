@@ -3,7 +3,7 @@
 :func:`serve` runs these steps, in this order, for whatever a command builds:
 
 1. **configure** — structlog for the process role, SIGTERM/SIGINT handlers, telemetry
-   (``telemetry.setup_from_args``); from here on every resource is held by one
+   (``otel.start_from_args``); from here on every resource is held by one
    ``contextlib.AsyncExitStack``;
 2. **build** — the command's own ``build(args, stack, log)`` makes its parts (sidecar, worker,
    model, servicer, channels, gRPC server), pushing each part's close onto the stack as soon as
@@ -106,7 +106,7 @@ async def serve(args: argparse.Namespace, build: Build, *, role: str, process: s
     ``role``). Exceptions other than start-up failures (bugs) propagate after the stack
     closed everything.
     """
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
     from deltakv.services.runtime.logs import configure_logging
 
     log = configure_logging(log_role or role, args.log_level, args.log_format)
@@ -114,7 +114,7 @@ async def serve(args: argparse.Namespace, build: Build, *, role: str, process: s
     install_stop_signals(stop, log)
     async with contextlib.AsyncExitStack() as stack:
         try:
-            tel = telemetry.setup_from_args(args, role, process)
+            tel = otel.start_from_args(args, role, process)
             stack.callback(tel.shutdown)  # pushed first: closed last, after the drain
             service = await _unless_stopped(build(args, stack, log), stop)
             if service is not None:

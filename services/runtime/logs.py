@@ -1,4 +1,10 @@
-"""structlog set-up shared by every deltakv process.
+"""structlog set-up shared by every deltakv process, and its one logging dialect.
+
+The dialect: every module logs through structlog with a snake_case event name and key/value
+fields (``log.info("write_done", pages=2, bytes=65536)``), never stdlib ``logging`` with a
+sentence; tests/unit/test_log_events.py enforces it over all shipped code. Library modules
+(``deltakv.*``, ``deltakv.sidecar.*``) call ``structlog.get_logger(__name__)`` and configure
+nothing; the entry point calls :func:`configure_logging` once.
 
 JSON lines on stderr by default (console-friendly rendering when stderr is a terminal, or with
 ``fmt="console"``). Every line carries ``role`` (sidecar/prefill/decode/...) bound at start-up;

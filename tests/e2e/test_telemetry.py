@@ -362,5 +362,5 @@ def test_log_lines_carry_the_ids_of_their_span(otel) -> None:
     assert (write_done["trace_id"], write_done["span_id"]) == (transfer.trace_id,
                                                                transfer.span_id)
     # ... and directly in decode's Generate handler (asyncio).
-    done = line("decode", "request done")
+    done = line("decode", "request_done")
     assert (done["trace_id"], done["span_id"]) == (root.trace_id, root.span_id)

@@ -1,4 +1,4 @@
-"""The gRPC instrumentation of proto/deltakv/telemetry.py on real gRPC servers and channels.
+"""The gRPC interceptors of services/runtime/otel_grpc.py on real gRPC servers and channels.
 
 Real ``grpc.aio`` and sync servers on Unix sockets under a tmp dir, with the deltakv protocol's
 services; spans go to an in-memory exporter on the real TracerProvider. Checked: context
@@ -25,6 +25,7 @@ from deltakv import telemetry
 from deltakv.errors import ResourceExhausted, Unavailable
 from deltakv.rpc.channel import uds_address, wait_serving
 from deltakv.rpc.server import AioServer, SyncServer
+from deltakv.services.runtime import otel, otel_grpc
 from deltakv.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -34,6 +35,7 @@ from deltakv.v1 import (
     sidecar_pb2,
     sidecar_pb2_grpc,
 )
+from tests import otel_globals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,14 +48,13 @@ ALLOCATE = "/deltakv.v1.SidecarService/Allocate"
 
 @pytest.fixture
 def traced():
-    before = telemetry._current
-    config = telemetry.resolve_config("decode", "worker", traces_exporter="console", environ={})
-    tel = telemetry.setup_telemetry(config, install_globals=False)
-    memory = InMemorySpanExporter()
-    tel.tracer_provider.add_span_processor(SimpleSpanProcessor(memory))
-    yield tel, memory
-    tel.shutdown()
-    telemetry._current = before
+    """The SDK started as an entry point does (global provider set), spans also kept in
+    memory; OpenTelemetry's globals are reset afterwards."""
+    config = otel.resolve_config("decode", "worker", traces_exporter="console", environ={})
+    with otel_globals.started(config) as tel:
+        memory = InMemorySpanExporter()
+        tel.tracer_provider.add_span_processor(SimpleSpanProcessor(memory))
+        yield tel, memory
 
 
 def wait_spans(memory: InMemorySpanExporter, predicate, timeout_s: float = 10.0):
@@ -117,11 +118,11 @@ async def serve(tmp_path, tel):
     names = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
              decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
     server = AioServer(f"unix:{tmp_path}/w.sock", names, add,
-                       outer_interceptors=tel.aio_server_interceptors())
+                       outer_interceptors=otel_grpc.aio_server_interceptors())
     await server.start()
     await server.set_serving()
     channel = grpc.aio.insecure_channel(f"unix:{tmp_path}/w.sock",
-                                        interceptors=tel.aio_client_interceptors())
+                                        interceptors=otel_grpc.aio_client_interceptors())
     return server, channel, prefill
 
 
@@ -248,7 +249,7 @@ def test_sync_server_span_sees_the_mapped_error(traced, tmp_path) -> None:
     server = SyncServer(
         address, ["deltakv.v1.SidecarService"],
         lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(Sidecar(), s),
-        outer_interceptors=tel.server_interceptors(), max_workers=4)
+        outer_interceptors=otel_grpc.server_interceptors(), max_workers=4)
     server.start()
     server.set_serving()
     try:

@@ -1,8 +1,9 @@
 """``deltakv bench transfer`` — sidecar writes vs the raw engine vs memcpy, per backend.
 
 For each backend it starts two real sidecar processes (prefill and decode) and moves the same
-bytes (default 64 pages of one SmolLM2-135M page: 30 layers * 2 * 16 tokens * 3 heads * 64
-dims * 4 B = 737,280 B) three ways:
+bytes (default 64 pages of ``--model``'s geometry at 16 tokens per page, float32, as the model
+loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dims * 4 B =
+737,280 B) three ways:
 
 * **contiguous** — one consecutive run through the sidecar (``WritePages`` RPC, end to end);
 * **scattered** — fully scattered pages through the sidecar (every page its own run);
@@ -35,21 +36,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32, 16-token pages.
-SMOLLM2_GEOMETRY = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
-                        page_size=16)
-SMOLLM2_PAGE_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # 737,280
-BENCH_BACKENDS = ("shm", "mooncake")
+DEFAULT_MODEL = "smollm2"
+PAGE_SIZE = 16  # tokens per page of the model-derived layout (deltakv up's default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``deltakv bench transfer``."""
-    parser.add_argument("--backend", default="all", choices=(*BENCH_BACKENDS, "mori", "all"),
-                        help="backend to measure; all = shm and mooncake (default)")
+    parser.add_argument("--backend", default="all",
+                        help="transport registry name to measure; all = every backend "
+                             "available here (default; the others are listed as skipped)")
     parser.add_argument("--pages", type=int, default=64, help="pages per write (default 64)")
-    parser.add_argument("--page-bytes", type=int, default=SMOLLM2_PAGE_BYTES,
-                        help="bytes per page (default one SmolLM2-135M page, 737280); other "
-                             "values must be multiples of 128")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="page geometry of this model (default smollm2: 737280 B a page)")
+    parser.add_argument("--page-bytes", type=int, default=None,
+                        help="bytes per page instead of --model's (a multiple of 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
@@ -58,18 +58,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on each sidecar's start-up (default 60)")
 
 
-def bench_layout(page_bytes: int, num_pages: int) -> Any:
-    """A KVLayout with exactly ``page_bytes`` bytes per page: SmolLM2-135M's geometry for its
-    page size, else 1 layer, 1 KV head, 16 tokens and ``head_dim = page_bytes / 128``
-    (float32). Raises ValueError if ``page_bytes`` is not a positive multiple of 128."""
+def bench_layout(page_bytes: int | None, num_pages: int, model: str = DEFAULT_MODEL) -> Any:
+    """The benchmark's KVLayout (float32, 16-token pages, ``num_pages`` pages). ``page_bytes``
+    None: ``model``'s KV geometry from the model loader (config only, no weights loaded);
+    else 1 layer, 1 KV head and ``head_dim = page_bytes / 128``, exactly ``page_bytes`` a
+    page. Raises ValueError if ``page_bytes`` is not a positive multiple of 128, the loader's
+    InvalidArgument / NotFound for an unknown or missing model."""
     from deltakv.layout import KVLayout
 
-    if page_bytes == SMOLLM2_PAGE_BYTES:
-        return KVLayout(num_pages=num_pages, model_fingerprint="bench", **SMOLLM2_GEOMETRY)
+    if page_bytes is None:
+        from deltakv.services.model.loader import kv_geometry
+
+        geometry = kv_geometry(model)
+        return KVLayout(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
+                        head_dim=geometry.head_dim, dtype="float32", page_size=PAGE_SIZE,
+                        num_pages=num_pages, model_fingerprint="bench")
     if page_bytes <= 0 or page_bytes % 128:
         raise ValueError(f"--page-bytes must be a positive multiple of 128, got {page_bytes}")
     return KVLayout(num_layers=1, num_kv_heads=1, head_dim=page_bytes // 128, dtype="float32",
-                    page_size=16, num_pages=num_pages, model_fingerprint="bench")
+                    page_size=PAGE_SIZE, num_pages=num_pages, model_fingerprint="bench")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -166,9 +173,11 @@ def measure_memcpy(nbytes: int, repeats: int) -> float:
     return _gbps(nbytes, seconds)
 
 
-def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
-                    options: list[str], ready_timeout_s: float) -> dict[str, Any]:
-    """Run the three methods on ``backend``; returns the per-backend JSON record."""
+def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
+                    options: list[str], ready_timeout_s: float,
+                    model: str = DEFAULT_MODEL) -> dict[str, Any]:
+    """Run the three methods on ``backend``; returns the per-backend JSON record
+    (``page_bytes`` None: one page of ``model``, see :func:`bench_layout`)."""
     import grpc
 
     from deltakv.layout import KVLayout
@@ -179,7 +188,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int, repeats: int,
     from deltakv.sidecar.transport.registry import create_transport
     from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
-    layout = bench_layout(page_bytes, 2 * pages)
+    layout = bench_layout(page_bytes, 2 * pages, model)
+    page_bytes = layout.page_bytes
     nbytes = pages * page_bytes
     workdir = tempfile.mkdtemp(prefix="dkv-bench-", dir="/tmp")
     sidecars: list[_Sidecar] = []
@@ -290,6 +300,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
                      f"{rec['contiguous_ratio']:>8.2f}{rec['scattered_gbps']:>14.2f}"
                      f"{rec['scattered_ratio']:>8.2f}  {rec['verified']}")
+    for name, reason in result.get("skipped", {}).items():
+        lines.append(f"{name:<10}skipped: {reason}")
     return "\n".join(lines)
 
 
@@ -299,20 +311,27 @@ def run(args: argparse.Namespace) -> int:
     if args.pages <= 0 or args.repeats <= 0:
         print("bench transfer: --pages and --repeats must be > 0", file=sys.stderr)
         return 2
+    from deltakv.errors import DeltaKVError
+
     try:
-        bench_layout(args.page_bytes, 2 * args.pages)
-    except ValueError as exc:
+        page_bytes = bench_layout(args.page_bytes, 2 * args.pages, args.model).page_bytes
+    except (ValueError, DeltaKVError) as exc:
         print(f"bench transfer: {exc}", file=sys.stderr)
         return 2
     from deltakv.sidecar.transport.registry import available_backends
 
-    names = list(BENCH_BACKENDS) if args.backend == "all" else [args.backend]
     availability = available_backends()
-    nbytes = args.pages * args.page_bytes
-    result: dict[str, Any] = {"pages": args.pages, "page_bytes": args.page_bytes,
+    if args.backend == "all":
+        names = [name for name, reason in availability.items() if reason is None]
+    else:
+        names = [args.backend]
+    nbytes = args.pages * page_bytes
+    result: dict[str, Any] = {"pages": args.pages, "page_bytes": page_bytes,
                               "repeats": args.repeats,
                               "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
-                              "backends": {}}
+                              "backends": {},
+                              "skipped": {name: reason for name, reason in availability.items()
+                                          if reason is not None and name not in names}}
     status = 0
     for name in names:
         reason = availability.get(name, f"unknown backend {name!r}")
@@ -322,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             rec = measure_backend(name, args.pages, args.page_bytes, args.repeats,
-                                  args.transport_option, args.ready_timeout_s)
+                                  args.transport_option, args.ready_timeout_s, args.model)
         except Exception as exc:  # noqa: BLE001 - report the backend, measure the others
             rec = {"error": f"{type(exc).__name__}: {exc}", "verified": False}
         result["backends"][name] = rec

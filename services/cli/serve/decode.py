@@ -41,12 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from deltakv import telemetry
     from deltakv.rpc import tls
+    from deltakv.services.runtime import otel
 
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +74,7 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
         try:
             reply = await stub.Handshake(prefill_pb2.HandshakeRequest(decode_endpoint=endpoint),
                                          timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
-            log.info("paired with prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
+            log.info("paired_with_prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
                      model=reply.model)
             return
         except grpc.RpcError as exc:
@@ -91,11 +91,11 @@ async def build(args: argparse.Namespace, stack, log):
     """Sidecar, model, prefill pairing, servicer and server of one decode worker; each part's
     close goes onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model
     load; a prefill with another layout is refused (FAILED_PRECONDITION) before serving."""
-    from deltakv import telemetry
     from deltakv.rpc import tls
     from deltakv.rpc.channel import options
     from deltakv.services.decode.config import DecodeConfig
     from deltakv.services.decode.servicer import DecodeServicer
+    from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
@@ -113,7 +113,7 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
     stack.push_async_callback(worker.close)
     channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
-                              interceptors=telemetry.aio_client_interceptors())
+                              interceptors=otel_grpc.aio_client_interceptors())
     stack.push_async_callback(channel.close)
     await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
     servicer = DecodeServicer(worker, channel, config)
@@ -122,7 +122,7 @@ async def build(args: argparse.Namespace, stack, log):
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = worker_server(
         args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-        credentials)
+        credentials, interceptors=otel_grpc.aio_server_interceptors())
     return Service.of_server(server, prefill=args.prefill_target, tls=credentials is not None,
                              client_certs=bool(args.tls_ca),
                              prefill_tls=prefill_credentials is not None)

@@ -22,11 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, give in-flight prefills this long to finish")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    from deltakv import telemetry
     from deltakv.rpc import tls
+    from deltakv.services.runtime import otel
 
     tls.add_server_arguments(parser)
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +41,7 @@ async def build(args: argparse.Namespace, stack, log):
     onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model load."""
     from deltakv.rpc import tls
     from deltakv.services.prefill.servicer import PrefillServicer
+    from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
@@ -54,6 +55,6 @@ async def build(args: argparse.Namespace, stack, log):
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
     server = worker_server(
         args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        credentials)
+        credentials, interceptors=otel_grpc.aio_server_interceptors())
     return Service.of_server(server, tls=credentials is not None,
                              client_certs=bool(args.tls_ca))

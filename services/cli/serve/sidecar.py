@@ -53,9 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
-    from deltakv import telemetry
+    from deltakv.services.runtime import otel
 
-    telemetry.add_arguments(parser)
+    otel.add_arguments(parser)
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -112,6 +112,7 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
     (NOT_SERVING for good, in-flight writes drained or fenced, pool unlinked, socket removed)."""
     import asyncio
 
+    from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
@@ -121,7 +122,7 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
         max_lease_ms=args.max_lease_ms)
-    server = SidecarServer(config)
+    server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
 
     async def start() -> None:
         await asyncio.to_thread(server.start)
@@ -135,6 +136,9 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """``python -m deltakv.services.cli.serve.sidecar ...``: the same as ``deltakv serve sidecar ...`` without
     importing the other subcommands (tests and containers start sidecars this way)."""
+    from deltakv.services.cli.main import hub_offline
+
+    hub_offline()  # this is an entry point too (--model reads a model's config)
     parser = argparse.ArgumentParser(prog="deltakv serve sidecar", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,0 +1,128 @@
+"""One ``Generate`` request on the decode side: what it asks for, and what it holds.
+
+* :func:`parse_generate` turns a ``GenerateRequest`` into a :class:`ParsedRequest` (prompt
+  token ids + sampling), rejecting anything invalid with INVALID_ARGUMENT before a page is
+  allocated or prefill computes anything.
+* :class:`RequestState` is what the request holds while it runs (pages, an in-flight
+  transfer, its place in the decode batch): everything the servicer's cleanup must undo,
+  exactly once, on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltakv.errors import InvalidArgument
+from deltakv.services.decode.scheduler import DecodeRequest
+from deltakv.services.model.sampling import Sampler
+from deltakv.services.model.tokenizer import encode_chat, encode_text
+from deltakv.v1 import decode_pb2, kv_pb2, prefill_pb2
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: ``prompt`` token ids (non-empty, inside the vocabulary),
+    ``sampling`` with ``max_new_tokens`` filled in, and the two request flags."""
+
+    prompt: list[int]
+    sampling: kv_pb2.SamplingParams
+    reuse_prefix: bool
+    echo_prompt: bool
+
+
+def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
+                   default_max_new_tokens: int, max_new_tokens_limit: int) -> ParsedRequest:
+    """Tokenize (text, chat template, or token ids) and validate ``request`` for ``model``
+    (a loaded model: ``tokenizer``, ``vocab_size``, ``config.max_position_embeddings``).
+
+    Raises InvalidArgument (INVALID_ARGUMENT) for: no input, an empty prompt or chat, an unknown
+    chat role, a token id outside the vocabulary, ``max_new_tokens`` over
+    ``max_new_tokens_limit``, a negative temperature, ``top_p`` outside [0, 1], or prompt +
+    ``max_new_tokens`` beyond the model's context. Pure: touches no page and no peer.
+    """
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        prompt = encode_text(model.tokenizer, request.text)
+    elif kind == "chat":
+        if not request.chat.messages:
+            raise InvalidArgument("chat input has no messages")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        for message in messages:
+            if message["role"] not in CHAT_ROLES:
+                raise InvalidArgument(f"unknown chat role {message['role']!r}")
+        prompt = encode_chat(model.tokenizer, messages)
+    elif kind == "token_ids":
+        prompt = list(request.token_ids.ids)
+        vocab = model.vocab_size
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {vocab})")
+    else:
+        raise InvalidArgument("one of text, chat or token_ids is required")
+    if not prompt:
+        raise InvalidArgument("prompt is empty")
+    sampling = kv_pb2.SamplingParams()
+    sampling.CopyFrom(request.sampling)
+    if sampling.max_new_tokens == 0:
+        sampling.max_new_tokens = default_max_new_tokens
+    if sampling.max_new_tokens > max_new_tokens_limit:
+        raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
+                              f"{max_new_tokens_limit}")
+    if sampling.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0.0 <= sampling.top_p <= 1.0:
+        raise InvalidArgument(f"top_p must be in [0, 1], got {sampling.top_p}")
+    positions = getattr(model.config, "max_position_embeddings", 0)
+    if positions and len(prompt) + sampling.max_new_tokens > positions:
+        raise InvalidArgument(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+            f"exceeds the model's context of {positions} positions")
+    return ParsedRequest(prompt=prompt, sampling=sampling,
+                         reuse_prefix=not request.disable_decode_prefix_reuse,
+                         echo_prompt=request.echo_prompt_token_ids)
+
+
+def sampler_for_decode(sampling: kv_pb2.SamplingParams) -> Sampler:
+    """Decode's sampler continues prefill's random stream deterministically: prefill used
+    ``seed`` for the first token, decode uses ``seed + 1`` for the rest."""
+    params = kv_pb2.SamplingParams()
+    params.CopyFrom(sampling)
+    if params.HasField("seed"):
+        params.seed = (params.seed + 1) % (1 << 64)
+    return Sampler.from_proto(params)
+
+
+@dataclass
+class RequestState:
+    """What one request holds, filled in step by step; cleanup reads it to undo exactly that.
+
+    ``sidecar_id``: the request's id at decode's sidecar (owner of its locks and pages).
+    ``holds_pages``: Release is still owed (set by admission, cleared by the one release).
+    ``page_table``: prefix pages + allocated pages, covering prompt + ``max_new_tokens``;
+    ``delta_pages``: the allocated pages prefill writes (prompt order).
+    ``transfer_pending``: Prefill was sent and has not answered: its room must be fenced
+    (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
+    ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
+    Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
+    """
+
+    request_id: str
+    sidecar_id: str
+    started_at: float
+    prompt_len: int = 0
+    decode_prefix_len: int = 0
+    page_table: list[int] = field(default_factory=list)
+    delta_pages: list[int] = field(default_factory=list)
+    room: int = 0
+    holds_pages: bool = False
+    transfer_pending: bool = False
+    sent_at: float | None = None
+    response: prefill_pb2.PrefillResponse | None = None
+    decode_request: DecodeRequest | None = None
+    in_scheduler: bool = False
+    ttft_ms: float = 0.0
+    cleanup: asyncio.Future | None = None
