@@ -210,7 +210,8 @@ def test_busy_metrics_port_is_failed_precondition() -> None:
 
 def test_up_forwards_flags_with_distinct_metrics_ports(tmp_path) -> None:
     from deltakv.services.cli.main import build_parser
-    from deltakv.services.cli.up import ClusterConfig, LocalCluster, _metrics_base_port
+    from deltakv.services.cli.up import _metrics_base_port
+    from deltakv.services.cluster import ClusterConfig, LocalCluster
 
     args = build_parser().parse_args(["up", "--otel-endpoint", "http://c:4317",
                                       "--metrics-port", "9400", "--model", "tiny-random"])
