@@ -15,7 +15,9 @@ it. A child
 * is stopped with SIGTERM, then SIGKILL after a bound.
 
 :class:`LocalCluster` is the 1P1D cluster of ``deltakv up`` (two sidecars, prefill, decode)
-as a Python object, used by ``up``, ``demo`` and the e2e tests.
+as a Python object, used by ``up``, ``demo`` and the e2e tests. It generates the cluster's
+pairing key (``pairing.key``, mode 0600, in the run directory) and passes
+``--pairing-key-file`` to each of the four processes.
 """
 
 from __future__ import annotations
@@ -254,6 +256,8 @@ class ClusterConfig:
     # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
     telemetry_args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    # Per-process command prefix, e.g. {"prefill-sidecar": ["ip", "netns", "exec", "ns1"]}.
+    wrap: dict[str, list[str]] = field(default_factory=dict)
 
 
 class LocalCluster:
@@ -280,6 +284,11 @@ class LocalCluster:
         self.sockets = {role: str(self.run_dir / f"{role}-sidecar.sock")
                         for role in ("prefill", "decode")}
         self.shm_names = {role: f"deltakv-{self.cluster_id}-{role}" for role in ("prefill", "decode")}
+        self.key_file = self.run_dir / "pairing.key"
+        if not self.key_file.exists():
+            from deltakv.sidecar.pairing import generate_key_file
+
+            generate_key_file(self.key_file)
         self.procs = self._plan()
         self._stopped = False
 
@@ -324,7 +333,8 @@ class LocalCluster:
         env = self._env()
         procs = []
         for name, argv in argvs.items():
-            argv += c.telemetry_args
+            argv += ["--pairing-key-file", str(self.key_file), *c.telemetry_args]
+            argv = [*c.wrap.get(name, []), *argv]
             if c.metrics_port:
                 argv += ["--metrics-port", str(self.metrics_ports()[name])]
             procs.append(ManagedProcess(name, argv, self.run_dir / f"{name}.log",
@@ -400,12 +410,22 @@ class LocalCluster:
             self._stopped = True
             for name in STOP_ORDER:
                 self.stop_proc(name)
-            for shm in self.shm_names.values():
+            for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/dev/shm/{shm}")
+                    os.unlink(path)
             if self.own_run_dir and not self.dead_with_error():
                 shutil.rmtree(self.run_dir, ignore_errors=True)
         return {p.name: p.returncode for p in self.procs}
+
+    def segments(self) -> list[str]:
+        """Paths under /dev/shm of this cluster's segments that exist now (pools of every
+        sidecar incarnation, ``<base>-<token>``, and their fence segments)."""
+        prefixes = tuple(f"{base}-" for base in self.shm_names.values())
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return []
+        return sorted(f"/dev/shm/{n}" for n in names if n.startswith(prefixes))
 
     def dead_with_error(self) -> bool:
         """True if a process exited other than cleanly (0) or by our SIGTERM."""

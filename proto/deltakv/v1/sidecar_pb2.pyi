@@ -13,9 +13,22 @@ class SidecarRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SIDECAR_ROLE_UNSPECIFIED: _ClassVar[SidecarRole]
     SIDECAR_ROLE_PREFILL: _ClassVar[SidecarRole]
     SIDECAR_ROLE_DECODE: _ClassVar[SidecarRole]
+
+class PageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_STATE_UNSPECIFIED: _ClassVar[PageState]
+    PAGE_STATE_FREE: _ClassVar[PageState]
+    PAGE_STATE_CACHED: _ClassVar[PageState]
+    PAGE_STATE_LIVE: _ClassVar[PageState]
+    PAGE_STATE_QUARANTINED: _ClassVar[PageState]
 SIDECAR_ROLE_UNSPECIFIED: SidecarRole
 SIDECAR_ROLE_PREFILL: SidecarRole
 SIDECAR_ROLE_DECODE: SidecarRole
+PAGE_STATE_UNSPECIFIED: PageState
+PAGE_STATE_FREE: PageState
+PAGE_STATE_CACHED: PageState
+PAGE_STATE_LIVE: PageState
+PAGE_STATE_QUARANTINED: PageState
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -114,16 +127,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class WritePagesRequest(_message.Message):
-    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len")
+    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len", "prompt_digest")
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_info: _kv_pb2.TransferInfo
     src_page_indices: _containers.RepeatedScalarFieldContainer[int]
     lease_remaining_ms: int
     prefill_cached_len: int
-    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("stats",)
@@ -155,8 +170,48 @@ class PageChecksumsResponse(_message.Message):
     crc32: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PageStatesRequest(_message.Message):
+    __slots__ = ("page_indices",)
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PageStatesResponse(_message.Message):
+    __slots__ = ("states", "crc32")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[PageState]
+    crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, states: _Optional[_Iterable[_Union[PageState, str]]] = ..., crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class IssueGrantRequest(_message.Message):
+    __slots__ = ("owner_request_id", "transfer_info", "prompt_digest")
+    OWNER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    owner_request_id: str
+    transfer_info: _kv_pb2.TransferInfo
+    prompt_digest: bytes
+    def __init__(self, owner_request_id: _Optional[str] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+
+class IssueGrantResponse(_message.Message):
+    __slots__ = ("transfer_info",)
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    transfer_info: _kv_pb2.TransferInfo
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ...) -> None: ...
+
+class CloseGrantRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class CloseGrantResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SidecarStats(_message.Message):
-    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written")
+    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written", "grants_open", "fence_recycles", "grants_refused")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROOMS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +219,9 @@ class SidecarStats(_message.Message):
     TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FENCE_RECYCLES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     pool: _kv_pb2.PoolStats
     live_requests: int
     rooms_in_flight: int
@@ -171,4 +229,7 @@ class SidecarStats(_message.Message):
     transfers_failed: int
     bytes_written: int
     pages_written: int
-    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ...) -> None: ...
+    grants_open: int
+    fence_recycles: int
+    grants_refused: int
+    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ..., grants_open: _Optional[int] = ..., fence_recycles: _Optional[int] = ..., grants_refused: _Optional[int] = ...) -> None: ...

@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of the Prefill RPC (compute + transfer)")
     parser.add_argument("--lease-ms", type=int, default=d.lease_ms,
                         help="transfer lease: no write lands after receipt + lease")
-    parser.add_argument("--quarantine-grace-ms", type=int, default=d.quarantine_grace_ms)
-    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms)
+    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms,
+                        help="bound of the AbortTransfer call to prefill after a failure "
+                             "(advisory: the pages wait for the decode sidecar's fence)")
     parser.add_argument("--prefill-connect-timeout-ms", type=int,
                         default=d.prefill_connect_timeout_ms,
                         help="how long a request waits for the prefill connection (re)established")
@@ -43,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
     from deltakv.services.runtime import otel
+    from deltakv.sidecar.pairing import add_key_argument
 
+    add_key_argument(parser)
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
     otel.add_arguments(parser)
@@ -56,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
     return lifecycle.run(args, build, role="decode", process="worker")
 
 
-async def handshake(channel, endpoint, timeout_s: float, log) -> None:
-    """Pair with prefill: retry while it is unreachable (bounded by ``timeout_s``); a layout
-    mismatch (FAILED_PRECONDITION) is final and raised at once."""
+async def handshake(channel, endpoint, timeout_s: float, log, key=None) -> None:
+    """Pair with prefill: send this decode's sealed endpoint, retry while prefill is
+    unreachable (bounded by ``timeout_s``); a layout mismatch (FAILED_PRECONDITION) or a seal
+    refused (UNAUTHENTICATED) is final and raised at once. With ``key`` (the pairing key),
+    prefill's own endpoint in the reply must be sealed with it too (UNAUTHENTICATED
+    otherwise): decode pairs only with a prefill of its cluster."""
     import asyncio
     import time
 
@@ -74,6 +80,10 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
         try:
             reply = await stub.Handshake(prefill_pb2.HandshakeRequest(decode_endpoint=endpoint),
                                          timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
+            if key is not None:
+                from deltakv.sidecar.pairing import verify_endpoint
+
+                verify_endpoint(reply.prefill_endpoint, key)
             log.info("paired_with_prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
                      model=reply.model)
             return
@@ -98,13 +108,15 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
+    from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
 
+    key = key_from_args(args.pairing_key_file)
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
-        quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
+        abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
     tls.check_health_port(args.health_port, args.port)
@@ -115,7 +127,7 @@ async def build(args: argparse.Namespace, stack, log):
     channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
                               interceptors=otel_grpc.aio_client_interceptors())
     stack.push_async_callback(channel.close)
-    await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
+    await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log, key)
     servicer = DecodeServicer(worker, channel, config)
     servicer.start()
     stack.push_async_callback(servicer.stop)
