@@ -7,7 +7,8 @@ window — no request of the test running — a page that is ``FREE`` in both, o
 both, must have the same CRC: a free page is nobody's, and a cached page is never the
 destination of a write (I4). A change there is a late byte from a room that was already given
 up on. Pages that are live or quarantined in either snapshot may change (their owner or a
-fenced room writes them).
+fenced room writes them); :attr:`PageAudit.changed_in_quarantine` counts pages that changed
+while quarantined in both snapshots — late bytes that did arrive, into pages nobody reuses.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 
 FREE = sidecar_pb2.PAGE_STATE_FREE
 CACHED = sidecar_pb2.PAGE_STATE_CACHED
+QUARANTINED = sidecar_pb2.PAGE_STATE_QUARANTINED
 
 
 @dataclass
@@ -40,6 +42,7 @@ class PageAudit:
     num_pages: int
     violations: list[str] = field(default_factory=list)
     snapshots: int = 0
+    changed_in_quarantine: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._channel = grpc.insecure_channel(uds_address(self.socket_path))
@@ -58,10 +61,14 @@ class PageAudit:
             self.snapshots += 1
             if compare and prev is not None:
                 for p in range(self.num_pages):
-                    kept = prev.states[p] == snap.states[p] and snap.states[p] in (FREE, CACHED)
-                    if kept and prev.crcs[p] != snap.crcs[p]:
+                    same = prev.states[p] == snap.states[p]
+                    if not same or prev.crcs[p] == snap.crcs[p]:
+                        continue
+                    if snap.states[p] in (FREE, CACHED):
                         state = "free" if snap.states[p] == FREE else "cached"
                         self.violations.append(f"{label}: {state} page {p} changed")
+                    elif snap.states[p] == QUARANTINED:
+                        self.changed_in_quarantine.add(p)
         return snap
 
     @contextlib.contextmanager
