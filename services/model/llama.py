@@ -6,11 +6,9 @@ SwiGLU MLP, tied or untied output head. The module holds **weights only**; the K
 page-major pool ``[num_pages, num_layers, 2 (K,V), page_size, num_kv_heads, head_dim]`` that the
 caller owns (normally the sidecar's shared memory) and passes to every forward.
 
-Addressing: the pool is viewed flat as token rows ``[num_pages * num_layers * 2 * page_size,
-num_kv_heads, head_dim]``; token position ``pos`` of a sequence with page table ``table`` has
-K of layer ``l`` at row ``((table[pos // page_size] * L + l) * 2 + 0) * page_size + pos %
-page_size`` and V ``page_size`` rows further. :class:`deltakv.services.model.runner.ModelRunner` turns
-page tables into those row indices (validating them first); this module trusts them.
+Attention reads the context where it lies in the pool (:mod:`deltakv.services.model.attention`:
+consecutive page runs as views, a gather buffer for the rest); :class:`deltakv.services.model.runner.ModelRunner`
+validates page tables and plans those reads; this module trusts them.
 
 The module keeps no mutable state, so concurrent forwards on disjoint pages are safe.
 """
@@ -24,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from deltakv.errors import InvalidArgument
+from deltakv.services.model.attention import ContextReader, PagedKV
 
 # Model types whose transformers implementation is exactly the architecture below.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -172,7 +171,6 @@ class PagedLlama:
         self.dtype = embed.dtype
         self.device = embed.device
         self._act = _ACTIVATIONS[spec.hidden_act]
-        self._scale = spec.head_dim ** -0.5
 
     @classmethod
     def from_transformers(cls, hf_model: Any) -> PagedLlama:
@@ -270,94 +268,62 @@ class PagedLlama:
 
     # ---- paged forwards ----------------------------------------------------------------------
 
-    def prefill(self, pool: torch.Tensor, token_ids: torch.Tensor, start: int,
-                write_rows: torch.Tensor | None, prefix_rows: torch.Tensor | None,
-                all_logits: bool) -> torch.Tensor:
+    def _store(self, kv: PagedKV, layer: int, write_rows: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Write K/V ``[N, Hkv, D]`` of N positions at token ``write_rows`` (layer 0, K) of
+        ``layer``, converted to the pool's dtype."""
+        base = write_rows + layer * kv.layer_rows
+        kv.rows.index_copy_(0, base, k.to(kv.pool.dtype))
+        kv.rows.index_copy_(0, base + kv.page_size, v.to(kv.pool.dtype))
+
+    def prefill(self, kv: PagedKV, reader: ContextReader, token_ids: torch.Tensor, start: int,
+                write_rows: torch.Tensor | None, all_logits: bool) -> torch.Tensor:
         """Forward one sequence's positions ``[start, start + T)`` over the paged pool.
 
-        ``token_ids`` ``[T]`` int64. ``write_rows`` ``[T]``: token rows (see module doc, layer 0,
-        K) where this call stores each new position's K/V, or ``None`` to store nothing (the
-        positions' K/V is already in the pool). ``prefix_rows`` ``[start]``: token rows (layer 0,
-        K) of positions ``[0, start)``, or ``None`` when ``start == 0``. Returns float32 logits
+        ``token_ids`` ``[T]`` int64. ``reader``: the plan of the prefix ``[0, start)`` (one
+        sequence, empty when ``start == 0``). ``write_rows`` ``[T]``: token rows (layer 0, K)
+        where this call stores each new position's K/V, or ``None`` to store nothing (the
+        positions' K/V is already in the pool). The new positions attend to each other from
+        their freshly computed K/V (causal), to the prefix from the pool. Returns float32 logits
         ``[vocab]`` of the last position, or ``[T, vocab]`` with ``all_logits``. Writes only
         ``write_rows``; the pool stays owned by the caller.
         """
         spec = self.spec
         t = token_ids.shape[0]
-        ps = pool.shape[3]
-        layer_rows = 2 * ps  # rows from one layer's K to the next layer's K
-        tok_view = pool.view(-1, spec.num_kv_heads, spec.head_dim)
         positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self._rope(positions)
-        mask = None
-        kv_prefix_rows = None
-        if prefix_rows is not None:
-            mask = (torch.arange(start + t, device=self.device)[None, :]
-                    <= positions[:, None])  # [T, start+T]: position i sees keys 0..start+i
-            kv_prefix_rows = torch.cat((prefix_rows, prefix_rows + ps))  # K rows, then V rows
-        gqa = spec.num_heads != spec.num_kv_heads
         x = F.embedding(token_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = self._qkv(layer, h, cos, sin)
             if write_rows is not None:
-                tok_view.index_copy_(0, write_rows + index * layer_rows, k.to(pool.dtype))
-                tok_view.index_copy_(0, write_rows + (index * layer_rows + ps), v.to(pool.dtype))
-            keys, values = k, v  # [T, Hkv, D]
-            if kv_prefix_rows is not None:
-                past = tok_view.index_select(0, kv_prefix_rows + index * layer_rows)
-                past = past.to(self.dtype).view(2, start, spec.num_kv_heads, spec.head_dim)
-                keys = torch.cat((past[0], keys))
-                values = torch.cat((past[1], values))
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                enable_gqa=gqa)
-            attn = out[0].transpose(0, 1).reshape(t, spec.num_heads * spec.head_dim)
+                self._store(kv, index, write_rows, k, v)
+            attn = reader.attend(index, q.transpose(0, 1).contiguous()[None],
+                                 k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            attn = attn[0].transpose(0, 1).reshape(t, spec.num_heads * spec.head_dim)
             x = x + F.linear(attn, layer.w_o, layer.b_o)
             x = self._mlp_block(layer, x)
         return self._logits(x if all_logits else x[-1])
 
-    def decode(self, pool: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-               write_rows: torch.Tensor, context_rows: torch.Tensor,
-               context_mask: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, kv: PagedKV, reader: ContextReader, token_ids: torch.Tensor,
+               positions: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
         """One decode step for ``B`` sequences of different lengths.
 
         ``token_ids`` ``[B]`` int64: each sequence's newest token, at position ``positions[b]``
         (tokens already cached). ``write_rows`` ``[B]``: token rows (layer 0, K) where its K/V is
-        stored. ``context_rows`` ``[B, S]``: token rows (layer 0, K) of positions ``[0, S)``,
-        ``S = max(positions) + 1``, padded past each sequence's own length; ``context_mask``
-        ``[B, 1, 1, S]`` float, 0 where visible and -inf on padding (``None`` when nothing is
-        padded). Returns float32 logits ``[B, vocab]``.
+        stored. ``reader``: the plans of each sequence's keys ``[0, positions[b]]``, the new
+        position included (it is stored before attention reads the pool). Returns float32
+        logits ``[B, vocab]``.
         """
         spec = self.spec
         b = token_ids.shape[0]
-        s = context_rows.shape[-1]
-        ps = pool.shape[3]
-        layer_rows = 2 * ps
-        group = spec.num_heads // spec.num_kv_heads
-        tok_view = pool.view(-1, spec.num_kv_heads, spec.head_dim)
         cos, sin = self._rope(positions)
-        # K rows then V rows of every context position: one gather per layer fetches both, in
-        # whole-token rows (all KV heads of a position are contiguous in a page).
-        kv_rows = torch.stack((context_rows, context_rows + ps)).view(-1)
-        kv_shape = (2, b, s, spec.num_kv_heads, spec.head_dim)
         x = F.embedding(token_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = self._qkv(layer, h, cos, sin)
-            # Store first, then read the whole context back: the new position is part of it.
-            tok_view.index_copy_(0, write_rows + index * layer_rows, k.to(pool.dtype))
-            tok_view.index_copy_(0, write_rows + (index * layer_rows + ps), v.to(pool.dtype))
-            kv = tok_view.index_select(0, kv_rows + index * layer_rows).view(kv_shape)
-            if kv.dtype != self.dtype:
-                kv = kv.to(self.dtype)
-            # Grouped-query attention without repeating K/V: the query heads that share a KV
-            # head act as that head's query rows (no causal mask needed for one new token).
-            # K/V stay token-major; the attention kernel reads them through strides.
-            qg = q.view(b, spec.num_kv_heads, group, spec.head_dim)
-            attn = F.scaled_dot_product_attention(qg, kv[0].transpose(1, 2),
-                                                  kv[1].transpose(1, 2), attn_mask=context_mask)
+            self._store(kv, index, write_rows, k, v)
+            attn = reader.attend(index, q[:, :, None])  # one query position: no causal mask
             x = x + F.linear(attn.reshape(b, spec.num_heads * spec.head_dim), layer.w_o,
                              layer.b_o)
             x = self._mlp_block(layer, x)

@@ -1,0 +1,263 @@
+"""Attention over the page-major KV pool, reading the context where it lies (DESIGN §5, §8).
+
+The pool is ``[num_pages, L, 2 (K,V), page_size, Hkv, D]``. Copying every context row of every
+layer into one tensor before attention (what the runner did first) cost 26 % of a batch-2 decode
+step at 2.3k context and a third of a 16-token prefill over a 2k prefix. Here the context is read
+in three kinds of segment, and attention over each gives a partial result:
+
+* **runs**, read in place: layer ``l``'s keys of ``r`` consecutive pages ``p0..`` are
+  ``pool[p0:p0+r, l, 0]``, a ``[r, ps, Hkv, D]`` view whose token axis has two strides (slot,
+  page). A kernel needs one stride per axis, so a run is read *slot-major*, ``[ps, Hkv, r, D]``:
+  batch entry ``j`` holds positions ``p * ps + j``. One call gives ``ps`` partial results.
+  The allocator prefers consecutive pages, so most page tables are a few runs.
+* **gathered**: keys of short runs and of the page holding the newest positions, copied row by
+  row into one buffer allocated once per forward and refilled for each layer (every key, when the
+  pool's dtype differs from the compute dtype, since the kernel needs one dtype).
+* **new** (prefill only): the positions being computed, straight from the fresh K/V tensors,
+  with a causal mask.
+
+Partial results over disjoint key sets combine exactly with their log-sum-exps (LSE):
+``lse = logsumexp_i lse_i``, ``out = sum_i exp(lse_i - lse) * out_i`` — the split-softmax
+identity of Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018), which
+FlashAttention's split-KV decoding uses too.
+
+Kernel: PyTorch's CPU flash attention, ``aten::_scaled_dot_product_flash_attention_for_cpu``,
+the kernel ``F.scaled_dot_product_attention`` runs on CPU. It is called directly because it also
+returns the LSE, which the public function drops; ``tests/unit/test_model_attention.py`` pins its
+schema and LSE meaning, so a torch upgrade that changes them fails there first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltakv.errors import InvalidArgument
+
+# A run is read in place only from this many tokens on: below it, one kernel call and ps partial
+# results cost more than copying the run's rows. Measured with `deltakv bench model` (2-core
+# EPYC, SmolLM2 geometry): gathering 64 tokens ~ one call's fixed cost.
+MIN_RUN_TOKENS = 64
+
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _cpu_flash_kernel() -> Kernel | None:
+    packet = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return None if packet is None else packet.default
+
+
+# Attention kernels that return (out, lse), by device type. One entry today: the model runs on CPU.
+KERNELS: dict[str, Callable[[], Kernel | None]] = {"cpu": _cpu_flash_kernel}
+
+
+def kernel_for(device: torch.device) -> Kernel:
+    """The (out, LSE) attention kernel for ``device``. Raises :class:`InvalidArgument`
+    (INVALID_ARGUMENT) when this torch build has none for it."""
+    factory = KERNELS.get(device.type)
+    kernel = factory() if factory is not None else None
+    if kernel is None:
+        raise InvalidArgument(f"no paged attention kernel for device {device.type!r} in torch "
+                              f"{torch.__version__} (have: {', '.join(KERNELS)})")
+    return kernel
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """``num_pages`` consecutive pool pages starting at ``first_page``."""
+
+    first_page: int
+    num_pages: int
+
+
+def page_runs(pages: Sequence[int]) -> list[PageRun]:
+    """Maximal runs of consecutive page indices, in table order (``[4, 5, 6, 9, 2, 3]`` ->
+    ``(4, 3), (9, 1), (2, 2)``)."""
+    runs: list[PageRun] = []
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append(PageRun(int(pages[start]), i - start))
+            start = i
+    return runs
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """How one sequence's context keys are read: ``runs`` in place, ``gather_rows`` (token rows
+    of layer 0's K in the pool's ``[rows, Hkv, D]`` view, int64 ``[n]``) through the buffer."""
+
+    runs: tuple[PageRun, ...]
+    gather_rows: torch.Tensor
+
+
+def combine(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Exact attention over the union of disjoint key sets from the partial results over each.
+
+    ``outs[i]`` ``[n_i, H, T, D]`` and ``lses[i]`` ``[n_i, H, T]`` (natural-log sum of the
+    exponentiated scaled scores, the kernel's second output). Returns ``[H, T, D]`` in the dtype
+    of ``outs``; weights are computed in float32.
+    """
+    lse = torch.cat(list(lses)).float()
+    weights = torch.softmax(lse, dim=0)  # exp(lse_i - logsumexp(lse))
+    out = torch.cat(list(outs))
+    return (out * weights[..., None].to(out.dtype)).sum(0)
+
+
+class PagedKV:
+    """Addressing of one pool ``[num_pages, L, 2, ps, Hkv, D]``, plans and in-place views.
+
+    Token row: the pool viewed as ``[num_pages * L * 2 * ps, Hkv, D]``; position ``pos`` of a
+    sequence with page table ``t`` has layer ``l``'s K at row ``(t[pos // ps] * L + l) * 2 * ps +
+    pos % ps`` and V ``ps`` rows further. Holds no per-request state; the pool stays the
+    caller's.
+    """
+
+    def __init__(self, pool: torch.Tensor, compute_dtype: torch.dtype,
+                 min_run_tokens: int = MIN_RUN_TOKENS) -> None:
+        self.pool = pool
+        _, self.num_layers, _, self.page_size, self.num_kv_heads, self.head_dim = pool.shape
+        self.page_rows = self.num_layers * 2 * self.page_size  # rows from one page to the next
+        self.layer_rows = 2 * self.page_size  # rows from one layer's K to the next layer's K
+        self.rows = pool.view(-1, self.num_kv_heads, self.head_dim)
+        self.compute_dtype = compute_dtype
+        # Views are in the pool's dtype; the kernel wants the compute dtype for all of q, k, v.
+        self.in_place = pool.dtype == compute_dtype
+        self.min_run_tokens = min_run_tokens
+
+    def token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token rows (layer 0, K) of ``positions`` through page ``table`` (both int64)."""
+        return table[positions // self.page_size] * self.page_rows + positions % self.page_size
+
+    def token_row(self, table: Sequence[int], pos: int) -> int:
+        """Token row (layer 0, K) of position ``pos`` through page ``table``."""
+        return table[pos // self.page_size] * self.page_rows + pos % self.page_size
+
+    def reads_in_place(self, run_pages: int, query_rows: int) -> bool:
+        """Whether a run of ``run_pages`` full pages is read in place for ``query_rows`` query
+        rows per KV head: the run is long enough and its ``ps`` partial outputs (``ps * query
+        rows * D`` per KV head) are smaller than the K and V rows they save copying
+        (``2 * run_pages * ps * D``)."""
+        return (self.in_place and run_pages * self.page_size >= self.min_run_tokens
+                and query_rows < 2 * run_pages)
+
+    def plan(self, table: Sequence[int], num_keys: int, query_rows: int,
+             gather_last_page: bool) -> ContextPlan:
+        """Plan reading keys ``[0, num_keys)`` of a sequence with page ``table`` (validated by
+        the caller). ``gather_last_page``: the page holding key ``num_keys - 1`` is gathered even
+        when full (decode needs >= 1 gathered key per sequence: its batch masks padding)."""
+        ps = self.page_size
+        full = (num_keys - 1) // ps if gather_last_page else num_keys // ps
+        runs: list[PageRun] = []
+        gathered: list[int] = []
+        for run in page_runs(table[:full]):
+            if self.reads_in_place(run.num_pages, query_rows):
+                runs.append(run)
+            else:
+                gathered.extend(range(run.first_page, run.first_page + run.num_pages))
+        slots = torch.arange(ps)
+        rows = (torch.tensor(gathered, dtype=torch.int64)[:, None] * self.page_rows
+                + slots).flatten()
+        tail = num_keys - full * ps
+        if tail:
+            rows = torch.cat((rows, table[full] * self.page_rows + slots[:tail]))
+        return ContextPlan(tuple(runs), rows.to(self.pool.device))
+
+    def run_kv(self, run: PageRun, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``run`` at ``layer`` as slot-major views ``[ps, Hkv, r, D]`` (no copy)."""
+        pages = self.pool[run.first_page:run.first_page + run.num_pages, layer]
+        return pages[:, 0].permute(1, 2, 0, 3), pages[:, 1].permute(1, 2, 0, 3)
+
+
+class ContextReader:
+    """The attention reads of one forward over ``B`` sequences: their plans, the gather index,
+    the padding mask and the gather buffer, built once and used by every layer.
+
+    Memory: the gather buffer holds ``2 * B * W * Hkv * D`` elements of the compute dtype, ``W``
+    the most gathered keys of any sequence (plus as many of the pool's dtype when that differs);
+    it lives as long as the reader. Sequences with fewer gathered keys are padded and masked.
+    """
+
+    def __init__(self, kv: PagedKV, plans: Sequence[ContextPlan], kernel: Kernel) -> None:
+        self.kv = kv
+        self.plans = list(plans)
+        self.kernel = kernel
+        counts = [plan.gather_rows.numel() for plan in self.plans]
+        self.width = max(counts)  # gathered keys per sequence, padded to the longest
+        self.mask: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+        if self.width == 0:
+            return
+        b, device = len(self.plans), kv.pool.device
+        # Padding reads row 0 (inside every pool); the mask hides it.
+        rows = torch.stack([torch.cat((plan.gather_rows, plan.gather_rows.new_zeros(
+            self.width - n))) for plan, n in zip(self.plans, counts, strict=True)])  # [B, W]
+        # K rows then V rows: one index_select per layer fetches both.
+        self._index = torch.stack((rows, rows + kv.page_size)).view(-1)
+        shape = (2, b, self.width, kv.num_kv_heads, kv.head_dim)
+        self._buffer = torch.empty(shape, dtype=kv.compute_dtype, device=device)
+        self._staging = (None if kv.pool.dtype == kv.compute_dtype else
+                         torch.empty(shape, dtype=kv.pool.dtype, device=device))
+        if min(counts) < self.width:
+            visible = torch.arange(self.width, device=device)[None, :] < torch.tensor(
+                counts, device=device)[:, None]
+            self.mask = torch.zeros((b, 1, 1, self.width), dtype=kv.compute_dtype,
+                                    device=device)
+            self.mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-causal attention of ``q`` ``[N, H, T, D]`` (contiguous in H, T, D) over ``k``,
+        ``v`` ``[N, Hkv, S, D]``: out ``[N, H, T, D]``, LSE ``[N, H, T]``. The query heads sharing
+        a KV head are passed as that head's query rows, so each K/V row is read once for all."""
+        n, h, t, d = q.shape
+        hkv = k.shape[1]
+        out, lse = self.kernel(q.view(n, hkv, (h // hkv) * t, d), k, v, attn_mask=mask)
+        return out.reshape(n, h, t, d), lse.reshape(n, h, t)
+
+    def attend(self, layer: int, q: torch.Tensor, new_k: torch.Tensor | None = None,
+               new_v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output ``[B, H, T, D]`` of every sequence at ``layer``.
+
+        ``q`` ``[B, H, T, D]`` (RoPE applied, contiguous). Context keys are read from the pool,
+        so this step's K/V must already be written there. ``new_k``/``new_v`` ``[1, Hkv, T, D]``
+        (prefill, ``B == 1``): the T new positions, attended causally on top of the context.
+        """
+        parts, gathered = self._partials(layer, q)
+        if new_k is not None and new_v is not None:
+            out, lse = self.kernel(q, new_k, new_v, is_causal=True)
+            parts[0].append((out, lse))
+        if gathered is not None and new_k is None and all(len(p) == 1 for p in parts):
+            return gathered  # every sequence's context is in the gather buffer alone
+        outs = [p[0][0] if len(p) == 1 else combine([o for o, _ in p], [s for _, s in p])[None]
+                for p in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _partials(self, layer: int, q: torch.Tensor
+                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor | None]:
+        """Per sequence, the partial results (out ``[n, H, T, D]``, LSE ``[n, H, T]``) over its
+        planned context: one from the gather buffer (if it has gathered keys), ``ps`` per run;
+        and the gather buffer's whole output ``[B, H, T, D]`` (``None`` without gathered keys)."""
+        kv = self.kv
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.plans]
+        gathered = None
+        if self._index is not None:
+            index = self._index + layer * kv.layer_rows
+            target = self._buffer if self._staging is None else self._staging
+            torch.index_select(kv.rows, 0, index, out=target.view(-1, *kv.rows.shape[1:]))
+            if self._staging is not None:
+                self._buffer.copy_(self._staging)
+            out, lse = self._attend(q, self._buffer[0].transpose(1, 2),
+                                    self._buffer[1].transpose(1, 2), self.mask)
+            gathered = out
+            for b, plan in enumerate(self.plans):
+                if plan.gather_rows.numel():
+                    parts[b].append((out[b:b + 1], lse[b:b + 1]))
+        for b, plan in enumerate(self.plans):
+            for run in plan.runs:
+                k, v = kv.run_kv(run, layer)
+                qb = q[b:b + 1].expand(kv.page_size, *q.shape[1:])
+                parts[b].append(self._attend(qb, k, v))
+        return parts, gathered
