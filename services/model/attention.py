@@ -93,17 +93,19 @@ class ContextPlan:
     gather_rows: torch.Tensor
 
 
-def combine(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
+def combine(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """Exact attention over the union of disjoint key sets from the partial results over each.
 
-    ``outs[i]`` ``[n_i, H, T, D]`` and ``lses[i]`` ``[n_i, H, T]`` (natural-log sum of the
-    exponentiated scaled scores, the kernel's second output). Returns ``[H, T, D]`` in the dtype
-    of ``outs``; weights are computed in float32.
+    ``outs`` ``[B, n, ...]`` and ``lses`` ``[B, n, ...]`` (``outs`` with one more trailing axis,
+    the head dim): ``n`` partial results per sequence, with the natural-log sum of their
+    exponentiated scaled scores (the kernel's second output; -inf for a result over no keys).
+    Returns ``[B, ...]``, contiguous, in the dtype of ``outs``; weights are computed in float32
+    (elementwise ops only: tiny tensors stay on one thread).
     """
-    lse = torch.cat(list(lses)).float()
-    weights = torch.softmax(lse, dim=0)  # exp(lse_i - logsumexp(lse))
-    out = torch.cat(list(outs))
-    return (out * weights[..., None].to(out.dtype)).sum(0)
+    lses = lses.float()
+    weights = (lses - lses.amax(dim=1, keepdim=True)).exp_()
+    weights /= weights.sum(dim=1, keepdim=True)
+    return (outs * weights[..., None].to(outs.dtype)).sum(1)
 
 
 class PagedKV:
@@ -165,10 +167,11 @@ class PagedKV:
             rows = torch.cat((rows, table[full] * self.page_rows + slots[:tail]))
         return ContextPlan(tuple(runs), rows.to(self.pool.device))
 
-    def run_kv(self, run: PageRun, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``run`` at ``layer`` as slot-major views ``[ps, Hkv, r, D]`` (no copy)."""
-        pages = self.pool[run.first_page:run.first_page + run.num_pages, layer]
-        return pages[:, 0].permute(1, 2, 0, 3), pages[:, 1].permute(1, 2, 0, 3)
+    def run_kv(self, run: PageRun) -> torch.Tensor:
+        """K/V of ``run`` for every layer as one slot-major view ``[L, 2 (K,V), ps, Hkv, r, D]``
+        of the pool (no copy): ``[l, 0]`` is layer ``l``'s keys with batch entry ``j`` holding
+        positions ``p * ps + j`` of the run's pages."""
+        return self.pool[run.first_page:run.first_page + run.num_pages].permute(1, 2, 3, 4, 0, 5)
 
 
 class ContextReader:
@@ -188,6 +191,7 @@ class ContextReader:
         self.width = max(counts)  # gathered keys per sequence, padded to the longest
         self.mask: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
+        self._run_views = [[kv.run_kv(run) for run in plan.runs] for plan in self.plans]
         if self.width == 0:
             return
         b, device = len(self.plans), kv.pool.device
@@ -210,12 +214,12 @@ class ContextReader:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Non-causal attention of ``q`` ``[N, H, T, D]`` (contiguous in H, T, D) over ``k``,
-        ``v`` ``[N, Hkv, S, D]``: out ``[N, H, T, D]``, LSE ``[N, H, T]``. The query heads sharing
-        a KV head are passed as that head's query rows, so each K/V row is read once for all."""
+        ``v`` ``[N, Hkv, S, D]``, in the *folded* form: the ``G = H / Hkv`` query heads sharing
+        a KV head are passed as that head's ``R = G * T`` query rows, so each K/V row is read
+        once for all of them. Returns out ``[N, Hkv, R, D]`` and LSE ``[N, Hkv, R]``."""
         n, h, t, d = q.shape
         hkv = k.shape[1]
-        out, lse = self.kernel(q.view(n, hkv, (h // hkv) * t, d), k, v, attn_mask=mask)
-        return out.reshape(n, h, t, d), lse.reshape(n, h, t)
+        return self.kernel(q.view(n, hkv, (h // hkv) * t, d), k, v, attn_mask=mask)
 
     def attend(self, layer: int, q: torch.Tensor, new_k: torch.Tensor | None = None,
                new_v: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,24 +229,28 @@ class ContextReader:
         so this step's K/V must already be written there. ``new_k``/``new_v`` ``[1, Hkv, T, D]``
         (prefill, ``B == 1``): the T new positions, attended causally on top of the context.
         """
-        parts, gathered = self._partials(layer, q)
+        b, h, t, d = q.shape
+        outs, lses = self._partials(layer, q)
         if new_k is not None and new_v is not None:
             out, lse = self.kernel(q, new_k, new_v, is_causal=True)
-            parts[0].append((out, lse))
-        if gathered is not None and new_k is None and all(len(p) == 1 for p in parts):
-            return gathered  # every sequence's context is in the gather buffer alone
-        outs = [p[0][0] if len(p) == 1 else combine([o for o, _ in p], [s for _, s in p])[None]
-                for p in parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            if not outs:  # no context: plain causal attention
+                return out
+            hkv = new_k.shape[1]
+            outs.append(out.reshape(1, 1, hkv, (h // hkv) * t, d))
+            lses.append(lse.reshape(1, 1, hkv, (h // hkv) * t))
+        if len(outs) == 1:
+            return outs[0][:, 0].reshape(b, h, t, d)
+        return combine(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, t, d)
 
     def _partials(self, layer: int, q: torch.Tensor
-                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor | None]:
-        """Per sequence, the partial results (out ``[n, H, T, D]``, LSE ``[n, H, T]``) over its
-        planned context: one from the gather buffer (if it has gathered keys), ``ps`` per run;
-        and the gather buffer's whole output ``[B, H, T, D]`` (``None`` without gathered keys)."""
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Partial results over the planned context of every sequence, batched by kind: outs
+        ``[B, n, Hkv, R, D]`` and LSEs ``[B, n, Hkv, R]`` for the gather buffer (``n = 1``) and
+        for each run index ``i`` (``n = ps``: the ``i``-th run of every sequence; sequences with
+        fewer runs get a zero result with LSE -inf, which weighs nothing)."""
         kv = self.kv
-        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.plans]
-        gathered = None
+        outs: list[torch.Tensor] = []
+        lses: list[torch.Tensor] = []
         if self._index is not None:
             index = self._index + layer * kv.layer_rows
             target = self._buffer if self._staging is None else self._staging
@@ -251,13 +259,29 @@ class ContextReader:
                 self._buffer.copy_(self._staging)
             out, lse = self._attend(q, self._buffer[0].transpose(1, 2),
                                     self._buffer[1].transpose(1, 2), self.mask)
-            gathered = out
-            for b, plan in enumerate(self.plans):
-                if plan.gather_rows.numel():
-                    parts[b].append((out[b:b + 1], lse[b:b + 1]))
-        for b, plan in enumerate(self.plans):
-            for run in plan.runs:
-                k, v = kv.run_kv(run, layer)
-                qb = q[b:b + 1].expand(kv.page_size, *q.shape[1:])
-                parts[b].append(self._attend(qb, k, v))
-        return parts, gathered
+            outs.append(out[:, None])
+            lses.append(lse[:, None])
+        for i in range(max(len(views) for views in self._run_views)):
+            results = []
+            for b, views in enumerate(self._run_views):
+                if i < len(views):
+                    kv_run = views[i][layer]
+                    results.append(self._attend(q[b:b + 1].expand(kv.page_size, *q.shape[1:]),
+                                                kv_run[0], kv_run[1]))
+                else:
+                    results.append(self._no_result(q))
+            if len(results) == 1:
+                outs.append(results[0][0][None])
+                lses.append(results[0][1][None])
+            else:
+                outs.append(torch.stack([out for out, _ in results]))
+                lses.append(torch.stack([lse for _, lse in results]))
+        return outs, lses
+
+    def _no_result(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A partial result over no keys: out 0, LSE -inf (``[ps, Hkv, R, D]``, ``[ps, Hkv, R]``)."""
+        _, h, t, d = q.shape
+        hkv, ps = self.kv.num_kv_heads, self.kv.page_size
+        rows = (h // hkv) * t
+        return (q.new_zeros(ps, hkv, rows, d),
+                torch.full((ps, hkv, rows), float("-inf"), device=q.device))

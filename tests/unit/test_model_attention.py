@@ -87,8 +87,11 @@ def test_combine_is_exact_over_any_split_of_the_keys():
     whole, _ = kernel(q, k, v)
     cuts = [0, 1, 20, 21, 50]  # uneven parts, one of a single key
     parts = [kernel(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-    merged = combine([o for o, _ in parts], [s for _, s in parts])
-    torch.testing.assert_close(merged, whole[0], atol=1e-6, rtol=0)
+    # A result over no keys (out 0, LSE -inf) weighs nothing: how sequences with fewer runs pad.
+    parts.append((torch.zeros_like(whole), torch.full(whole.shape[:-1], float("-inf"))))
+    merged = combine(torch.stack([o for o, _ in parts], dim=1),
+                     torch.stack([s for _, s in parts], dim=1))
+    torch.testing.assert_close(merged, whole, atol=1e-6, rtol=0)
 
 
 # ---- runs, plans, views ---------------------------------------------------------------------
@@ -142,8 +145,9 @@ def test_plan_gathers_everything_when_the_pool_dtype_is_not_the_compute_dtype():
 def test_run_views_are_the_pool_itself_read_slot_major():
     pool = _pool(12, 4)
     kv = PagedKV(pool, torch.float32)
-    k, v = kv.run_kv(PageRun(5, 3), layer=2)
-    assert k.shape == (4, HKV, 3, D)  # [slot, head, page of the run, D]
+    view = kv.run_kv(PageRun(5, 3))
+    assert view.shape == (LAYERS, 2, 4, HKV, 3, D)  # [layer, K/V, slot, head, page of run, D]
+    k, v = view[2]
     assert k.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
     for slot in range(4):
         for i in range(3):

@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cold prefill lengths in tokens, comma-separated (default none)")
     parser.add_argument("--repeats", type=int, default=5, help="timed pairs per point (median)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (default: torch's own choice)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")
 
@@ -112,8 +114,8 @@ def _cache_kwargs(hf_model: Any, cache: Any) -> dict[str, Any]:
 def _validate(args: argparse.Namespace) -> None:
     from deltakv.errors import InvalidArgument
 
-    for name in ("context", "extend", "decode_steps", "repeats", "page_size"):
-        if getattr(args, name) < 1:
+    for name in ("context", "extend", "decode_steps", "repeats", "page_size", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
 
 
@@ -132,6 +134,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
     from deltakv.services.model.runner import DecodeSeq, ModelRunner
 
     _validate(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     hf_model, tokenizer = load_transformers_model(args.model)
     model = loaded_from_transformers(args.model, hf_model, tokenizer)
