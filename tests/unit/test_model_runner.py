@@ -118,6 +118,23 @@ def test_twenty_decode_steps_match_transformers(tiny, prompt, reference, page_si
         torch.testing.assert_close(logits[0], reference[pos], atol=ATOL, rtol=0)
 
 
+def test_plain_torch_linear_backend_matches_transformers(tiny, prompt, reference):
+    """The model with ``F.linear`` layers (the fallback when oneDNN cannot take a weight)."""
+    import dataclasses
+
+    from deltakv.services.model.llama import PagedLlama
+
+    hf_model, model = tiny
+    plain = dataclasses.replace(model, module=PagedLlama.from_transformers(
+        hf_model, linear_backend="torch"))
+    runner, _ = make_runner(plain, 16)
+    table = scattered_table(PROMPT_LEN + 2, 16, 160)
+    logits = runner.prefill(prompt[:PROMPT_LEN], table, 0, return_all_logits=True)
+    torch.testing.assert_close(logits, reference[:PROMPT_LEN], atol=ATOL, rtol=0)
+    step = runner.decode_step([DecodeSeq(prompt[PROMPT_LEN], PROMPT_LEN, table)])
+    torch.testing.assert_close(step[0], reference[PROMPT_LEN], atol=ATOL, rtol=0)
+
+
 def test_decode_from_empty_cache(tiny, prompt, reference):
     """seq_len 0: the first token is decoded with nothing cached, like a 1-token prefill."""
     _, model = tiny
