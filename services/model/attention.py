@@ -87,10 +87,14 @@ def page_runs(pages: Sequence[int]) -> list[PageRun]:
 @dataclass(frozen=True)
 class ContextPlan:
     """How one sequence's context keys are read: ``runs`` in place, ``gather_rows`` (token rows
-    of layer 0's K in the pool's ``[rows, Hkv, D]`` view, int64 ``[n]``) through the buffer."""
+    of layer 0's K in the pool's ``[rows, Hkv, D]`` view, int64 ``[n]``) through the buffer.
+    ``last_run_slots``: when the context ends on a partial page that directly follows the last
+    run, that page joins the run and only its first ``last_run_slots`` slots are keys (the
+    rest is masked); ``None`` when every page of every run is full."""
 
     runs: tuple[PageRun, ...]
     gather_rows: torch.Tensor
+    last_run_slots: int | None = None
 
 
 def combine(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
@@ -145,13 +149,11 @@ class PagedKV:
         return (self.in_place and run_pages * self.page_size >= self.min_run_tokens
                 and query_rows < 2 * run_pages)
 
-    def plan(self, table: Sequence[int], num_keys: int, query_rows: int,
-             gather_last_page: bool) -> ContextPlan:
+    def plan(self, table: Sequence[int], num_keys: int, query_rows: int) -> ContextPlan:
         """Plan reading keys ``[0, num_keys)`` of a sequence with page ``table`` (validated by
-        the caller). ``gather_last_page``: the page holding key ``num_keys - 1`` is gathered even
-        when full (decode needs >= 1 gathered key per sequence: its batch masks padding)."""
+        the caller) for ``query_rows`` query rows per KV head."""
         ps = self.page_size
-        full = (num_keys - 1) // ps if gather_last_page else num_keys // ps
+        full, tail = divmod(num_keys, ps)
         runs: list[PageRun] = []
         gathered: list[int] = []
         for run in page_runs(table[:full]):
@@ -162,10 +164,18 @@ class PagedKV:
         slots = torch.arange(ps)
         rows = (torch.tensor(gathered, dtype=torch.int64)[:, None] * self.page_rows
                 + slots).flatten()
-        tail = num_keys - full * ps
+        last_run_slots = None
         if tail:
-            rows = torch.cat((rows, table[full] * self.page_rows + slots[:tail]))
-        return ContextPlan(tuple(runs), rows.to(self.pool.device))
+            last = runs[-1] if runs else None
+            if last is not None and last.first_page + last.num_pages == table[full] \
+                    and table[full - 1] == table[full] - 1:
+                # The partial page continues the last run (which holds a full page, so every
+                # slot of the run keeps >= 1 visible key under the mask).
+                runs[-1] = PageRun(last.first_page, last.num_pages + 1)
+                last_run_slots = tail
+            else:
+                rows = torch.cat((rows, table[full] * self.page_rows + slots[:tail]))
+        return ContextPlan(tuple(runs), rows.to(self.pool.device), last_run_slots)
 
     def run_kv(self, run: PageRun) -> torch.Tensor:
         """K/V of ``run`` for every layer as one slot-major view ``[L, 2 (K,V), ps, Hkv, r, D]``
@@ -192,9 +202,12 @@ class ContextReader:
         self.mask: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
         self._run_views = [[kv.run_kv(run) for run in plan.runs] for plan in self.plans]
+        self._last_run_masks = [self._slot_mask(plan) for plan in self.plans]
+        b, device = len(self.plans), kv.pool.device
+        # Sequences whose keys are all in runs get no result from the gather buffer.
+        self._no_gathered = torch.tensor([n == 0 for n in counts], device=device)
         if self.width == 0:
             return
-        b, device = len(self.plans), kv.pool.device
         # Padding reads row 0 (inside every pool); the mask hides it.
         rows = torch.stack([torch.cat((plan.gather_rows, plan.gather_rows.new_zeros(
             self.width - n))) for plan, n in zip(self.plans, counts, strict=True)])  # [B, W]
@@ -210,6 +223,17 @@ class ContextReader:
             self.mask = torch.zeros((b, 1, 1, self.width), dtype=kv.compute_dtype,
                                     device=device)
             self.mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+
+    def _slot_mask(self, plan: ContextPlan) -> torch.Tensor | None:
+        """Additive mask ``[ps, 1, 1, r]`` of a last run ending on a partial page: slot ``j`` of
+        the run's last page is a key only for ``j < last_run_slots``."""
+        if plan.last_run_slots is None:
+            return None
+        kv = self.kv
+        mask = torch.zeros((kv.page_size, 1, 1, plan.runs[-1].num_pages),
+                           dtype=kv.compute_dtype, device=kv.pool.device)
+        mask[plan.last_run_slots:, ..., -1] = float("-inf")
+        return mask
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +262,7 @@ class ContextReader:
             hkv = new_k.shape[1]
             outs.append(out.reshape(1, 1, hkv, (h // hkv) * t, d))
             lses.append(lse.reshape(1, 1, hkv, (h // hkv) * t))
-        if len(outs) == 1:
+        if len(outs) == 1 and outs[0].shape[1] == 1:  # one result per sequence: nothing to combine
             return outs[0][:, 0].reshape(b, h, t, d)
         return combine(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, t, d)
 
@@ -259,6 +283,9 @@ class ContextReader:
                 self._buffer.copy_(self._staging)
             out, lse = self._attend(q, self._buffer[0].transpose(1, 2),
                                     self._buffer[1].transpose(1, 2), self.mask)
+            if bool(self._no_gathered.any()):  # all-padding rows: weigh nothing, carry no NaN
+                out = out.masked_fill(self._no_gathered[:, None, None, None], 0.0)
+                lse = lse.masked_fill(self._no_gathered[:, None, None], float("-inf"))
             outs.append(out[:, None])
             lses.append(lse[:, None])
         for i in range(max(len(views) for views in self._run_views)):
@@ -266,8 +293,9 @@ class ContextReader:
             for b, views in enumerate(self._run_views):
                 if i < len(views):
                     kv_run = views[i][layer]
+                    mask = self._last_run_masks[b] if i == len(views) - 1 else None
                     results.append(self._attend(q[b:b + 1].expand(kv.page_size, *q.shape[1:]),
-                                                kv_run[0], kv_run[1]))
+                                                kv_run[0], kv_run[1], mask))
                 else:
                     results.append(self._no_result(q))
             if len(results) == 1:

@@ -2,10 +2,12 @@
 
 The services hand the runner the pool tensor their sidecar exposes (shared memory mapped
 zero-copy) and page tables from the sidecar's allocator; the runner validates every request
-before touching the pool, converts page tables into row indices, and runs
-:class:`deltakv.services.model.llama.PagedLlama`. Calls may come from worker threads; the runner has no
-mutable state of its own, and concurrent calls must use disjoint pages for the positions they
-write (the allocator guarantees that).
+before touching the pool, turns page tables into write rows and attention read plans
+(:mod:`deltakv.services.model.attention`: runs of pages read in place, the rest gathered), and
+runs :class:`deltakv.services.model.llama.PagedLlama`. Calls may come from worker threads; the
+runner has no mutable state of its own (each call builds its own plans and gather buffer), and
+concurrent calls must use disjoint pages for the positions they write (the allocator
+guarantees that).
 """
 
 from __future__ import annotations
@@ -156,8 +158,7 @@ class ModelRunner:
             if cached_len < n:
                 write_rows = kv.token_rows(table, torch.arange(start, n, device=device))
             group = module.spec.num_heads // module.spec.num_kv_heads
-            plan = kv.plan(page_table, start, query_rows=(n - start) * group,
-                           gather_last_page=False)
+            plan = kv.plan(page_table, start, query_rows=(n - start) * group)
             ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=device)
             return module.prefill(kv, ContextReader(kv, [plan], self._kernel), ids, start,
                                   write_rows, return_all_logits)
@@ -199,7 +200,7 @@ class ModelRunner:
                                        for table, seq in zip(tables, batch, strict=True)],
                                       dtype=torch.int64, device=device)
             # Keys [0, seq_len] each: the new position is stored before attention reads it.
-            plans = [kv.plan(table, seq.seq_len + 1, query_rows=group, gather_last_page=True)
+            plans = [kv.plan(table, seq.seq_len + 1, query_rows=group)
                      for table, seq in zip(tables, batch, strict=True)]
             ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
                                device=device)

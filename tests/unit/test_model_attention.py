@@ -105,40 +105,53 @@ def test_page_runs():
 
 
 def _covered_rows(kv: PagedKV, plan) -> list[int]:
-    rows = [page * kv.page_rows + slot for run in plan.runs
-            for page in range(run.first_page, run.first_page + run.num_pages)
-            for slot in range(kv.page_size)]
+    rows = []
+    for i, run in enumerate(plan.runs):
+        for page in range(run.first_page, run.first_page + run.num_pages):
+            slots = kv.page_size
+            if i == len(plan.runs) - 1 and page == run.first_page + run.num_pages - 1 \
+                    and plan.last_run_slots is not None:
+                slots = plan.last_run_slots  # the partial page that joined the last run
+            rows += [page * kv.page_rows + slot for slot in range(slots)]
     return rows + plan.gather_rows.tolist()
 
 
-@pytest.mark.parametrize("num_keys", [1, 15, 16, 17, 64, 100])
-@pytest.mark.parametrize("gather_last_page", [False, True])
-def test_plan_reads_every_key_exactly_once(num_keys, gather_last_page):
+TABLE = [30, 31, 32, 33, 7, 2, 3, 4, 5, 6, 11, 12, 13, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 0,
+         1, 8, 9, 10, 14]
+
+
+@pytest.mark.parametrize("num_keys", [1, 15, 16, 17, 37, 64, 89, 100])
+def test_plan_reads_every_key_exactly_once(num_keys):
     kv = PagedKV(_pool(40, 4), torch.float32, min_run_tokens=8)
-    table = [30, 31, 32, 33, 7, 2, 3, 4, 5, 6, 11, 12, 13, 20, 21, 22, 23, 24, 25, 26, 27, 28,
-             29, 0, 1, 8, 9, 10, 14]
-    plan = kv.plan(table, num_keys, query_rows=1, gather_last_page=gather_last_page)
-    expected = [kv.token_row(table, pos) for pos in range(num_keys)]
+    plan = kv.plan(TABLE, num_keys, query_rows=1)
+    expected = [kv.token_row(TABLE, pos) for pos in range(num_keys)]
     covered = _covered_rows(kv, plan)
     assert sorted(covered) == sorted(expected)
     assert len(covered) == len(set(covered))
-    for run in plan.runs:
-        assert run.num_pages * kv.page_size >= 8
-    if gather_last_page:  # the page of the newest key is always in the buffer
-        assert expected[-1] in plan.gather_rows.tolist()
+    for i, run in enumerate(plan.runs):
+        full_pages = run.num_pages - (i == len(plan.runs) - 1 and plan.last_run_slots is not None)
+        assert full_pages * kv.page_size >= 8
+
+
+def test_partial_last_page_joins_the_run_it_continues():
+    kv = PagedKV(_pool(40, 4), torch.float32, min_run_tokens=8)
+    plan = kv.plan(TABLE, 89, query_rows=1)  # 22 full pages, page 29 holds keys 88..88
+    assert plan.runs[-1] == PageRun(20, 10) and plan.last_run_slots == 1
+    plan = kv.plan(TABLE, 93, query_rows=1)  # page 0 follows page 29: not its run
+    assert plan.last_run_slots is None and plan.gather_rows.tolist()[-1] == 0 * kv.page_rows
 
 
 def test_plan_gathers_runs_whose_partials_would_cost_more_than_a_copy():
     kv = PagedKV(_pool(40, 4), torch.float32, min_run_tokens=4)
     table = list(range(10, 20))  # one run of 10 pages
-    assert kv.plan(table, 40, query_rows=19, gather_last_page=False).runs == (PageRun(10, 10),)
-    many = kv.plan(table, 40, query_rows=20, gather_last_page=False)
+    assert kv.plan(table, 40, query_rows=19).runs == (PageRun(10, 10),)
+    many = kv.plan(table, 40, query_rows=20)
     assert many.runs == () and many.gather_rows.numel() == 40
 
 
 def test_plan_gathers_everything_when_the_pool_dtype_is_not_the_compute_dtype():
     kv = PagedKV(_pool(40, 4, torch.bfloat16), torch.float32, min_run_tokens=1)
-    plan = kv.plan(list(range(10)), 40, query_rows=1, gather_last_page=False)
+    plan = kv.plan(list(range(10)), 40, query_rows=1)
     assert plan.runs == () and plan.gather_rows.numel() == 40
 
 
@@ -159,23 +172,31 @@ def test_run_views_are_the_pool_itself_read_slot_major():
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_reader_equals_attention_over_the_gathered_context(pool_dtype):
-    """Two sequences, one with a long run and loose pages, one scattered, different lengths:
-    the reader's output equals attention over each sequence's keys copied out in order."""
+    """Three sequences of different lengths — a long run plus loose pages, scattered pages, a
+    run ending on a partial page — read together and alone: the reader's output equals
+    attention over each sequence's keys copied out in order."""
     page_size, layer = 4, 1
     pool = _pool(64, page_size, pool_dtype)
     kv = PagedKV(pool, torch.float32, min_run_tokens=4)
     kernel = kernel_for(torch.device("cpu"))
-    tables = [list(range(20, 30)) + [3, 50, 51], [9, 7, 5, 40, 41]]
-    lengths = [47, 18]
-    plans = [kv.plan(t, n, query_rows=2, gather_last_page=True)
-             for t, n in zip(tables, lengths, strict=True)]
-    assert bool(plans[0].runs) == (pool_dtype == torch.float32) and not plans[1].runs
+    tables = [list(range(20, 30)) + [3, 50, 51], [9, 7, 5, 40, 41], list(range(10, 16))]
+    lengths = [47, 18, 23]  # the third ends on a partial page that continues its run
+    plans = [kv.plan(t, n, query_rows=2) for t, n in zip(tables, lengths, strict=True)]
+    in_place = pool_dtype == torch.float32
+    assert bool(plans[0].runs) == in_place and not plans[1].runs
+    assert (plans[2].last_run_slots == 3) == in_place
+    if in_place:
+        assert plans[2].gather_rows.numel() == 0  # all of its keys are read in place
     generator = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 2 * HKV, 1, D, generator=generator)
-    out = ContextReader(kv, plans, kernel).attend(layer, q)
+    q = torch.randn(3, 2 * HKV, 1, D, generator=generator)
+    references = []
     for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         rows = torch.tensor([kv.token_row(table, pos) for pos in range(n)])
         k = kv.rows[rows + layer * kv.layer_rows].float().transpose(0, 1)[None]
         v = kv.rows[rows + layer * kv.layer_rows + page_size].float().transpose(0, 1)[None]
-        ref, _ = _reference(q[b:b + 1], k, v)
-        torch.testing.assert_close(out[b:b + 1], ref, atol=1e-5, rtol=0)
+        references.append(_reference(q[b:b + 1], k, v)[0])
+    # Together (padding, a sequence without gathered keys) and each alone.
+    for batch in ([0, 1, 2], [0], [1], [2]):
+        out = ContextReader(kv, [plans[b] for b in batch], kernel).attend(layer, q[batch])
+        for row, b in enumerate(batch):
+            torch.testing.assert_close(out[row:row + 1], references[b], atol=1e-5, rtol=0)
