@@ -36,10 +36,14 @@ import torch
 
 from deltakv.errors import InvalidArgument
 
-# A run is read in place only from this many tokens on: below it, one kernel call and ps partial
-# results cost more than copying the run's rows. Measured with `deltakv bench model` (2-core
-# EPYC, SmolLM2 geometry): gathering 64 tokens ~ one call's fixed cost.
-MIN_RUN_TOKENS = 64
+# A run is read in place only from this many tokens on. Measured on the 2-core EPYC, SmolLM2
+# geometry, page_size 16, one thread (the least noisy on a shared machine), per layer: a single
+# sequence read in place costs ~80 us more than gathered at 32-256 tokens (one more kernel call,
+# ps partial results to combine), ~60 us at 512, ~45 us at 1k, and breaks even at 2k, where the
+# one sequence's gathered rows still fit the cache. Batches are where copying hurts: 8 sequences
+# of 2k tokens, attention of 30 layers, 155 ms in place vs 258 ms gathered (the 25 MB buffer
+# leaves the cache); a whole decode step at 2 threads, 120 ms vs 240 ms.
+MIN_RUN_TOKENS = 512
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -202,6 +206,7 @@ class ContextReader:
         self.mask: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
         self._run_views = [[kv.run_kv(run) for run in plan.runs] for plan in self.plans]
+        self._empty: tuple[torch.Tensor, torch.Tensor] | None = None
         self._last_run_masks = [self._slot_mask(plan) for plan in self.plans]
         b, device = len(self.plans), kv.pool.device
         # Sequences whose keys are all in runs get no result from the gather buffer.
@@ -307,9 +312,12 @@ class ContextReader:
         return outs, lses
 
     def _no_result(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A partial result over no keys: out 0, LSE -inf (``[ps, Hkv, R, D]``, ``[ps, Hkv, R]``)."""
-        _, h, t, d = q.shape
-        hkv, ps = self.kv.num_kv_heads, self.kv.page_size
-        rows = (h // hkv) * t
-        return (q.new_zeros(ps, hkv, rows, d),
-                torch.full((ps, hkv, rows), float("-inf"), device=q.device))
+        """A partial result over no keys: out 0, LSE -inf (``[ps, Hkv, R, D]``, ``[ps, Hkv, R]``),
+        made once per reader (the shapes do not change between layers)."""
+        if self._empty is None:
+            _, h, t, d = q.shape
+            hkv, ps = self.kv.num_kv_heads, self.kv.page_size
+            rows = (h // hkv) * t
+            self._empty = (q.new_zeros(ps, hkv, rows, d),
+                           torch.full((ps, hkv, rows), float("-inf"), device=q.device))
+        return self._empty
