@@ -30,16 +30,18 @@ def test_backend_equals_f_linear(backend, rows, with_bias):
                                rtol=0)
 
 
-def test_packed_weight_is_independent_of_the_original():
-    """The packed copy is what computes: changing the plain weight afterwards changes nothing."""
+def test_packed_weight_computes_several_rows_and_the_plain_one_a_single_row():
+    """Zeroing the plain weight after packing shows which copy computes: several rows go
+    through the packed copy, one row through the plain weight."""
     weight, bias, generator = _weights()
     linear = make_linear(weight, bias)
-    x = torch.randn(4, 40, generator=generator)
-    before = linear(x)
     if isinstance(linear, TorchLinear):
         pytest.skip("no packing backend on this machine")
+    rows = torch.randn(4, 40, generator=generator)
+    before = linear(rows)
     weight.zero_()
-    torch.testing.assert_close(linear(x), before, atol=0, rtol=0)
+    torch.testing.assert_close(linear(rows), before, atol=0, rtol=0)
+    torch.testing.assert_close(linear(rows[:1]), bias[None], atol=0, rtol=0)
 
 
 def test_first_fitting_backend_is_chosen():
