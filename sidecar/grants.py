@@ -285,6 +285,13 @@ class GrantAuthority:
             self.fencer.revoke(grant)
         return len(grants)
 
+    def revoke_all(self) -> int:
+        """Revoke every open grant (a new worker attached: the old one's transfers are
+        abandoned). Returns how many."""
+        with self._lock:
+            owners = list(self._by_owner)
+        return sum(self.revoke_owner(owner) for owner in owners)
+
     def expire(self) -> int:
         """Revoke open grants past their expiry (the fencer's loop calls it): after that no
         writer may start, and the words/engine no longer admit the room. Returns how many."""

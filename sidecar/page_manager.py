@@ -340,6 +340,68 @@ class PageManager:
         self._quarantined_total -= freed
         return freed
 
+    def release_all(self, quarantine_ms: int = 0) -> tuple[int, int, int]:
+        """:meth:`release` every request (a new worker attaches: what its predecessor held is
+        nobody's now). Returns ``(requests, freed, quarantined)``. Cached pages stay cached.
+        InvalidArgument for a negative ``quarantine_ms``."""
+        self._check_count("quarantine_ms", quarantine_ms)
+        with self._lock:
+            requests = list(self._requests)
+            freed = quarantined = 0
+            for request_id in requests:
+                f, q = self.release(request_id, quarantine_ms=quarantine_ms)
+                freed += f
+                quarantined += q
+            return len(requests), freed, quarantined
+
+    # ------------------------------------------------------------------ page digests
+
+    def cached_digests(self) -> list[tuple[int, int | None]]:
+        """``(page, digest)`` of every cached page (digest None: not set yet)."""
+        with self._lock:
+            return [(node.page, node.digest) for node in self._index.iter_nodes()]
+
+    def digests_of(self, pages: Sequence[int]) -> list[int | None]:
+        """The digest each listed page was cached with; None for a page that is not cached
+        or has none."""
+        with self._lock:
+            out = []
+            for p in pages:
+                node = self._index.node_of_page(p)
+                out.append(None if node is None else node.digest)
+            return out
+
+    def set_digests(self, digests: dict[int, int]) -> int:
+        """Record the digest of cached pages that have none yet (page -> digest); pages no
+        longer cached, or already digested, are skipped. Returns how many were set."""
+        with self._lock:
+            done = 0
+            for page, digest in digests.items():
+                node = self._index.node_of_page(page)
+                if node is not None and node.digest is None:
+                    node.digest = digest
+                    done += 1
+            return done
+
+    def evict_corrupt(self, pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Drop cached ``pages`` whose bytes are bad, each with the cached prefixes that
+        continue it, and free them. A page that is (or has a descendant that is) locked is
+        kept: a request still reads it. Returns ``(evicted pages, kept pages)``."""
+        with self._lock:
+            evicted: list[int] = []
+            kept: list[int] = []
+            for page in pages:
+                node = self._index.node_of_page(page)
+                if node is None:
+                    continue  # already gone (e.g. below another corrupt page)
+                if node.protect_ref:
+                    kept.append(page)
+                    continue
+                removed = self._index.remove_subtree(node)
+                self._free_pages(removed)  # a page a transfer still reads waits for it
+                evicted.extend(removed)
+            return evicted, kept
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> PoolCounts:
@@ -401,63 +463,12 @@ class PageManager:
             return out
 
     def check_invariants(self) -> None:
-        """Verify I1 and the lock accounting from scratch: every page in exactly one state,
-        ``free + cached + live + quarantined == num_pages``, lock counts >= 0 and equal to the
-        locks requests hold, counters equal to recomputed values. Raises :class:`Internal`
-        (INTERNAL) listing every discrepancy. O(num_pages + cached pages)."""
+        """Verify I1 and the lock accounting from scratch (:func:`.page_invariants.check`):
+        every page in exactly one state, ``free + cached + live + quarantined == num_pages``,
+        lock counts >= 0 and equal to the locks requests hold, counters equal to recomputed
+        values. Raises :class:`Internal` (INTERNAL) listing every discrepancy.
+        O(num_pages + cached pages)."""
+        from deltakv.sidecar.page_invariants import check
+
         with self._lock:
-            problems = list(self._index.check_invariants())
-            owner: dict[int, str] = {}
-
-            def claim(page: int, state: str) -> None:
-                if not 0 <= page < self.num_pages:
-                    problems.append(f"{state} page {page} out of range")
-                elif page in owner:
-                    problems.append(f"page {page} is both {owner[page]} and {state}")
-                else:
-                    owner[page] = state
-
-            for p in range(self.num_pages):
-                if self._alloc.is_free(p):
-                    claim(p, "free")
-            for p in self._index.cached_pages():
-                claim(p, "cached")
-            live = 0
-            expected_locks: dict[int, int] = {}
-            nodes_by_id: dict[int, RadixNode] = {}
-            for rid, req in self._requests.items():
-                for p in req.live:
-                    claim(p, f"live({rid})")
-                live += len(req.live)
-                for group in req.locks:
-                    for node in group:
-                        expected_locks[node.id] = expected_locks.get(node.id, 0) + 1
-                        nodes_by_id[node.id] = node
-            quarantined = 0
-            for _, _, pages in self._quarantine:
-                for p in pages:
-                    claim(p, "quarantined")
-                quarantined += len(pages)
-            for p in self._holds.parked:
-                claim(p, "quarantined(held)")
-            problems += self._holds.problems()
-            quarantined += len(self._holds.parked)
-            if len(owner) != self.num_pages:
-                problems.append(f"{self.num_pages - len(owner)} pages are in no state")
-            if live != self._live_total:
-                problems.append(f"live counter {self._live_total} != {live}")
-            if quarantined != self._quarantined_total:
-                problems.append(f"quarantine counter {self._quarantined_total} != {quarantined}")
-            if self._alloc.num_free + self._index.num_cached_pages + live + quarantined \
-                    != self.num_pages:
-                problems.append("free + cached + live + quarantined != num_pages")
-            for node in self._index.iter_nodes():
-                want = expected_locks.pop(node.id, 0)
-                if node.lock_ref != want:
-                    problems.append(f"{node!r} has {node.lock_ref} locks, requests hold {want}")
-            for node_id in expected_locks:
-                problems.append(f"a request holds a lock on evicted node "
-                                f"{nodes_by_id[node_id]!r}")
-            if problems:
-                raise Internal("page manager invariants violated: " + "; ".join(problems),
-                               problems=problems)
+            check(self)

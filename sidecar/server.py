@@ -33,8 +33,10 @@ from deltakv.layout import KVLayout
 from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
 from deltakv.rpc.server import SyncServer
 from deltakv.sidecar import pairing
+from deltakv.sidecar.digests import PageDigester
 from deltakv.sidecar.fence import EngineSet, Fencer, fence_for
 from deltakv.sidecar.grants import GrantAuthority
+from deltakv.sidecar.incarnation import IncarnationGuard
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.rooms import RoomRegistry
 from deltakv.sidecar.servicer import ROLES, SERVICE_NAME, SidecarService
@@ -55,7 +57,9 @@ class SidecarConfig:
     ``<base>-<token>``); ``health_port``: TCP health-only port (0 = off);
     ``drain_timeout_s``: bounded wait for in-flight writes on shutdown; ``pairing_key``: the
     cluster's pairing key (:func:`deltakv.sidecar.pairing.key_from_args`);
-    ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof.
+    ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof;
+    ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
+    checked or kept).
     """
 
     role: str
@@ -73,6 +77,7 @@ class SidecarConfig:
     max_lease_ms: int = 600_000
     abort_grace_s: float = 5.0
     close_grant_timeout_s: float = 2.0
+    page_digests: bool = True
 
 
 def default_shm_name(socket_path: str) -> str:
@@ -169,7 +174,9 @@ class SidecarServer:
                 role=cfg.role, layout=cfg.layout, pool=self.pool, page_manager=page_manager,
                 engines=self.engines, peers=self.peers, rooms=self.rooms,
                 key=cfg.pairing_key, authority=authority, fencer=self.fencer,
-                max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s)
+                max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s,
+                digester=PageDigester(self.pool, enabled=cfg.page_digests),
+                incarnation=self.endpoint_id)
             self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             service = self.service
@@ -177,6 +184,7 @@ class SidecarServer:
                 address, [SERVICE_NAME],
                 lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
                 outer_interceptors=self.interceptors, logger=self.log,
+                interceptors=[IncarnationGuard(self.endpoint_id, self._log_stale_call)],
                 max_workers=cfg.max_workers,
                 health_address=f"0.0.0.0:{cfg.health_port}" if cfg.health_port else None)
             self.server.start()
@@ -186,11 +194,16 @@ class SidecarServer:
         self.server.set_serving()
         endpoint = self.engines.endpoint
         self.log.info("sidecar_serving", socket=cfg.socket_path, endpoint_id=self.endpoint_id,
+                      page_digests=cfg.page_digests,
                       transport=cfg.transport, backend=endpoint.backend,
                       address=endpoint.address, pool_shm_name=self.pool.name,
                       pairing_key_id=cfg.pairing_key.key_id,
                       num_pages=cfg.layout.num_pages, page_bytes=cfg.layout.page_bytes,
                       health_address=self.server.health_address)
+
+    def _log_stale_call(self, method: str, claimed: str) -> None:
+        self.log.warning("stale_incarnation_refused", method=method, claimed=claimed,
+                         endpoint_id=self.endpoint_id)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until :meth:`stop` finished (True) or ``timeout_s`` passed (False)."""

@@ -12,9 +12,12 @@ endpoint (its seal included), :func:`~deltakv.sidecar.grants.verify_grant` check
 for exactly this write, :func:`~deltakv.sidecar.planner.plan_delta` checks the ``TransferInfo``
 and plans, the room registry admits the room, and the transport moves each planned batch. This
 module re-checks nothing those steps own. On a decode sidecar the grant handlers
-(``IssueGrant``, ``CloseGrant``, the revocation in ``Release``, the refusal in ``Commit``) are
-thin calls into :class:`~deltakv.sidecar.grants.GrantAuthority`. Process assembly (pool,
-engines, fencer, servers) is :mod:`deltakv.sidecar.server`.
+(``IssueGrant``, ``CloseGrant``, the revocation in ``Release`` and ``Attach``, the refusal in
+``Commit``) are thin calls into :class:`~deltakv.sidecar.grants.GrantAuthority`. Page digests
+(taken by ``WritePages``, checked by ``Commit``, kept by cached pages, re-checked by
+``AuditCache``) are :mod:`deltakv.sidecar.digests`; incarnation checks happen before any handler
+(:mod:`deltakv.sidecar.incarnation`). Process assembly (pool, engines, fencer, servers) is
+:mod:`deltakv.sidecar.server`.
 """
 
 from __future__ import annotations
@@ -28,24 +31,19 @@ import grpc
 import structlog
 
 from deltakv import metrics as deltakv_metrics
-from deltakv import telemetry
 from deltakv.errors import (
-    Aborted,
-    DeltaKVError,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
-    Unavailable,
-    UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
+from deltakv.sidecar.digests import PageDigester, audit_cache
 from deltakv.sidecar.fence import EngineSet, Fencer
-from deltakv.sidecar.grants import GrantAuthority, verify_grant
+from deltakv.sidecar.grants import GrantAuthority
 from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.peers import PeerTable
-from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.rooms import RoomRegistry, RoomState
+from deltakv.sidecar.rooms import RoomRegistry
+from deltakv.sidecar.transfers import TransferRpcs
 from deltakv.sidecar.transport.base import Transport
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -65,7 +63,7 @@ def _request_id(value: str, rpc: str) -> str:
     return value
 
 
-class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
+class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
     """The ``deltakv.v1.SidecarService`` servicer (sync; one worker thread per call).
 
     Args:
@@ -84,12 +82,14 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             registry's tombstone TTL so a fenced room outlives every lease (and a replayed
             grant, which expires with its lease, is refused for as long as it is valid).
         abort_grace_s: how long ``AbortWrite`` waits past an in-flight write's deadline.
+        digester: page digests over ``pool`` (None: digests off).
     """
 
     def __init__(self, *, role: str, layout: KVLayout, pool: Any, page_manager: Any,
                  engines: EngineSet, peers: PeerTable, rooms: RoomRegistry, key: PairingKey,
                  authority: GrantAuthority | None = None, fencer: Fencer | None = None,
-                 max_lease_ms: int = 600_000, abort_grace_s: float = 5.0) -> None:
+                 max_lease_ms: int = 600_000, abort_grace_s: float = 5.0,
+                 digester: PageDigester | None = None, incarnation: str = "") -> None:
         if role not in ROLES:
             raise InvalidArgument(f"sidecar role must be one of {sorted(ROLES)}, got {role!r}")
         if max_lease_ms <= 0 or max_lease_ms > rooms.tombstone_ttl_s * 1e3:
@@ -108,6 +108,8 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.fencer = fencer
         self.max_lease_ms = max_lease_ms
         self.abort_grace_s = abort_grace_s
+        self.digester = digester if digester is not None else PageDigester(pool, enabled=False)
+        self.incarnation = incarnation or engines.endpoint.endpoint_id
         self._pm_lock = threading.RLock()
         self._counter_lock = threading.Lock()
         self.transfers_ok = 0
@@ -115,6 +117,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.bytes_written = 0
         self.pages_written = 0
         self.grants_refused = 0
+        self.digest_mismatches = 0
         self.log = log.bind(role=f"{role}-sidecar")
 
     @property
@@ -131,12 +134,40 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
 
     def Describe(self, request: sidecar_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> sidecar_pb2.DescribeResponse:
-        """EndpointInfo (new endpoint_id per incarnation), role, and how to map the pool:
-        ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes, ``page_bytes``, ``pid``."""
+        """The current sealed EndpointInfo (a new engine incarnation after a fence recycle),
+        the pool ``incarnation`` a worker pairs with (fixed for this process), role, and how
+        to map the pool: ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes,
+        ``page_bytes``, ``pid``."""
         return sidecar_pb2.DescribeResponse(
             endpoint=self.endpoint, role=ROLES[self.role], pool_shm_name=self.pool.name,
             pool_bytes=self.layout.pool_bytes, page_bytes=self.layout.page_bytes,
-            pid=os.getpid())
+            pid=os.getpid(), incarnation=self.incarnation)
+
+    def Attach(self, request: sidecar_pb2.AttachRequest,
+               context: grpc.ServicerContext) -> sidecar_pb2.AttachResponse:
+        """A worker (re)pairs: fence the rooms still in flight (a previous worker's writes;
+        bounded by the abort grace), then release every request it left behind — locks
+        dropped, live pages quarantined for ``quarantine_ms`` (0: freed) or, if a write is
+        still in flight after the grace, for at least the longest lease. Returns the
+        Describe of this incarnation (what the worker pairs with) and what was released."""
+        fenced = self.rooms.abort_all("a new worker attached")
+        if self.authority is not None:
+            # The previous worker's transfers are abandoned: their pages wait for the fence.
+            self.authority.revoke_all()
+        deadline = time.monotonic() + self.abort_grace_s
+        while self.rooms.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        quarantine_ms = request.quarantine_ms
+        if self.rooms.in_flight:
+            quarantine_ms = max(quarantine_ms, self.max_lease_ms)
+        with self._pm_lock:
+            requests, freed, quarantined = self.page_manager.release_all(quarantine_ms)
+        self.log.info("worker_attached", released_requests=requests, freed_pages=freed,
+                      quarantined_pages=quarantined, fenced_rooms=fenced)
+        return sidecar_pb2.AttachResponse(
+            describe=self.Describe(sidecar_pb2.DescribeRequest(), context),
+            released_requests=requests, freed_pages=freed, quarantined_pages=quarantined,
+            fenced_rooms=fenced)
 
     def ConnectPeer(self, request: sidecar_pb2.ConnectPeerRequest,
                     context: grpc.ServicerContext) -> sidecar_pb2.ConnectPeerResponse:
@@ -182,10 +213,63 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             if covered:
                 raise FailedPrecondition(f"page {covered[0]} is still under a transfer grant; "
                                          f"close the grant (CloseGrant) before committing it")
+        verified = self._verify(rid, request.verify)
         with self._pm_lock:
             pages, cached = self.page_manager.commit(rid, list(request.token_ids),
                                            list(request.page_indices))
+        self._record_digests(pages, verified)
         return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
+
+    def _verify(self, request_id: str, verify: sidecar_pb2.PageDigests) -> dict[int, int]:
+        """Check ``verify``'s pages against their digests before a Commit (DATA_LOSS, nothing
+        committed); page -> digest of the verified pages. The pages must be the request's own
+        live pages (INVALID_ARGUMENT otherwise): nobody else writes them while we read."""
+        pages = [int(p) for p in verify.page_indices]
+        if not pages:
+            return {}
+        with self._pm_lock:
+            owned = set(self.page_manager.request_pages(request_id))
+        foreign = [p for p in pages if p not in owned]
+        if foreign:
+            raise InvalidArgument(f"Commit: pages {foreign[:16]} to verify are not live pages "
+                                  f"of request {request_id!r}")
+        try:
+            verified = self.digester.verify(pages, list(verify.digests))
+        except DataLoss as exc:
+            self._count_mismatches(len(exc.details.get("pages", ())), "commit")
+            self.log.error("page_digest_mismatch", request_id=request_id,
+                           pages=exc.details.get("pages"), checked=len(pages))
+            raise
+        if verified:
+            self._count_verified(len(verified), "commit")
+        return verified
+
+    def _record_digests(self, table: list[int], known: dict[int, int]) -> None:
+        """Give the freshly cached pages of ``table`` their digest: the verified one, or one
+        taken now (pages the worker wrote itself). The committing request holds a lock on
+        every page of ``table``, so none can be evicted and rewritten meanwhile."""
+        if not self.digester.enabled or not table:
+            return
+        with self._pm_lock:
+            missing = [p for p, d in zip(table, self.page_manager.digests_of(table),
+                                         strict=True) if d is None]
+        if not missing:
+            return
+        fresh = [p for p in missing if p not in known]
+        digests = {p: known[p] for p in missing if p in known}
+        digests.update(zip(fresh, self.digester.digest(fresh), strict=True))
+        with self._pm_lock:
+            self.page_manager.set_digests(digests)
+
+    def _count_mismatches(self, pages: int, where: str) -> None:
+        with self._counter_lock:
+            self.digest_mismatches += pages
+        deltakv_metrics.instruments().pages_verified.add(pages, {"outcome": "corrupt",
+                                                                 "where": where})
+
+    @staticmethod
+    def _count_verified(pages: int, where: str) -> None:
+        deltakv_metrics.instruments().pages_verified.add(pages, {"outcome": "ok", "where": where})
 
     def Release(self, request: sidecar_pb2.ReleaseRequest,
                 context: grpc.ServicerContext) -> sidecar_pb2.ReleaseResponse:
@@ -245,6 +329,31 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             raise FailedPrecondition(f"{rpc} is served by a decode sidecar; this one is "
                                      f"{self.role}")
         return self.authority
+    def AuditCache(self, request: sidecar_pb2.AuditCacheRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.AuditCacheResponse:
+        """Re-hash every cached page against the digest it was cached with
+        (:func:`~deltakv.sidecar.digests.audit_cache`); report the corrupt ones and, with
+        ``evict``, drop those no request has locked along with the cached prefixes below
+        them. Counted in ``deltakv.cache.audit.pages`` (outcome ok|corrupt) and
+        ``deltakv.cache.audit.evicted``. Checks nothing when digests are off."""
+        result = audit_cache(self.digester, self.page_manager, self._pm_lock,
+                             evict=request.evict)
+        instruments = deltakv_metrics.instruments()
+        instruments.audit_pages.add(result.checked - len(result.corrupt), {"outcome": "ok"})
+        if result.corrupt:
+            instruments.audit_pages.add(len(result.corrupt), {"outcome": "corrupt"})
+            instruments.audit_evicted.add(len(result.evicted))
+            with self._counter_lock:
+                self.digest_mismatches += len(result.corrupt)
+            self.log.error("cache_audit_corrupt", corrupt_pages=result.corrupt,
+                           evicted_pages=len(result.evicted), kept_pages=result.kept)
+        self.log.info("cache_audited", pages_checked=result.checked,
+                      corrupt=len(result.corrupt), evicted=len(result.evicted),
+                      unverified=result.unverified, duration_ms=round(result.duration_s * 1e3, 2))
+        return sidecar_pb2.AuditCacheResponse(
+            pages_checked=result.checked, corrupt_pages=result.corrupt,
+            evicted_pages=len(result.evicted), pages_unverified=result.unverified,
+            duration_us=int(result.duration_s * 1e6))
 
     def pool_page_counts(self) -> dict[str, int]:
         """Pages by state (free, cached, live, quarantined, locked, evictable) for the
@@ -264,7 +373,8 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         with self._counter_lock:
             counters = dict(transfers_ok=self.transfers_ok, transfers_failed=self.transfers_failed,
                             bytes_written=self.bytes_written, pages_written=self.pages_written,
-                            grants_refused=self.grants_refused)
+                            grants_refused=self.grants_refused,
+                            digest_mismatches=self.digest_mismatches)
         grants_open, _ = self.authority.counts() if self.authority is not None else (0, 0)
         pending = self.fencer.pending if self.fencer is not None else 0
         return sidecar_pb2.SidecarStats(
@@ -274,155 +384,5 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
                 evictable=stats.evictable, page_bytes=self.layout.page_bytes,
                 fence_pending=pending),
             live_requests=stats.live_requests, rooms_in_flight=self.rooms.in_flight,
-            grants_open=grants_open, fence_recycles=self.engines.recycles, **counters)
-
-    # -- transfers ------------------------------------------------------------------------
-
-    def WritePages(self, request: sidecar_pb2.WritePagesRequest,
-                   context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
-        """Write the delta pages of one prompt to the decode endpoint and wait for every write.
-
-        Order (DESIGN §5-§6): record the receipt time; check the decode endpoint
-        (``PeerTable.check``: UNAUTHENTICATED if it is not sealed with the pairing key,
-        FAILED_PRECONDITION for a layout mismatch, another backend or a dead incarnation),
-        decode's grant (``verify_grant``: UNAUTHENTICATED if missing or forged,
-        PERMISSION_DENIED if it does not cover exactly this write of this prompt
-        (``prompt_digest``) or expired) and plan (``plan_delta``: every TransferInfo rule and
-        page range, INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if
-        in flight or used — a replayed grant —, ABORTED if fenced, UNAVAILABLE while
-        draining); hold the source pages; connect (cached per endpoint); then write batch by
-        batch. The deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms,
-        time left on the grant)``, tightened by the call's own gRPC deadline. No batch starts
-        after the deadline (DEADLINE_EXCEEDED), an abort or a cancelled call (ABORTED); an
-        engine error fails the room at once and stops the remaining batches (UNAVAILABLE
-        with the reason); a destination that revoked the room refuses the run
-        (PERMISSION_DENIED, shm). Returns TransferStats only after every write completed.
-
-        Traced as the ``kv.transfer`` span (child of this call's server span; attributes in
-        docs/telemetry.md; a failure sets status ERROR with the reason) and counted in the
-        ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
-        """
-        info = request.transfer_info
-        instruments = deltakv_metrics.instruments()
-        with telemetry.span(
-                "kv.transfer", room=info.room, request_id=info.request_id or None,
-                prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
-                delta_pages=len(info.dst_page_indices),
-                pages_skipped=info.decode_prefix_len // self.layout.page_size,
-                lease_ms=info.lease_ms,
-                backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
-            try:
-                response = self._write_pages(request, context)
-            except Exception as exc:
-                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
-                raise
-            stats = response.stats
-            seconds = stats.duration_us / 1e6
-            if span.is_recording():
-                span.set_attributes(telemetry.prefixed(dict(
-                    pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                    batches=stats.batches, duration_ms=stats.duration_us / 1e3,
-                    gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
-            instruments.transfers.add(1, {"outcome": "ok"})
-            instruments.transfer_duration.record(seconds)
-            instruments.transfer_size.record(stats.bytes)
-        return response
-
-    def _write_pages(self, request: sidecar_pb2.WritePagesRequest,
-                     context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
-        receipt = time.monotonic()
-        if self.role != "prefill":
-            raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
-                                     f"{self.role}")
-        if not request.HasField("transfer_info"):
-            raise InvalidArgument("WritePages: transfer_info is missing")
-        info = request.transfer_info
-        if not info.HasField("decode_endpoint"):
-            raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
-        endpoint = info.decode_endpoint
-        try:
-            remote = self.peers.check(endpoint)
-            grant = verify_grant(info, self.key, request.prompt_digest)
-        except (Unauthenticated, PermissionDenied) as exc:
-            with self._counter_lock:
-                self.grants_refused += 1
-            deltakv_metrics.instruments().grants_refused.add(
-                1, {"reason": deltakv_metrics.code_label(exc)})
-            self.log.warning("write_refused", room=info.room, request_id=info.request_id,
-                             code=exc.code.name, reason=exc.message)
-            raise
-        plan = plan_delta(info, request.src_page_indices, self.layout, remote,
-                          self.transport.limits, max_lease_ms=self.max_lease_ms)
-        lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
-        # Nothing starts after the grant expires either (decode stops admitting the room).
-        grant_left_ms = grant.expires_unix_ms - time.time() * 1e3
-        deadline = receipt + min(lease_ms, grant_left_ms) / 1e3
-        telemetry.annotate(bytes=plan.bytes, runs=len(plan.runs), batches=len(plan.batches),
-                           lease_remaining_ms=lease_ms)
-        rpc_left = context.time_remaining()
-        if rpc_left is not None:
-            deadline = min(deadline, time.monotonic() + rpc_left)
-
-        room_log = self.log.bind(room=info.room, request_id=info.request_id)
-        ticket = self.rooms.begin(info.room, info.request_id, deadline)
-        # The source pages are not freed while this write may read them (I2): a Release
-        # meanwhile quarantines them until the hold is lifted below.
-        hold = ("room", info.room)
-        ok = False
-        pages_done = 0
-        started = receipt
-        try:
-            self.page_manager.hold(hold, [run.src_page + i for run in plan.runs
-                                          for i in range(run.num_pages)])
-            peer = self.peers.connect(endpoint)
-            ticket.check_alive()
-            started = time.monotonic()
-            for batch in plan.batches:
-                if not context.is_active():
-                    raise Aborted(f"room {info.room}: WritePages call was cancelled")
-                ticket.check_can_start()
-                try:
-                    self.transport.write(peer, batch, ticket)
-                except (Unavailable, UnknownEndpoint):
-                    # The peer may be gone: the next connect checks and connects it afresh.
-                    self.peers.drop(peer.endpoint_id)
-                    raise
-                pages_done += sum(run.num_pages for run in batch)
-            ok = True
-        except DeltaKVError as exc:
-            room_log.warning("write_failed", code=exc.code.name, error=exc.message,
-                             batches_started=ticket.batches_started, pages_written=pages_done)
-            telemetry.annotate(batches_started=ticket.batches_started, pages_written=pages_done)
-            raise
-        finally:
-            state = self.rooms.finish(ticket, ok)
-            self.page_manager.unhold(hold)
-            with self._counter_lock:
-                self.pages_written += pages_done
-                self.bytes_written += pages_done * self.layout.page_bytes
-                if ok and state is RoomState.DONE:
-                    self.transfers_ok += 1
-                else:
-                    self.transfers_failed += 1
-        if state is RoomState.ABORTED:
-            # Fenced after the last batch landed: decode has given up on this room.
-            raise Aborted(f"room {info.room} was aborted while its last batch completed")
-        duration_us = int((time.monotonic() - started) * 1e6)
-        stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
-                              prefill_cached_len=request.prefill_cached_len)
-        room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                      batches=stats.batches, duration_us=duration_us)
-        return sidecar_pb2.WritePagesResponse(stats=stats)
-
-    def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
-                   context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:
-        """Stop ``room``'s writer (a tombstone if it is unknown) and return once this sidecar
-        runs no batch of it and will start none. It is not proof that no byte can land at
-        the destination (an engine may still deliver what it sent): decode's fence is.
-        INVALID_ARGUMENT for room 0; DEADLINE_EXCEEDED if a write is still in flight after
-        its deadline + grace or the call's own deadline (the room stays fenced)."""
-        timeout = context.time_remaining()
-        known = self.rooms.abort(request.room, timeout_s=None if timeout is None else
-                                 max(timeout - 0.05, 0.0), grace_s=self.abort_grace_s)
-        self.log.info("room_aborted", room=request.room, known=known)
-        return sidecar_pb2.AbortWriteResponse(known=known)
+            grants_open=grants_open, fence_recycles=self.engines.recycles,
+            page_digests=self.digester.enabled, **counters)

@@ -109,6 +109,7 @@ class RequestState:
     room (``AbortTransfer``) and the sidecar fences it on Release. ``sent_at``: monotonic
     send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
+    ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
     Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
     """
 
@@ -128,3 +129,4 @@ class RequestState:
     in_scheduler: bool = False
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
+    lease: Any = None

@@ -12,6 +12,12 @@ loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dim
   ``Transport.write`` of one run covering the block: no RPC, no planner, no peer table —
   what the backend can do without deltakv around it.
 
+Page digests (issue 11, on by default): the sidecar methods run twice, against a prefill
+sidecar with ``--page-digests on`` (every write hashes its source pages, xxh3_64, and returns
+the digests) and one with ``--page-digests off``, side by side; ``digest_cost`` is the share of
+the sidecar's contiguous write time the digests add, ``xxh3_64`` the hash's GB/s over the same
+bytes in this process.
+
 It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
 the same bytes in this process. Every sidecar write carries a grant that the decode sidecar
 issued (``IssueGrant``, untimed) and closes after it (``CloseGrant``, untimed); the raw engine
@@ -42,6 +48,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
+    gbps,
+    measure_memcpy,
+    measure_xxh3,
+    time_page_writes,
+)
 
 DEFAULT_MODEL = "smollm2"
 PAGE_SIZE = 16  # tokens per page of the model-derived layout (deltakv up's default)
@@ -86,8 +99,7 @@ def bench_layout(page_bytes: int | None, num_pages: int, model: str = DEFAULT_MO
                     page_size=PAGE_SIZE, num_pages=num_pages, model_fingerprint="bench")
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / max(seconds, 1e-9) / 1e9
+_gbps = gbps  # the tables' GB/s
 
 
 class _Sidecar:
@@ -95,11 +107,12 @@ class _Sidecar:
     benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction."""
 
     def __init__(self, role: str, backend: str, layout: Any, workdir: str,
-                 options: list[str], ready_timeout_s: float) -> None:
+                 options: list[str], ready_timeout_s: float,
+                 extra_args: tuple[str, ...] = (), name: str = "") -> None:
         from deltakv.rpc.channel import uds_address
         from deltakv.services.cluster import ManagedProcess
 
-        self.socket = os.path.join(workdir, f"{role}-{backend}.sock")
+        self.socket = os.path.join(workdir, f"{name or role}-{backend}.sock")
         self.target = uds_address(self.socket)
         cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
                "--transport", backend, "--socket", self.socket,
@@ -107,7 +120,8 @@ class _Sidecar:
                "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
                "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
                "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
-               "--fingerprint", layout.model_fingerprint, "--log-level", "warning"]
+               "--fingerprint", layout.model_fingerprint, "--log-level", "warning",
+               *extra_args]
         for opt in options:
             cmd += ["--transport-option", opt]
         self.proc = ManagedProcess(f"{role} sidecar ({backend})", cmd, self.socket + ".log",
@@ -120,71 +134,6 @@ class _Sidecar:
 
     def stop(self) -> None:
         self.proc.stop()
-
-
-def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],
-                  verify: Callable[[], bool]) -> tuple[float, bool]:
-    """Median seconds of ``action`` over ``repeats`` (plus one untimed warm-up); ``prepare``
-    and ``verify`` run outside the timing around every repetition. Verified only if every
-    repetition verified."""
-    times, ok = [], True
-    for i in range(repeats + 1):
-        prepare()
-        t0 = time.perf_counter()
-        action()
-        elapsed = time.perf_counter() - t0
-        ok = verify() and ok
-        if i:
-            times.append(elapsed)
-    return statistics.median(times), ok
-
-
-def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view: Any,
-                     dst_pages: list[int], action: Callable[[], None],
-                     seed: int = 0, setup: Callable[[], None] = lambda: None,
-                     teardown: Callable[[], None] = lambda: None) -> tuple[float, bool]:
-    """Median seconds of ``action`` copying pages ``src_pages`` of ``src_view`` to pages
-    ``dst_pages`` of ``dst_view`` (both ``uint8 [num_pages, page_bytes]`` tensors over the
-    real pools), and whether every repetition verified. ``setup`` / ``teardown`` run
-    untimed before / after each repetition (e.g. issue and close its grant).
-
-    Before each repetition the source pages get fresh random bytes and the destination pages
-    zeros, written in place (``view[index] = ...``; ``view[index].zero_()`` would zero a
-    copy): a repetition that wrote nothing, or wrote the previous repetition's bytes, fails
-    the byte-for-byte check after it.
-    """
-    import torch
-
-    src_index = torch.tensor(src_pages, dtype=torch.long)
-    dst_index = torch.tensor(dst_pages, dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    shape = (len(src_pages), src_view.shape[1])
-
-    def prepare() -> None:
-        src_view[src_index] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-        dst_view[dst_index] = 0
-        setup()
-
-    def verify() -> bool:
-        teardown()
-        return bool(torch.equal(dst_view[dst_index], src_view[src_index]))
-
-    return _median_timed(repeats, prepare, action, verify)
-
-
-def measure_memcpy(nbytes: int, repeats: int) -> float:
-    """GB/s of one in-process libc memcpy of ``nbytes`` (median of ``repeats``)."""
-    import ctypes
-
-    import torch
-
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    # libc memcpy (via ctypes.memmove): the reference the shm backend's copies are held to.
-    seconds, _ = _median_timed(
-        repeats, lambda: None,
-        lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes), lambda: True)
-    return _gbps(nbytes, seconds)
 
 
 def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
@@ -218,18 +167,28 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         sidecars.append(decode)
         prefill = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s)
         sidecars.append(prefill)
+        # A second prefill sidecar with digests off: the A/B of what the digests cost.
+        plain = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s,
+                         extra_args=("--page-digests", "off"), name="prefill-nodigest")
+        sidecars.append(plain)
         dec_ch, pre_ch = grpc.insecure_channel(decode.target), grpc.insecure_channel(prefill.target)
-        closers += [dec_ch.close, pre_ch.close]
+        plain_ch = grpc.insecure_channel(plain.target)
+        closers += [dec_ch.close, pre_ch.close, plain_ch.close]
         dec_stub = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
         pre_stub = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
+        plain_stub = sidecar_pb2_grpc.SidecarServiceStub(plain_ch)
         dec_desc = dec_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         pre_desc = pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+        plain_desc = plain_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         dec_pool = SharedKVPool.attach(dec_desc.pool_shm_name,
                                        KVLayout.from_proto(dec_desc.endpoint.layout))
         closers.append(dec_pool.close)
         pre_pool = SharedKVPool.attach(pre_desc.pool_shm_name,
                                        KVLayout.from_proto(pre_desc.endpoint.layout))
         closers.append(pre_pool.close)
+        plain_pool = SharedKVPool.attach(plain_desc.pool_shm_name,
+                                         KVLayout.from_proto(plain_desc.endpoint.layout))
+        closers.append(plain_pool.close)
         src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
         # Every decode page belongs to one bench request: grants cover only live pages.
         owned = dec_stub.Allocate(sidecar_pb2.AllocateRequest(
@@ -249,8 +208,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         def close(room: int) -> None:
             dec_stub.CloseGrant(sidecar_pb2.CloseGrantRequest(room=room), timeout=10)
 
-        def sidecar_method(src: list[int], dst: list[int], seed: int
-                           ) -> tuple[float, bool, int]:
+        def sidecar_method(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
+                           digests: bool) -> tuple[float, bool, int]:
             runs: list[int] = []
             granted: list[kv_pb2.TransferInfo] = []
 
@@ -265,25 +224,35 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                 grant_rtt[-1] += time.perf_counter() - t0
 
             def action() -> None:
-                stats = pre_stub.WritePages(sidecar_pb2.WritePagesRequest(
+                stats = stub.WritePages(sidecar_pb2.WritePagesRequest(
                     transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest),
                     timeout=180).stats
                 if stats.bytes != len(src) * page_bytes:
                     raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
                                        f"{len(src)} pages of {page_bytes} B")
+                if len(stats.page_digests) != (len(src) if digests else 0):
+                    raise RuntimeError(f"sidecar returned {len(stats.page_digests)} page "
+                                       f"digests for {len(src)} pages (digests {digests})")
                 runs.append(stats.runs)
 
-            seconds, ok = time_page_writes(repeats, src_view, src, dst_view, dst, action,
+            seconds, ok = time_page_writes(repeats, source, src, dst_view, dst, action,
                                            seed=seed, setup=setup, teardown=teardown)
             return seconds, ok, runs[-1]
 
         contiguous = list(range(pages))
-        t_contig, ok_contig, runs_contig = sidecar_method(contiguous, contiguous, seed=1)
         # Source on even pages ascending, destination on odd pages descending: no two
         # neighbours are consecutive on either side, so every page is its own run.
         scat_src = [2 * i for i in range(pages)]
         scat_dst = [2 * (pages - 1 - i) + 1 for i in range(pages)]
-        t_scat, ok_scat, runs_scat = sidecar_method(scat_src, scat_dst, seed=2)
+        plain_view = plain_pool.as_bytes()
+        t_contig, ok_contig, runs_contig = sidecar_method(pre_stub, src_view, contiguous,
+                                                          contiguous, 1, True)
+        t_contig_off, ok_contig_off, _ = sidecar_method(plain_stub, plain_view, contiguous,
+                                                        contiguous, 4, False)
+        t_scat, ok_scat, runs_scat = sidecar_method(pre_stub, src_view, scat_src, scat_dst, 2,
+                                                    True)
+        t_scat_off, ok_scat_off, _ = sidecar_method(plain_stub, plain_view, scat_src, scat_dst,
+                                                    5, False)
 
         # Raw engine: this process's own transport over the same source pool, one write of
         # one run covering the block, straight to the decode sidecar's endpoint.
@@ -337,7 +306,11 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "fence_pct_scattered": 100.0 * costs.get("fence_us_per_run", 0.0) * runs_scat
             / (t_scat * 1e6),
             "grant_rpc_ms": statistics.median(grant_rtt) * 1e3,
-            "verified": ok_contig and ok_scat and ok_raw,
+            "contiguous_nodigest_gbps": _gbps(nbytes, t_contig_off),
+            "scattered_nodigest_gbps": _gbps(nbytes, t_scat_off),
+            # Share of the contiguous write's time the digests add (negative: noise).
+            "digest_cost": (t_contig - t_contig_off) / t_contig,
+            "verified": ok_contig and ok_scat and ok_raw and ok_contig_off and ok_scat_off,
         }
     finally:
         for close in reversed(closers):
@@ -355,16 +328,20 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"bench transfer: {result['pages']} pages x {result['page_bytes']} B = "
              f"{result['pages'] * result['page_bytes'] / 2**20:.1f} MiB per write, median of "
              f"{result['repeats']}",
-             f"memcpy: {result['memcpy_gbps']:.2f} GB/s", "",
+             f"memcpy: {result['memcpy_gbps']:.2f} GB/s, xxh3_64: {result['xxh3_gbps']:.2f} GB/s "
+             f"(page digests: sidecar columns with digests on | off)", "",
              f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
-             f"{'scatter GB/s':>14}{'ratio':>8}  verified"]
+             f"{'scatter GB/s':>14}{'ratio':>8}{'contig off':>12}{'scatter off':>13}"
+             f"{'digest cost':>13}  verified"]
     for name, rec in result["backends"].items():
         if "error" in rec:
             lines.append(f"{name:<10}unavailable: {rec['error']}")
             continue
         lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
                      f"{rec['contiguous_ratio']:>8.2f}{rec['scattered_gbps']:>14.2f}"
-                     f"{rec['scattered_ratio']:>8.2f}  {rec['verified']}")
+                     f"{rec['scattered_ratio']:>8.2f}{rec['contiguous_nodigest_gbps']:>12.2f}"
+                     f"{rec['scattered_nodigest_gbps']:>13.2f}"
+                     f"{rec['digest_cost'] * 100:>12.1f}%  {rec['verified']}")
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"{name:<10}skipped: {reason}")
     lines += ["", f"{'backend':<10}{'grant check':>13}{'% contig':>10}{'fence':>13}"
@@ -403,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"pages": args.pages, "page_bytes": page_bytes,
                               "repeats": args.repeats,
                               "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
+                              "xxh3_gbps": measure_xxh3(nbytes, args.repeats),
                               "backends": {},
                               "skipped": {name: reason for name, reason in availability.items()
                                           if reason is not None and name not in names}}
