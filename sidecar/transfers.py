@@ -40,7 +40,6 @@ from deltakv.v1 import sidecar_pb2
 class TransferRpcs:
     """``WritePages`` and ``AbortWrite`` of :class:`~deltakv.sidecar.servicer.SidecarService`."""
 
-
     def WritePages(self, request: sidecar_pb2.WritePagesRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
         """Write the delta pages of one prompt to the decode endpoint and wait for every write.

@@ -136,9 +136,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         """Compute, sample the first token, write the delta; see the module docstring.
-        Errors: INVALID_ARGUMENT, ALREADY_EXISTS (room in flight here), RESOURCE_EXHAUSTED
-        (prefill pool), FAILED_PRECONDITION (decode endpoint), UNAVAILABLE (transfer failed),
-        DEADLINE_EXCEEDED (lease or RPC deadline), ABORTED (AbortTransfer won)."""
+        Errors: INVALID_ARGUMENT, UNAUTHENTICATED (no grant, or one or an endpoint not sealed
+        with the cluster's pairing key), PERMISSION_DENIED (a grant for another write or
+        prompt, or expired) — these before any compute —, ALREADY_EXISTS (room in flight or
+        used: a replay), RESOURCE_EXHAUSTED (prefill pool), FAILED_PRECONDITION (decode
+        endpoint), UNAVAILABLE (transfer failed), DEADLINE_EXCEEDED (lease or RPC deadline),
+        ABORTED (AbortTransfer won)."""
         receipt = time.monotonic()
         info = request.transfer_info
         bind_request(info.request_id, info.room)
