@@ -58,7 +58,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints. ``ignore_eos`` and ``top_k`` are the extensions vLLM
-    also accepts (benchmarks send ``ignore_eos`` to fix output lengths)."""
+    also accepts (benchmarks send ``ignore_eos`` to fix output lengths);
+    ``disable_decode_prefix_reuse`` is deltakv's (the full-transfer baseline)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -72,6 +73,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     ignore_eos: bool = False
+    disable_decode_prefix_reuse: bool = False
     logprobs: Any = None
     user: str | None = None
 
@@ -113,6 +115,7 @@ class ChatCompletionRequest(_Sampling):
         self.check_supported()
         request = decode_pb2.GenerateRequest(
             request_id=request_id, stop=self.stops(),
+            disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
             sampling=self.sampling(self.max_completion_tokens or self.max_tokens))
         if not self.messages:
             raise InvalidArgument("messages must not be empty")
@@ -137,6 +140,7 @@ class CompletionRequest(_Sampling):
             raise InvalidArgument("echo and suffix are not supported")
         request = decode_pb2.GenerateRequest(
             request_id=request_id, stop=self.stops(),
+            disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
             sampling=self.sampling(self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS))
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
