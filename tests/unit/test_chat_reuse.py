@@ -153,7 +153,7 @@ def test_stop_string_keeps_only_the_ids_inside_the_returned_text(bpe) -> None:
 def test_answer_cut_mid_character_by_max_tokens():
     tok = build_byte_tokenizer()  # one token per byte: "é" is two tokens
     memory = CompletionMemory()
-    generated = [3 + b for b in "caf".encode()] + [3 + "é".encode()[0]]
+    generated = [3 + b for b in b"caf"] + [3 + "é".encode()[0]]
     # What decode streams: the incomplete character arrives as U+FFFD at the flush.
     pieces = ["c", "a", "f", "\ufffd"]
     memory.remember(generated, pieces)
