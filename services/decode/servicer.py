@@ -98,9 +98,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Server-streaming generation: :meth:`generate` bounded by the call's deadline."""
-        async for message in self.generate(request, context.time_remaining):
-            yield message
+        """Server-streaming generation: :meth:`generate` bounded by the call's deadline. Closed
+        with the call, so a cancelled call's cleanup runs inside it, not at GC time."""
+        async with contextlib.aclosing(self.generate(request, context.time_remaining)) as out:
+            async for message in out:
+                yield message
 
     async def generate(self, request: decode_pb2.GenerateRequest,
                        time_remaining: Callable[[], float | None] = lambda: None
