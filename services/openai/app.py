@@ -52,9 +52,11 @@ class Engine(Protocol):
     """What the API needs of the decode service (:class:`DecodeServicer` is one)."""
 
     def generate(self, request: decode_pb2.GenerateRequest
-                 ) -> AsyncIterator[decode_pb2.GenerateResponse]: ...
+                 ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """Chunks, then one Usage; typed errors (DeltaKVError) as gRPC ``Generate``."""
 
-    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]: ...
+    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]:
+        """(prompt tokens, tokens of it cached here now)."""
 
 
 def error_response(exc: BaseException, param: str | None = None) -> JSONResponse:
@@ -96,10 +98,12 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) 
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while serving, 503 while draining (load balancers stop routing here)."""
         return Response(status_code=200 if serving() else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The one served model, in OpenAI's list shape."""
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                              "created": created, "owned_by": "deltakv"}]}
 
@@ -134,14 +138,18 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completion (``stream`` for SSE); see the module docstring."""
         return await run("chat", body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completion (text or token-id prompt; ``stream`` for SSE)."""
         return await run("text", body, request)
 
     @app.post("/v1/cache/match")
     async def cache_match(request: Request) -> Response:
+        """``{"model", "prompt_tokens", "cached_tokens"}`` for a chat or completions body:
+        a router's precise prefix score for this replica (400 for a bad body)."""
         raw = await request.json()
         try:
             kind = ChatCompletionRequest if "messages" in raw else CompletionRequest

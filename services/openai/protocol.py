@@ -41,6 +41,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        """The content as one string (text parts joined); InvalidArgument for other parts."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -52,6 +53,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
@@ -85,6 +88,8 @@ class _Sampling(BaseModel):
             raise InvalidArgument("logprobs are not supported")
 
     def sampling(self, max_tokens: int | None) -> kv_pb2.SamplingParams:
+        """deltakv's SamplingParams (OpenAI defaults: temperature 1, top_p 1; ``max_tokens``
+        None = the server's default)."""
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         params = kv_pb2.SamplingParams(
             temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
@@ -94,12 +99,14 @@ class _Sampling(BaseModel):
         return params
 
     def stops(self) -> list[str]:
+        """``stop`` as a list (checked by the decode service: at most 4, 1..256 chars)."""
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
 

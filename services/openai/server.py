@@ -57,6 +57,7 @@ class HttpServer:
 
     @property
     def address(self) -> str:
+        """``HOST:PORT`` actually bound."""
         return f"{self.host}:{self.port}"
 
     async def start(self) -> None:

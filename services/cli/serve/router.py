@@ -17,6 +17,7 @@ from deltakv.services.cli.argtypes import port_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``deltakv serve router``."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=port_number, default=50051,
                         help="gRPC port (DecodeService)")
