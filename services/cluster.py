@@ -262,6 +262,8 @@ class ClusterConfig:
     # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
     telemetry_args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    # End-to-end page digests in both sidecars (--page-digests on|off).
+    page_digests: bool = True
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -346,7 +348,8 @@ class LocalCluster:
                                  "--socket", self.sockets[name], "--model", c.model,
                                  "--page-size", str(c.page_size), "--num-pages", str(pages),
                                  "--host", c.host, "--port", "0", "--shm-name",
-                                 self.shm_names[name], "--log-level", c.log_level)
+                                 self.shm_names[name], "--log-level", c.log_level,
+                                 "--page-digests", "on" if c.page_digests else "off")
                 for opt in c.transport_options:
                     argv += ["--transport-option", opt]
                 argvs[replica_name(f"{role}-sidecar", i)] = argv + (

@@ -237,6 +237,27 @@ class PrefillPool:
         if any(s.startswith(DNS_SCHEME) for s in self.sources):
             self._resolver = asyncio.ensure_future(self._resolve_forever())
 
+    async def repair(self, endpoint: kv_pb2.EndpointInfo, timeout_s: float) -> None:
+        """Decode's sidecar restarted (new pool incarnation, ``endpoint``): hand it to every
+        paired backend (one Handshake each, bounded by ``timeout_s``). FailedPrecondition if
+        one refuses (the layout no longer pairs); an unreachable backend is re-paired in the
+        background before it gets requests again."""
+        self.endpoint = endpoint
+        paired = [b for b in self.backends if b.paired]
+
+        async def one(backend: PrefillBackend) -> None:
+            try:
+                await self._handshake(backend, timeout_s)
+            except FailedPrecondition:
+                raise
+            except Exception as exc:  # noqa: BLE001 - down now: paired again when back
+                backend.paired = False
+                log.warning("prefill_handshake_deferred", target=backend.target,
+                            reason=str(exc))
+                self._start_pairing(backend)
+
+        await asyncio.gather(*(one(b) for b in paired))
+
     async def _resolve_until(self, source: str, deadline: float) -> list[str]:
         while True:
             try:

@@ -114,6 +114,7 @@ class RequestState:
     ``transfer_pending``: Prefill was sent and has not answered: its room must be fenced
     (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
+    ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
     ``prefill``: the prefill backend the request is pinned to (its AbortTransfer goes there).
     ``answer_ids`` / ``answer_pieces``: the generated ids streamed so far and the text streamed
     for each (what the completion memory remembers). Times are ``time.monotonic()`` seconds;
@@ -136,6 +137,7 @@ class RequestState:
     in_scheduler: bool = False
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
+    lease: Any = None
     prefill: Any = None
     answer_ids: list[int] = field(default_factory=list)
     answer_pieces: list[str] = field(default_factory=list)
