@@ -38,8 +38,13 @@ from typing import Any
 
 import grpc
 
-from deltakv.errors import (FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable,
-                            from_rpc_error)
+from deltakv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
 from deltakv.services.runtime.logs import get_logger
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
