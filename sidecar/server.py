@@ -123,8 +123,10 @@ class SidecarServer:
             self.pool = SharedKVPool.create(cfg.layout,
                                             name=cfg.shm_name or default_shm_name(cfg.socket_path))
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
+            # Only decode's pool is a destination; prefill's never needs remote access.
             self.transport = create_transport(cfg.transport, TransportOptions(
-                host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra)))
+                host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra),
+                remote_access=cfg.role == "decode"))
             self.transport.register_pool(self.pool)
             endpoint = self.transport.describe(self.endpoint_id, cfg.layout)
             self.peers = PeerTable(self.transport, cfg.layout, logger=self.log)

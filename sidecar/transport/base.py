@@ -76,12 +76,16 @@ class TransportOptions:
     ``protocol``="tcp"|"rdma", ``device_name``; MORI RdmaBackendConfig fields).
 
     ``host``: address peers use to reach this engine (never loopback in a cluster);
-    ``port``: 0 picks a free port.
+    ``port``: 0 picks a free port. ``remote_access``: peers write into this pool (decode's);
+    False for a pool that is only ever the source of this sidecar's own writes (prefill's),
+    which a backend then leaves unregistered for remote access where its engine allows it
+    (docs/security.md).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    remote_access: bool = True
 
 
 class PeerHandle:

@@ -1,0 +1,153 @@
+"""What a Mooncake sidecar exposes on the network, measured on real sidecar processes.
+
+* ``--port P`` makes the engine listen on exactly ``P`` and ``P + 1`` (the ports the Helm chart
+  declares and names in its NetworkPolicy), next to the ``--health-port``, and on nothing else.
+* The engine binds every interface although it advertises ``--host`` (Mooncake has no bind
+  option): asserted here so docs/security.md stays true if a Mooncake release changes it.
+* A stranger's engine (this test process, which learns the addresses from Describe — on a pod
+  network it would read them from Mooncake's own handshake) can read decode's registered pool:
+  the engine authenticates nobody, which is why the data plane must be isolated. It cannot
+  read prefill's pool: over TCP prefill registers nothing, and a legitimate write still moves
+  exactly the delta pages, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import socket
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+from deltakv.sidecar.transport.mooncake_engine import engine_module
+from deltakv.v1 import kv_pb2, sidecar_pb2
+from tests.integration.sidecar_proc import SidecarFactory
+from tests.support.layouts import TOY_LAYOUT
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
+
+
+def free_port_pair() -> int:
+    """P such that P and P + 1 are free now, below Linux's ephemeral range (Mooncake ignores
+    ports inside 32768-60999)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", port))
+                b.bind(("0.0.0.0", port + 1))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no free port pair below 32000")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listeners(pid: int) -> dict[int, str]:
+    """TCP port -> bound address of every listening socket of process ``pid``."""
+    return {c.laddr.port: c.laddr.ip for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+class Pair:
+    def __init__(self, factory: SidecarFactory) -> None:
+        self.engine_port = free_port_pair()
+        self.health_port = free_port()
+        self.decode = factory.start("decode", transport="mooncake", extra_args=[
+            "--host", "127.0.0.1", "--port", str(self.engine_port),
+            "--health-port", str(self.health_port)])
+        self.prefill = factory.start("prefill", transport="mooncake")
+        self.decode_info = self.decode.describe()
+        self.prefill_info = self.prefill.describe()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    factory = SidecarFactory()
+    try:
+        yield Pair(factory)
+    finally:
+        factory.close()
+
+
+def descriptor(info: sidecar_pb2.DescribeResponse) -> dict:
+    return json.loads(info.endpoint.descriptor)
+
+
+def test_engine_listens_on_exactly_the_declared_ports(pair: Pair) -> None:
+    ports = listeners(pair.decode.pid)
+    p = pair.engine_port
+    assert set(ports) == {p, p + 1, pair.health_port}, ports
+    # The session address peers dial is the advertised host and one of the two ports.
+    assert descriptor(pair.decode_info)["session"] in (f"127.0.0.1:{p}", f"127.0.0.1:{p + 1}")
+    # Mooncake binds every interface whatever --host says (no bind option): isolation has to
+    # come from the network around it (docs/security.md).
+    assert {ports[p], ports[p + 1]} <= {"0.0.0.0", "::"}, ports
+
+
+def test_without_a_port_the_engine_stays_in_its_default_range(pair: Pair) -> None:
+    engine = set(listeners(pair.prefill.pid))
+    assert len(engine) == 2 and all(15000 <= port <= 17000 for port in engine), engine
+
+
+def _stranger() -> tuple[object, torch.Tensor]:
+    module = engine_module()
+    engine = module.TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return engine, torch.zeros(TOY_LAYOUT.page_bytes, dtype=torch.uint8)
+
+
+def test_a_stranger_reads_decode_but_not_prefill_and_the_delta_still_moves(pair: Pair) -> None:
+    dec, pre = pair.decode, pair.prefill
+    decode_pool, prefill_pool = dec.map_pool(), pre.map_pool()
+    try:
+        stub_d, stub_p = dec.stub(), pre.stub()
+        dst = list(stub_d.Allocate(sidecar_pb2.AllocateRequest(request_id="x", num_pages=3),
+                                   timeout=10).page_indices)
+        src = list(stub_p.Allocate(sidecar_pb2.AllocateRequest(request_id="x", num_pages=3),
+                                   timeout=10).page_indices)
+        gen = torch.Generator().manual_seed(7)
+        for page in src:
+            prefill_pool.as_bytes()[page].copy_(torch.randint(
+                0, 256, (TOY_LAYOUT.page_bytes,), dtype=torch.uint8, generator=gen))
+        before = decode_pool.page_crc32(list(range(TOY_LAYOUT.num_pages)))
+
+        engine, buf = _stranger()
+        page_bytes = TOY_LAYOUT.page_bytes
+        d, p = descriptor(pair.decode_info), descriptor(pair.prefill_info)
+        # Decode's pool is registered: any engine that reaches it reads it (and could write).
+        assert engine.transfer_sync_read(d["session"], buf.data_ptr(),
+                                         d["base"] + dst[0] * page_bytes, page_bytes) == 0
+        assert torch.equal(buf, decode_pool.as_bytes()[dst[0]])
+        # Prefill's pool is a source only: not registered, not readable.
+        assert engine.transfer_sync_read(p["session"], buf.data_ptr(),
+                                         p["base"] + src[0] * page_bytes, page_bytes) != 0
+        del engine
+
+        prefix = TOY_LAYOUT.page_size  # decode already holds page 0's tokens: 2 pages move
+        info = kv_pb2.TransferInfo(
+            room=secrets.randbits(63) + 1, request_id="x", decode_endpoint=pair.decode_info.endpoint,
+            dst_page_indices=dst[1:], decode_prefix_len=prefix,
+            prompt_len=3 * TOY_LAYOUT.page_size - 3, lease_ms=30_000)
+        stats = stub_p.WritePages(sidecar_pb2.WritePagesRequest(
+            transfer_info=info, src_page_indices=src), timeout=60).stats
+        assert (stats.pages, stats.bytes) == (2, 2 * page_bytes)
+        after = decode_pool.page_crc32(list(range(TOY_LAYOUT.num_pages)))
+        changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+        assert changed == sorted(dst[1:])
+        assert decode_pool.page_crc32(dst[1:]) == prefill_pool.page_crc32(src[1:])
+        for stub in (stub_d, stub_p):
+            stub.Release(sidecar_pb2.ReleaseRequest(request_id="x"), timeout=10)
+    finally:
+        decode_pool.close()
+        prefill_pool.close()
