@@ -122,6 +122,47 @@ Argument: dict "root" $ "pool" <pool values>.
 {{- end }}
 {{- end }}
 
+{{/*
+Transfer-engine ports of one sidecar rank, as a JSON list: dict "root" $ "rank" r.
+shm: none (pages move through /dev/shm). mori: one, bound to the pod IP. mooncake: two (its
+handshake RPC and TCP data listeners; which is which is the engine's choice), so rank r uses
+enginePort + 2r and + 2r + 1 and the sidecar is given the first (--port).
+*/}}
+{{- define "deltakv.enginePorts" -}}
+{{- $v := .root.Values }}
+{{- $count := int (get (dict "shm" 0 "mooncake" 2 "mori" 1) $v.transport.backend) }}
+{{- $first := add (int64 $v.sidecar.enginePort) (mul (int64 .rank) (max $count 1)) }}
+{{- $ports := list }}
+{{- range $i := until $count }}
+{{- $ports = append $ports (add $first $i) }}
+{{- end }}
+{{- toJson $ports }}
+{{- end }}
+
+{{/* Container port name of a rank's i-th engine port: xfer-<rank>, then xfer-<rank>-b. */}}
+{{- define "deltakv.enginePortName" -}}
+{{- if eq (int .index) 0 }}xfer-{{ .rank }}{{ else }}xfer-{{ .rank }}-b{{ end }}
+{{- end }}
+
+{{/* Secret with tls.crt, tls.key and ca.crt: tls.secretName, or the cert-manager Certificate's. */}}
+{{- define "deltakv.tlsSecretName" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "deltakv.fullname" .)) }}
+{{- end }}
+
+{{/* Secret and key of the cluster pairing key. */}}
+{{- define "deltakv.pairingSecretName" -}}
+{{- .Values.pairing.existingSecret | default (printf "%s-pairing" (include "deltakv.fullname" .)) }}
+{{- end }}
+
+{{- define "deltakv.pairingSecretKey" -}}
+{{- if .Values.pairing.existingSecret }}{{ .Values.pairing.existingSecretKey }}{{ else }}pairing.key{{ end }}
+{{- end }}
+
+{{/* Where every deltakv process reads the pairing key (the Secret, mounted read-only). */}}
+{{- define "deltakv.pairingKeyFile" -}}
+/etc/deltakv/pairing/pairing.key
+{{- end }}
+
 {{/* In-cluster DNS name:port of the prefill headless Service (decode's --prefill-target). */}}
 {{- define "deltakv.prefillTarget" -}}
 {{- printf "%s.%s.svc.%s:%d" (include "deltakv.poolName" (dict "root" . "role" "prefill")) .Release.Namespace .Values.clusterDomain (int64 .Values.prefill.port) }}
@@ -159,8 +200,27 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- fail (printf "transport.backend=shm moves host-memory pools; with accelerator.type=%s choose mooncake or mori" $v.accelerator.type) }}
 {{- end }}
 {{- end }}
-{{- if and $v.tls.enabled (not $v.tls.secretName) }}
-{{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt" }}
+{{- /* Secure by default: plain text and open pod networks only when asked for. */}}
+{{- if not $v.insecure }}
+{{- if not $v.tls.enabled }}
+{{- fail "tls.enabled=false serves decode's DecodeService and prefill's internal PrefillService in plain text, so anyone on the pod network can call Prefill and read prompts and tokens. Keep TLS on (tls.certManager.issuerRef or tls.secretName), or set insecure=true to accept plain text (throw-away test clusters; see docs/security.md)" }}
+{{- end }}
+{{- if not $v.networkPolicy.enabled }}
+{{- fail "networkPolicy.enabled=false lets every pod network peer reach every port, the transfer engines' included (they authenticate no writer). Keep the NetworkPolicies, or set insecure=true to accept that (see docs/security.md)" }}
+{{- end }}
+{{- end }}
+{{- if and $v.tls.enabled (not $v.tls.secretName) (not $v.tls.certManager.issuerRef.name) }}
+{{- fail "tls.enabled=true (the default) needs a certificate naming both Services, with ca.crt: set tls.certManager.issuerRef (the chart renders a cert-manager Certificate) or tls.secretName (an existing Secret with tls.crt, tls.key and ca.crt); or set tls.enabled=false and insecure=true for plain text" }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled $v.telemetry.metrics.enabled (not $v.networkPolicy.metricsFrom) }}
+{{- fail "telemetry.metrics.enabled=true with networkPolicy.enabled=true needs networkPolicy.metricsFrom: the peers allowed to scrape (e.g. your Prometheus namespace)" }}
+{{- end }}
+{{- if eq $v.transport.backend "mooncake" }}
+{{- $first := int64 $v.sidecar.enginePort }}
+{{- $last := add $first 1 }}
+{{- if or (lt $first 1024) (gt $last 65535) (and (ge $last 32768) (le $first 60999)) }}
+{{- fail (printf "sidecar.enginePort=%d: with transport.backend=mooncake the engine listens on %d and %d, and Mooncake silently picks random ports instead of any below 1024 or inside 32768-60999; choose enginePort in 1024-32766 or 61000-65534" $first $first $last) }}
+{{- end }}
 {{- end }}
 {{- if and $v.telemetry.otel.enabled (not $v.telemetry.otel.endpoint) }}
 {{- fail "telemetry.otel.enabled=true needs telemetry.otel.endpoint (the OTLP collector URL)" }}
@@ -177,7 +237,9 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- $add = append $add (list "tls.healthPort" (int64 (include "deltakv.workerHealthPort" (dict "root" $ "role" $role "pool" $pool)))) }}
 {{- end }}
 {{- range $rank := until (int $pool.gpusPerPod) }}
-{{- $add = append $add (list (printf "sidecar.enginePort+%d" $rank) (add (int64 $v.sidecar.enginePort) $rank)) }}
+{{- range $port := fromJsonArray (include "deltakv.enginePorts" (dict "root" $ "rank" $rank)) }}
+{{- $add = append $add (list (printf "sidecar.enginePort+%d" (sub (int64 $port) (int64 $v.sidecar.enginePort))) (int64 $port)) }}
+{{- end }}
 {{- $add = append $add (list (printf "sidecar.healthPort+%d" $rank) (add (int64 $v.sidecar.healthPort) $rank)) }}
 {{- end }}
 {{- if $v.telemetry.metrics.enabled }}
