@@ -1,0 +1,385 @@
+"""The chart's rendered commands really start: every shipped values file, every pod, for real.
+
+For the chart's defaults and each ``helm/deltakv/ci/*-values.yaml`` the chart is rendered
+offline and each pool's pod is run on this machine the way the kubelet would run it: the
+sidecar container's and the worker's ``command`` + ``args`` with the container's own ``env``
+(``$(VAR)`` references expanded by Kubernetes' rules), native sidecar first, each waited for
+on the port its rendered readiness probe names; then the rendered ``helm test`` pod runs its
+two-turn check against decode; then the pods are stopped (SIGTERM, worker before sidecar) and
+every process must exit 0. An argument or an environment value a binary refuses fails here.
+
+Only what cannot exist on one machine is substituted, each in one place below:
+
+* the downward API: ``POD_IP`` -> 127.0.0.1, ``POD_NAME`` -> a unique name;
+* the pod network: every pod has its own network namespace, here they share one, so each pod's
+  ports are moved to free local ones (Mooncake's engine pair to a free adjacent pair below
+  32768) and a Service DNS name -> 127.0.0.1 and the mapped port of its target pod;
+* volumes: emptyDirs -> temporary directories; Secrets -> test files with the modes the
+  kubelet gives them (TLS: tests/tls_certs.py's PKI; the pairing key: 32 random bytes); the
+  test pod's ConfigMap -> its rendered content; the hostPath ``/dev/shm`` stays the node's;
+* the OTLP collector's DNS name -> an in-process OTLP receiver (tests/otlp_receiver.py);
+* MORI-IO (ROCm only) -> the labelled stand-in in tests/standins, as in test_mori_cluster.py;
+* the model -> ``tiny-random``: loading SmolLM2 takes ~40 s per worker on 2 cores, eight of
+  them would blow this test's budget; the SmolLM2 e2e tests start the same ``--model smollm2``
+  flags, and :func:`test_every_named_model_resolves` resolves each model name the values give;
+* flags of work not merged yet (tests/support/helm.py: PENDING_FLAGS) are left out while the
+  CLI lacks them.
+
+All pods of all cases start together (ports and names never collide), so the test costs about
+one cluster start plus the CPU of 20 small processes (~1-2 minutes on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import pytest
+
+from deltakv.services.cluster import ManagedProcess, ProcessError
+from tests.otlp_receiver import OtlpReceiver
+from tests.support.helm import (
+    CASES,
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    deployment,
+    named,
+    of_kind,
+    render,
+    values_of,
+    without_pending_flags,
+)
+from tests.tls_certs import make_pki
+
+pytestmark = [pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+DELTAKV = str(Path(sys.executable).parent / "deltakv")  # the console script the image runs
+START_TIMEOUT_S = 240.0
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of command, args and env values: a defined variable
+    is replaced, ``$$`` is a literal ``$``, an undefined reference stays as written."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR.sub(sub, text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_block(n: int) -> int:
+    """P with P .. P + n - 1 free, below 32768 (Mooncake ignores ports in 32768-60999)."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("0.0.0.0", p))
+            except OSError:
+                continue
+        return base
+    raise AssertionError(f"no {n} free adjacent ports below 32000")
+
+
+def secret_mode(volume: dict[str, Any], pod_spec: dict[str, Any]) -> int:
+    """File mode the kubelet gives a Secret/ConfigMap volume's files: ``defaultMode``, plus
+    group read when the pod has an ``fsGroup`` (the kubelet's volume ownership rule)."""
+    source = volume.get("secret") or volume.get("configMap")
+    mode = source.get("defaultMode", 0o644)
+    if pod_spec.get("securityContext", {}).get("fsGroup") is not None:
+        mode |= 0o440
+    return mode
+
+
+@dataclass
+class Pod:
+    """One rendered pod run as local processes: its containers, in kubelet order."""
+
+    name: str
+    role: str
+    spec: dict[str, Any]
+    ports: dict[int, int] = field(default_factory=dict)  # rendered port -> local port
+    mounts: dict[str, str] = field(default_factory=dict)  # volume name -> local directory
+    procs: list[ManagedProcess] = field(default_factory=list)
+
+
+class Case:
+    """One values file: its rendered objects, turned into local pods."""
+
+    def __init__(self, name: str, values: dict[str, Any], objects: list[dict[str, Any]],
+                 workdir: Path, fixtures: dict[str, Any]) -> None:
+        self.name, self.values, self.objects = name, values, objects
+        self.workdir = workdir
+        self.fixtures = fixtures
+        self.dropped: set[str] = set()
+        self.substituted_model: str | None = None
+        self.tag = secrets.token_hex(3)
+        self.pods = {role: self._pod(role) for role in ("prefill", "decode")}
+
+    # -- substitution ------------------------------------------------------------------------
+
+    def _pod(self, role: str) -> Pod:
+        spec = deployment(self.objects, role)["spec"]["template"]["spec"]
+        pod = Pod(f"{RELEASE}-{role}-{self.name}-{self.tag}", role, spec)
+        containers = [*spec.get("initContainers", []), *spec["containers"]]
+        engine = [p["containerPort"] for c in containers for p in c.get("ports", [])
+                  if p["name"].startswith("xfer-")]
+        if engine:  # the engine's ports keep their adjacency (mooncake: P and P + 1)
+            base = free_block(max(engine) - min(engine) + 1)
+            pod.ports.update({p: base + p - min(engine) for p in engine})
+        for c in containers:
+            for p in c.get("ports", []):
+                pod.ports.setdefault(p["containerPort"], free_port())
+        for volume in spec["volumes"]:
+            pod.mounts[volume["name"]] = self._volume(pod, volume)
+        return pod
+
+    def _volume(self, pod: Pod, volume: dict[str, Any]) -> str:
+        if "hostPath" in volume:
+            return volume["hostPath"]["path"]  # /dev/shm: the node's, as on the node
+        # Socket paths must stay under 107 bytes: short directories directly under /tmp.
+        local = Path(tempfile.mkdtemp(prefix=f"dkv-{volume['name'][:4]}-", dir=self.workdir))
+        if "emptyDir" in volume:
+            return str(local)
+        mode = secret_mode(volume, pod.spec)
+        if "secret" in volume:
+            name = volume["secret"]["secretName"]
+            data = self._secret_data(name)
+            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+        else:
+            name = volume["configMap"]["name"]
+            data = {k: v.encode() for k, v in
+                    named(self.objects, "ConfigMap", name)["data"].items()}
+            items = [{"key": k, "path": k} for k in data]
+        for item in items:
+            path = local / item["path"]
+            path.write_bytes(data[item["key"]])
+            path.chmod(mode)
+        return str(local)
+
+    def _secret_data(self, name: str) -> dict[str, bytes]:
+        """A Secret's files: the rendered one's data if the chart made it, else the test
+        stand-in for a Secret the installer provides (TLS PKI, a pairing key)."""
+        for s in of_kind(self.objects, "Secret"):
+            if s["metadata"]["name"] == name:
+                return {k: base64.b64decode(v) for k, v in s["data"].items()}
+        pki = self.fixtures["pki"]
+        if name == self.values["pairing"]["existingSecret"]:
+            return {self.values["pairing"]["existingSecretKey"]: secrets.token_bytes(32)}
+        # The TLS Secret: an existing one, or the one cert-manager writes for the Certificate.
+        return {"tls.crt": pki.server.cert.read_bytes(), "tls.key": pki.server.key.read_bytes(),
+                "ca.crt": pki.ca.read_bytes()}
+
+    def _env(self, pod: Pod, container: dict[str, Any]) -> dict[str, str]:
+        downward = {"status.podIP": "127.0.0.1", "metadata.name": pod.name,
+                    "metadata.namespace": NAMESPACE}
+        env: dict[str, str] = {}
+        for e in container.get("env", []):
+            if "valueFrom" in e:
+                env[e["name"]] = downward[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            else:
+                env[e["name"]] = expand(e["value"], env)
+        env = {k: self._local_path(pod, container, v) for k, v in env.items()}
+        if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.fixtures["otlp"].endpoint
+        if self.values["transport"]["backend"] == "mori" and not self.fixtures["mori_real"]:
+            env["PYTHONPATH"] = str(REPO / "tests" / "standins")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        return {**base, **env}
+
+    @staticmethod
+    def _local_path(pod: Pod, container: dict[str, Any], text: str) -> str:
+        for m in sorted(container.get("volumeMounts", []), key=lambda m: -len(m["mountPath"])):
+            root = m["mountPath"].rstrip("/")
+            if text == root or text.startswith(root + "/"):
+                return pod.mounts[m["name"]] + text[len(root):]
+        return text
+
+    def _target(self, text: str) -> str:
+        """``<service>.<ns>.svc.<domain>:<port>`` -> ``127.0.0.1:<local port of its pod>``."""
+        host, _, port = text.rpartition(":")
+        service = named(self.objects, "Service", host.split(".")[0])
+        (sp,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+        role = service["spec"]["selector"]["app.kubernetes.io/component"]
+        pod = self.pods[role]
+        containers = [*pod.spec.get("initContainers", []), *pod.spec["containers"]]
+        (target,) = [p["containerPort"] for c in containers for p in c.get("ports", [])
+                     if p["name"] == sp["targetPort"]]
+        return f"127.0.0.1:{pod.ports[target]}"
+
+    def argv(self, pod: Pod, container: dict[str, Any], env: dict[str, str]) -> list[str]:
+        args = [expand(a, env) for a in container["args"]]
+        args = [self._local_path(pod, container, a) for a in args]
+        out = []
+        for i, a in enumerate(args):
+            prev = args[i - 1] if i else ""
+            if prev in ("--port", "--health-port", "--metrics-port") and int(a) in pod.ports:
+                a = str(pod.ports[int(a)])
+            elif prev in ("--prefill-target", "--target"):
+                a = self._target(a)
+            elif prev == "--model" and a != "tiny-random":
+                self.substituted_model, a = a, "tiny-random"
+            out.append(a)
+        if container["command"] == ["deltakv"]:
+            out, dropped = without_pending_flags(out)
+            self.dropped.update(dropped)
+            return [DELTAKV, *out]
+        command = [self._local_path(pod, container, c) for c in container["command"]]
+        return [sys.executable if command[0] == "python" else command[0], *command[1:], *out]
+
+    def process(self, pod: Pod, container: dict[str, Any]) -> ManagedProcess:
+        env = self._env(pod, container)
+        argv = self.argv(pod, container, env)
+        probe = container["readinessProbe"]["grpc"]["port"]
+        return ManagedProcess(f"{self.name}/{pod.role}/{container['name']}", argv,
+                              self.workdir / f"{pod.role}-{container['name']}.log",
+                              health_target=f"127.0.0.1:{pod.ports[probe]}", env=env,
+                              cwd=pod.mounts.get("tmp"), stop_timeout_s=60.0)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def start_sidecars(self) -> None:
+        for pod in self.pods.values():
+            for c in pod.spec["initContainers"]:
+                pod.procs.append(self.process(pod, c).start())
+
+    def start_workers(self) -> None:
+        for pod in self.pods.values():
+            for c in pod.spec["containers"]:
+                pod.procs.append(self.process(pod, c).start())
+
+    def helm_test(self) -> ManagedProcess:
+        (test_pod,) = of_kind(self.objects, "Pod")
+        pod = Pod(f"{RELEASE}-test-{self.name}", "test", test_pod["spec"])
+        pod.mounts = {v["name"]: self._volume(pod, v) for v in test_pod["spec"]["volumes"]}
+        (container,) = test_pod["spec"]["containers"]
+        env = self._env(pod, container)
+        return ManagedProcess(f"{self.name}/helm-test", self.argv(pod, container, env),
+                              self.workdir / "helm-test.log", env=env).start()
+
+    def processes(self, kind: str) -> list[ManagedProcess]:
+        """This case's running ``worker`` or ``sidecar`` processes."""
+        return [proc for pod in self.pods.values() for proc in pod.procs
+                if proc.name.split("/")[-1].startswith(kind)]
+
+    def kill(self) -> None:
+        for pod in self.pods.values():
+            for proc in pod.procs:
+                proc.kill()
+            # A killed sidecar leaves its pool segment in the (shared) /dev/shm.
+            for leftover in Path("/dev/shm").glob(f"deltakv-{pod.name}-*"):
+                leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    from deltakv.sidecar.transport.registry import unavailable_reason
+
+    with OtlpReceiver() as receiver:
+        yield {"pki": make_pki(tmp_path_factory.mktemp("pki")), "otlp": receiver,
+               "mori_real": unavailable_reason("mori") is None}
+
+
+@pytest.fixture(scope="module")
+def cases(fixtures) -> Iterator[list[Case]]:
+    root = Path(tempfile.mkdtemp(prefix="dkv-chart-", dir="/tmp"))
+    built: list[Case] = []
+    try:
+        with helm_python.Chart.load(CHART) as chart:
+            for name in CASES:
+                values = values_of(name)
+                workdir = root / name
+                workdir.mkdir()
+                built.append(Case(name, chart.merge_values(values), render(chart, values),
+                                  workdir, fixtures))
+        yield built
+    finally:
+        for case in built:
+            case.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_every_rendered_command_starts_serves_and_stops_cleanly(cases: list[Case]) -> None:
+    # The kubelet starts a pod's native sidecar, waits for its startup probe, then the worker;
+    # pods start independently (decode's worker waits for prefill by itself). All cases at once.
+    for case in cases:
+        case.start_sidecars()
+    _wait_all([p for c in cases for pod in c.pods.values() for p in pod.procs])
+    for case in cases:
+        case.start_workers()
+    _wait_all([p for c in cases for pod in c.pods.values() for p in pod.procs])
+    tests = {case.name: case.helm_test() for case in cases}
+    failures = []
+    for name, proc in tests.items():
+        try:
+            code = proc.wait(START_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - reported with its log below
+            proc.kill()
+            code = None
+        if code != 0:
+            failures.append(f"{name}: helm test exited {code}\n{proc.log_tail(30)}")
+    # Workers first, then sidecars (the kubelet's order), every pod at once.
+    for kind in ("worker", "sidecar"):
+        procs = [proc for case in cases for proc in case.processes(kind)]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:  # one SIGTERM only: a second one asks the lifecycle to give up the drain
+                code = proc.wait(60.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+            if code != 0:
+                failures.append(f"{proc.name} exited {code} on SIGTERM\n{proc.log_tail()}")
+    assert not failures, "\n".join(failures)
+    for case in cases:
+        # Nothing but the pending flags may have been left out.
+        assert case.dropped <= {"--pairing-key-file"}, case.dropped
+
+
+def _wait_all(procs: list[ManagedProcess]) -> None:
+    errors = []
+    for proc in procs:
+        try:
+            proc.wait_serving(START_TIMEOUT_S)
+        except ProcessError as exc:
+            errors.append(str(exc))
+    assert not errors, "\n\n".join(errors)
+
+
+def test_every_named_model_resolves() -> None:
+    """The model names the values give (replaced by tiny-random above) are ones the loader
+    knows: their geometry and fingerprint resolve as a sidecar's ``--model`` would."""
+    from deltakv.services.model.loader import kv_geometry
+
+    with helm_python.Chart.load(CHART) as chart:
+        names = {chart.merge_values(values_of(case))["model"]["name"] for case in CASES}
+    for name in sorted(names):
+        geometry = kv_geometry(name)
+        assert geometry.num_layers > 0 and geometry.fingerprint, name
