@@ -197,9 +197,6 @@ class MooncakeTransport(Transport):
                                   f"failed (rc={rc})")
             self._registered.append(addr)
         self._pool = pool
-        log.info("mooncake_pool_registered", remote_access=self.remote_access,
-                 protocol=self.protocol, registered_regions=len(self._registered),
-                 session=self.session)
 
     def _unregister_all(self) -> None:
         while self._registered:
