@@ -115,14 +115,16 @@ class MooncakeTransport(Transport):
     cluster; advertised only, the engine binds every interface); ``options.port``: 0 lets the
     engine pick its ports (15000-17000), ``P`` makes it listen on exactly ``P`` and ``P + 1``
     (both below 32768 or above 60999); ``options.remote_access``: False for a pool that is
-    only a source (see the module docstring). ``options.extra``: ``protocol`` ("tcp" | "rdma", default "tcp"), ``device_name``
-    (RDMA NIC filter, default all), ``max_entries`` (runs per batch, default 1024),
-    ``transfer_timeout_s`` (engine-side bound of one batch, default 10, minimum 5),
-    ``connect_timeout_s`` (bound of the reachability probe in ``connect``, default 5).
+    only a source (see the module docstring). ``options.extra``: ``protocol`` ("tcp" |
+    "rdma", default "tcp"), ``device_name`` (RDMA NIC filter, default all), ``max_entries``
+    (runs per batch, default 1024), ``transfer_timeout_s`` (engine-side bound of one batch,
+    default 10, minimum 5), ``connect_timeout_s`` (bound of the reachability probe in
+    ``connect``, default 5).
 
     Raises InvalidArgument for bad options (a port the engine would ignore included),
     BackendUnavailable if the engine extension cannot be loaded, Unavailable if the engine
-    fails to start or cannot listen on the requested ports. Thread-safe: concurrent ``write`` calls run their batches independently.
+    fails to start or cannot listen on the requested ports. Thread-safe: concurrent ``write``
+    calls run their batches independently.
     """
 
     name = "mooncake"

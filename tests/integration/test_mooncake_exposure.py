@@ -136,7 +136,8 @@ def test_a_stranger_reads_decode_but_not_prefill_and_the_delta_still_moves(pair:
 
         prefix = TOY_LAYOUT.page_size  # decode already holds page 0's tokens: 2 pages move
         info = kv_pb2.TransferInfo(
-            room=secrets.randbits(63) + 1, request_id="x", decode_endpoint=pair.decode_info.endpoint,
+            room=secrets.randbits(63) + 1, request_id="x",
+            decode_endpoint=pair.decode_info.endpoint,
             dst_page_indices=dst[1:], decode_prefix_len=prefix,
             prompt_len=3 * TOY_LAYOUT.page_size - 3, lease_ms=30_000)
         stats = stub_p.WritePages(sidecar_pb2.WritePagesRequest(

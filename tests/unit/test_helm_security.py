@@ -220,7 +220,8 @@ def test_tls_comes_from_exactly_one_declared_source(case, rendered):
 
 
 def pairing_file(objects) -> str:
-    files = {flag_value(c["args"], "--pairing-key-file") for _, c, _ in workload_containers(objects)}
+    files = {flag_value(c["args"], "--pairing-key-file")
+             for _, c, _ in workload_containers(objects)}
     assert len(files) == 1, files
     return files.pop()
 
