@@ -4,8 +4,8 @@ Engine set-up (:mod:`.mooncake_engine`): ``P2PHANDSHAKE`` metadata (peers exchan
 descriptors directly, no etcd), protocol ``tcp`` by default or ``rdma`` via
 ``TransportOptions.extra["protocol"]`` (``extra["device_name"]`` picks the NICs,
 comma-separated). The engine binds every interface whatever ``host`` says (it only advertises
-it); ``port=P`` confines its listeners to ``P`` and ``P + 1`` so they can be declared and named
-in a NetworkPolicy. The descriptor published in ``EndpointInfo`` is JSON: the engine's session
+it); ``port=P`` confines the listeners of every engine of the process to the block
+``P .. P + 3`` so they can be declared and named in a NetworkPolicy. The descriptor published in ``EndpointInfo`` is JSON: the engine's session
 address ``host:rpc_port``, the pool's base virtual address and size, and the protocol.
 
 Registration (only what a peer needs, as far as the engine allows): a pool that peers write
@@ -113,8 +113,8 @@ class MooncakeTransport(Transport):
 
     ``options.host``: the address peers use to reach this engine (never loopback in a
     cluster; advertised only, the engine binds every interface); ``options.port``: 0 lets the
-    engine pick its ports (15000-17000), ``P`` makes it listen on exactly ``P`` and ``P + 1``
-    (both below 32768 or above 60999); ``options.remote_access``: False for a pool that is
+    engine pick its ports (15000-17000), ``P`` makes it listen on two ports of the sidecar's
+    block ``P .. P + 3`` (all below 32768 or above 60999); ``options.remote_access``: False for a pool that is
     only a source (see the module docstring). ``options.extra``: ``protocol`` ("tcp" |
     "rdma", default "tcp"), ``device_name`` (RDMA NIC filter, default all), ``max_entries``
     (runs per batch, default 1024), ``transfer_timeout_s`` (engine-side bound of one batch,
@@ -128,6 +128,7 @@ class MooncakeTransport(Transport):
     """
 
     name = "mooncake"
+    listeners = 2  # the handshake RPC port and the TCP data port
 
     def __init__(self, options: TransportOptions | None = None) -> None:
         options = options or TransportOptions()

@@ -17,10 +17,12 @@ installed ``mooncake-transfer-engine-non-cuda`` 0.3.13:
   ephemeral range) is silently replaced by the default one.
 
 What deltakv does with that (:func:`engine_ports`, :func:`start_engine`): ``port=0`` leaves the
-engine's default range; ``port=P`` confines both listeners to ``P`` and ``P + 1`` (which one gets
-which is the engine's choice), by setting the range just for the first import, refuses ports the
-engine would silently ignore, and checks afterwards that the engine really listens there —
-so a deployment can declare both ports and name them in a NetworkPolicy.
+engine's default range; ``port=P`` makes the range the sidecar's engine port block
+``[P, P + 4)`` — two listeners for each of the two engines a sidecar may run at once
+(:mod:`.ports`: a replacement beside the one it retires) — by setting it just for the first import; every later engine of the process, whatever
+port it is given, draws its two ports from that block. It refuses ports the engine would
+silently ignore and checks after each start that the engine really listens in the block, so a
+deployment can declare the block and name it in a NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import threading
 from typing import Any
 
 from deltakv.errors import InvalidArgument, Unavailable
+from deltakv.sidecar.transport.ports import block
 
-#: Listeners of one engine with a fixed port P: P and P + 1 (handshake RPC and TCP data).
-ENGINE_PORT_COUNT = 2
+#: Listeners of one engine: the handshake RPC port and the TCP data port.
+LISTENERS = 2
 #: Mooncake's own validity rule for its range (``ValidatePortRange``): other values are
 #: replaced by the default range without an error.
 _MIN_PORT, _MAX_PORT = 1024, 65535
@@ -45,23 +48,24 @@ _ENGINE_INIT_LOCK = threading.Lock()
 
 
 def engine_ports(port: int) -> tuple[int, ...]:
-    """The ports an engine started with ``port`` listens on: ``()`` for 0 (the engine's
-    default range, 15000-17000), else ``(port, port + 1)``.
+    """The port block of a sidecar whose engines are started with ``port``: ``()`` for 0
+    (the engine's default range, 15000-17000), else ``port .. port + 3``.
 
-    Raises InvalidArgument for a port Mooncake would silently ignore: below 1024, above
-    65534 (``port + 1`` must exist), or either port inside 32768-60999.
+    Raises InvalidArgument for a block Mooncake would silently ignore: a port below 1024,
+    above 65535 or inside 32768-60999.
     """
     if port == 0:
         return ()
-    ports = tuple(range(port, port + ENGINE_PORT_COUNT))
+    ports = tuple(block(port, LISTENERS))
+    count = len(ports)
     bad = [p for p in ports if not _MIN_PORT <= p <= _MAX_PORT or p in _EPHEMERAL]
     if bad:
         raise InvalidArgument(
-            f"mooncake engine port {port}: the engine listens on {port} and {port + 1} and "
-            f"ignores ports below {_MIN_PORT}, above {_MAX_PORT} or inside "
-            f"{_EPHEMERAL.start}-{_EPHEMERAL.stop - 1} (it would pick a random one instead); "
-            f"choose a port in {_MIN_PORT}-{_EPHEMERAL.start - 2} or "
-            f"{_EPHEMERAL.stop}-{_MAX_PORT - 1}")
+            f"mooncake engine port {port}: the sidecar's engines listen on {port}-"
+            f"{ports[-1]}, and Mooncake ignores ports below {_MIN_PORT}, above {_MAX_PORT} or "
+            f"inside {_EPHEMERAL.start}-{_EPHEMERAL.stop - 1} (it would pick random ones "
+            f"instead); choose a port in {_MIN_PORT}-{_EPHEMERAL.start - count} or "
+            f"{_EPHEMERAL.stop}-{_MAX_PORT - count + 1}")
     return ports
 
 
@@ -98,13 +102,14 @@ def start_engine(host: str, port: int, protocol: str, device_name: str,
                  transfer_timeout_s: int) -> Any:
     """A started ``mooncake.engine.TransferEngine`` advertising ``host`` (P2P handshake).
 
-    ``port``: 0 for the engine's default range, else the engine listens on exactly ``port``
-    and ``port + 1`` (:func:`engine_ports`). ``transfer_timeout_s``: the engine's own bound
+    ``port``: 0 for the engine's default range (or the block an earlier engine of this process
+    fixed), else the engine listens on two ports of the block ``port .. port + 3``
+    (:func:`engine_ports`). ``transfer_timeout_s``: the engine's own bound
     of one batch (``MC_TRANSFER_TIMEOUT``, read by the binding's constructor).
 
     Raises InvalidArgument for a port the engine would ignore; BackendUnavailable if the
-    extension cannot be loaded; Unavailable if the engine
-    fails to start, or listens outside the requested ports (an engine was already imported
+    extension cannot be loaded; Unavailable if the engine fails to start (e.g. no free port
+    left in the block), or listens outside the requested block (the engine was imported earlier
     in this process with another range: Mooncake reads it once per process). The caller
     owns the engine; dropping the last reference stops its threads.
     """
@@ -122,13 +127,16 @@ def start_engine(host: str, port: int, protocol: str, device_name: str,
             else:
                 os.environ["MC_TRANSFER_TIMEOUT"] = saved
     if rc != 0:
+        full = (f"; its port block {ports[0]}-{ports[-1]} may be taken by this sidecar's other "
+                f"engines or other programs" if ports else "")
         raise Unavailable(f"mooncake engine failed to start on {host!r} with protocol "
-                          f"{protocol!r} (rc={rc}); see the engine log")
+                          f"{protocol!r} (rc={rc}){full}; see the engine log")
     rpc_port = engine.get_rpc_port()
     if ports and rpc_port not in ports:
         raise Unavailable(
-            f"mooncake engine listens on port {rpc_port}, not on the requested {ports[0]}-"
-            f"{ports[-1]}: Mooncake fixes its port range when mooncake.engine is first imported "
+            f"mooncake engine listens on port {rpc_port}, outside the requested block "
+            f"{ports[0]}-{ports[-1]}: Mooncake fixes its port range when mooncake.engine is "
+            f"first imported "
             f"in a process, and this process imported it earlier with another range (start "
             f"each fixed-port engine in its own process, as deltakv serve sidecar does)")
     return engine

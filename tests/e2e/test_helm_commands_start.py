@@ -12,8 +12,8 @@ Only what cannot exist on one machine is substituted, each in one place below:
 
 * the downward API: ``POD_IP`` -> 127.0.0.1, ``POD_NAME`` -> a unique name;
 * the pod network: every pod has its own network namespace, here they share one, so each pod's
-  ports are moved to free local ones (Mooncake's engine pair to a free adjacent pair below
-  32768) and a Service DNS name -> 127.0.0.1 and the mapped port of its target pod;
+  ports are moved to free local ones (the engine port block to a free contiguous block below
+  32768, where Mooncake accepts it) and a Service DNS name -> 127.0.0.1 and the mapped port of its target pod;
 * volumes: emptyDirs -> temporary directories; Secrets -> test files with the modes the
   kubelet gives them (TLS: tests/tls_certs.py's PKI; the pairing key: 32 random bytes); the
   test pod's ConfigMap -> its rendered content; the hostPath ``/dev/shm`` stays the node's;
@@ -150,7 +150,7 @@ class Case:
         containers = [*spec.get("initContainers", []), *spec["containers"]]
         engine = [p["containerPort"] for c in containers for p in c.get("ports", [])
                   if p["name"].startswith("xfer-")]
-        if engine:  # the engine's ports keep their adjacency (mooncake: P and P + 1)
+        if engine:  # the engine port block stays contiguous (the sidecar gets its first port)
             base = free_block(max(engine) - min(engine) + 1)
             pod.ports.update({p: base + p - min(engine) for p in engine})
         for c in containers:

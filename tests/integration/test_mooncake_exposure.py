@@ -1,7 +1,9 @@
 """What a Mooncake sidecar exposes on the network, measured on real sidecar processes.
 
-* ``--port P`` makes the engine listen on exactly ``P`` and ``P + 1`` (the ports the Helm chart
-  declares and names in its NetworkPolicy), next to the ``--health-port``, and on nothing else.
+* ``--port P`` makes the engine listen on two ports of the sidecar's block ``P .. P + 3`` (the
+  ports the Helm chart declares and names in its NetworkPolicy), next to the ``--health-port``,
+  and on nothing else; a replacement engine started beside it (engine recycling) lands in the
+  same block, and a third one does not start.
 * The engine binds every interface although it advertises ``--host`` (Mooncake has no bind
   option): asserted here so docs/security.md stays true if a Mooncake release changes it.
 * A stranger's engine (this test process, which learns the addresses from Describe — on a pod
@@ -17,6 +19,8 @@ import json
 import random
 import secrets
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import psutil
@@ -31,20 +35,23 @@ from tests.support.layouts import TOY_LAYOUT
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
 
-def free_port_pair() -> int:
-    """P such that P and P + 1 are free now, below Linux's ephemeral range (Mooncake ignores
+BLOCK = 4  # two engines per sidecar, two listeners each (sidecar/transport/ports.py)
+
+
+def free_block() -> int:
+    """P such that P .. P + 3 are free now, below Linux's ephemeral range (Mooncake ignores
     ports inside 32768-60999)."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000)
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
+            for p in range(port, port + BLOCK):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
         except OSError:
             continue
         return port
-    raise AssertionError("no free port pair below 32000")
+    raise AssertionError("no free port block below 32000")
 
 
 def free_port() -> int:
@@ -61,7 +68,7 @@ def listeners(pid: int) -> dict[int, str]:
 
 class Pair:
     def __init__(self, factory: SidecarFactory) -> None:
-        self.engine_port = free_port_pair()
+        self.engine_port = free_block()
         self.health_port = free_port()
         self.decode = factory.start("decode", transport="mooncake", extra_args=[
             "--host", "127.0.0.1", "--port", str(self.engine_port),
@@ -86,13 +93,49 @@ def descriptor(info: sidecar_pb2.DescribeResponse) -> dict:
 
 def test_engine_listens_on_exactly_the_declared_ports(pair: Pair) -> None:
     ports = listeners(pair.decode.pid)
-    p = pair.engine_port
-    assert set(ports) == {p, p + 1, pair.health_port}, ports
-    # The session address peers dial is the advertised host and one of the two ports.
-    assert descriptor(pair.decode_info)["session"] in (f"127.0.0.1:{p}", f"127.0.0.1:{p + 1}")
+    block = set(range(pair.engine_port, pair.engine_port + BLOCK))
+    engine = set(ports) - {pair.health_port}
+    assert pair.health_port in ports and len(engine) == 2 and engine <= block, ports
+    # The session address peers dial is the advertised host and the handshake port.
+    host, _, session_port = descriptor(pair.decode_info)["session"].rpartition(":")
+    assert host == "127.0.0.1" and int(session_port) in engine
     # Mooncake binds every interface whatever --host says (no bind option): isolation has to
     # come from the network around it (docs/security.md).
-    assert {ports[p], ports[p + 1]} <= {"0.0.0.0", "::"}, ports
+    assert {ports[p] for p in engine} <= {"0.0.0.0", "::"}, ports
+
+
+_RECYCLE = """
+import json, sys
+import psutil
+from deltakv.errors import Unavailable
+from deltakv.sidecar.transport.mooncake_engine import start_engine
+port = int(sys.argv[1])
+current = start_engine("127.0.0.1", port, "tcp", "", 5)
+replacement = start_engine("127.0.0.1", 0, "tcp", "", 5)  # as a sidecar recycles its engine
+out = {}
+try:
+    start_engine("127.0.0.1", port, "tcp", "", 5)
+except Unavailable as exc:
+    out["third"] = str(exc)
+out["listen"] = sorted(c.laddr.port for c in psutil.Process().net_connections("tcp")
+                       if c.status == psutil.CONN_LISTEN)
+del current  # retired: the C++ engine is destroyed here, its ports are free again
+out["next"] = start_engine("127.0.0.1", 0, "tcp", "", 5).get_rpc_port()
+print(json.dumps(out))
+"""
+
+
+def test_a_replacement_engine_stays_inside_the_block() -> None:
+    """Engine recycling (a replacement built beside the engine it retires) keeps to the
+    block: Mooncake reads its range once per process, so this runs in a fresh one."""
+    port = free_block()
+    proc = subprocess.run([sys.executable, "-c", _RECYCLE, str(port)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["listen"] == list(range(port, port + BLOCK))
+    assert f"port block {port}-{port + BLOCK - 1}" in out["third"]
+    assert port <= out["next"] < port + BLOCK
 
 
 def test_without_a_port_the_engine_stays_in_its_default_range(pair: Pair) -> None:

@@ -199,8 +199,9 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
     decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
     assert decode_svc["spec"].get("clusterIP") != "None"
     assert decode_svc["spec"]["ports"][0]["port"] == values["decode"]["service"]["port"]
-    # Every sidecar declares exactly the ports its engine really listens on (mooncake: --port
-    # and the next one, tests/integration/test_mooncake_exposure.py; mori: --port; shm: none).
+    # Every sidecar declares exactly the port block its engines really listen in (a current and
+    # a replacement engine: mooncake 2 ports each, tests/integration/test_mooncake_exposure.py;
+    # mori 1 each, tests/unit/test_transport_ports.py; shm: none).
     backend = values["transport"]["backend"]
     for _, c, is_sidecar in workload_containers(objects):
         all_ports = [p["containerPort"] for p in c.get("ports", [])]
@@ -213,11 +214,10 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
             assert "--port" not in c["args"] and declared == {}
             continue
         engine_port = int(flag_value(c["args"], "--port"))
-        per_rank = {"mooncake": 2, "mori": 1}[backend]
+        per_rank = {"mooncake": 4, "mori": 2}[backend]
         assert engine_port == values["sidecar"]["enginePort"] + per_rank * rank
         expected = {f"xfer-{rank}": engine_port}
-        if backend == "mooncake":
-            expected[f"xfer-{rank}-b"] = engine_port + 1
+        expected.update({f"xfer-{rank}-{i}": engine_port + i for i in range(1, per_rank)})
         assert declared == expected
     for role in ("prefill", "decode"):
         spec = deployment(objects, role)["spec"]["template"]["spec"]
@@ -522,11 +522,11 @@ CROSS_FIELD_REJECTIONS = [
     ({"accelerator": {"type": "nvidia"}, "transport": {"backend": "mori"}}, "MORI-IO"),
     ({"transport": {"backend": "mooncake"}, "sidecar": {"enginePort": 40000}},
      "Mooncake silently picks random ports"),
-    ({"transport": {"backend": "mooncake"}, "sidecar": {"enginePort": 32767}},
-     "listens on 32767 and 32768"),
-    ({"transport": {"backend": "mooncake"}, "prefill": {"port": 17001}},
-     "port 17001 is used twice"),
-    ({"transport": {"backend": "mori"}, "prefill": {"port": 17000}}, "port 17000 is used twice"),
+    ({"transport": {"backend": "mooncake"}, "sidecar": {"enginePort": 32765}},
+     "engines listen on 32765-32768"),
+    ({"transport": {"backend": "mooncake"}, "prefill": {"port": 17003}},
+     "port 17003 is used twice"),
+    ({"transport": {"backend": "mori"}, "prefill": {"port": 17001}}, "port 17001 is used twice"),
     ({"sidecar": {"healthPort": 50051}}, "is used twice"),
     ({"tls": {"healthPort": 50060}}, "prefill pods: port 50061 is used twice"),
     ({"termination": {"gracePeriodSeconds": 30}}, "must exceed sidecar.drainTimeoutSeconds"),

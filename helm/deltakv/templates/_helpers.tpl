@@ -123,14 +123,17 @@ Argument: dict "root" $ "pool" <pool values>.
 {{- end }}
 
 {{/*
-Transfer-engine ports of one sidecar rank, as a JSON list: dict "root" $ "rank" r.
-shm: none (pages move through /dev/shm). mori: one, bound to the pod IP. mooncake: two (its
-handshake RPC and TCP data listeners; which is which is the engine's choice), so rank r uses
-enginePort + 2r and + 2r + 1 and the sidecar is given the first (--port).
+Transfer-engine port block of one sidecar rank, as a JSON list: dict "root" $ "rank" r.
+A sidecar may run two engines at once (its current one and the replacement it builds while
+retiring it: issue 13's engine recycling), each listening inside this block
+(sidecar/transport/ports.py), so the whole block is declared and named in the NetworkPolicy.
+shm: none (pages move through /dev/shm). mori: one control port per engine, bound to the pod
+IP: 2. mooncake: a handshake and a TCP data port per engine, on every interface: 4.
+Rank r's block starts at enginePort + r * size; the sidecar is given its first port (--port).
 */}}
 {{- define "deltakv.enginePorts" -}}
 {{- $v := .root.Values }}
-{{- $count := int (get (dict "shm" 0 "mooncake" 2 "mori" 1) $v.transport.backend) }}
+{{- $count := int (get (dict "shm" 0 "mooncake" 4 "mori" 2) $v.transport.backend) }}
 {{- $first := add (int64 $v.sidecar.enginePort) (mul (int64 .rank) (max $count 1)) }}
 {{- $ports := list }}
 {{- range $i := until $count }}
@@ -139,9 +142,9 @@ enginePort + 2r and + 2r + 1 and the sidecar is given the first (--port).
 {{- toJson $ports }}
 {{- end }}
 
-{{/* Container port name of a rank's i-th engine port: xfer-<rank>, then xfer-<rank>-b. */}}
+{{/* Container port name of a rank's i-th engine port: xfer-<rank>, then xfer-<rank>-<i>. */}}
 {{- define "deltakv.enginePortName" -}}
-{{- if eq (int .index) 0 }}xfer-{{ .rank }}{{ else }}xfer-{{ .rank }}-b{{ end }}
+{{- if eq (int .index) 0 }}xfer-{{ .rank }}{{ else }}xfer-{{ .rank }}-{{ .index }}{{ end }}
 {{- end }}
 
 {{/* Secret with tls.crt, tls.key and ca.crt: tls.secretName, or the cert-manager Certificate's. */}}
@@ -216,10 +219,11 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- fail "telemetry.metrics.enabled=true with networkPolicy.enabled=true needs networkPolicy.metricsFrom: the peers allowed to scrape (e.g. your Prometheus namespace)" }}
 {{- end }}
 {{- if eq $v.transport.backend "mooncake" }}
-{{- $first := int64 $v.sidecar.enginePort }}
-{{- $last := add $first 1 }}
+{{- $block := fromJsonArray (include "deltakv.enginePorts" (dict "root" $ "rank" 0)) }}
+{{- $first := int64 (first $block) }}
+{{- $last := int64 (last $block) }}
 {{- if or (lt $first 1024) (gt $last 65535) (and (ge $last 32768) (le $first 60999)) }}
-{{- fail (printf "sidecar.enginePort=%d: with transport.backend=mooncake the engine listens on %d and %d, and Mooncake silently picks random ports instead of any below 1024 or inside 32768-60999; choose enginePort in 1024-32766 or 61000-65534" $first $first $last) }}
+{{- fail (printf "sidecar.enginePort=%d: with transport.backend=mooncake this sidecar's engines listen on %d-%d, and Mooncake silently picks random ports instead of any below 1024 or inside 32768-60999; choose enginePort in 1024-%d or 61000-%d" $first $first $last (sub 32768 (len $block)) (sub 65536 (len $block))) }}
 {{- end }}
 {{- end }}
 {{- if and $v.telemetry.otel.enabled (not $v.telemetry.otel.endpoint) }}
