@@ -17,11 +17,14 @@ Only what cannot exist on one machine is substituted, each in one place below:
 * volumes: emptyDirs -> temporary directories; Secrets -> test files with the modes the
   kubelet gives them (TLS: tests/tls_certs.py's PKI; the pairing key: 32 random bytes); the
   test pod's ConfigMap -> its rendered content; the hostPath ``/dev/shm`` stays the node's;
-* the OTLP collector's DNS name -> an in-process OTLP receiver (tests/otlp_receiver.py);
+* the OTLP collector's DNS name -> a local OTLP receiver (tests/otlp_receiver.py, in its own
+  process);
 * MORI-IO (ROCm only) -> the labelled stand-in in tests/standins, as in test_mori_cluster.py;
 * the model -> ``tiny-random``: loading SmolLM2 takes ~40 s per worker on 2 cores, eight of
   them would blow this test's budget; the SmolLM2 e2e tests start the same ``--model smollm2``
   flags, and :func:`test_every_named_model_resolves` resolves each model name the values give;
+* pool sizes -> at most 256 pages: the values size pools for production nodes (the mori-rdma
+  values alone would take 6 GiB of this machine's /dev/shm);
 * flags of work not merged yet (tests/support/helm.py: PENDING_FLAGS) are left out while the
   CLI lacks them.
 
@@ -52,7 +55,6 @@ import helm_python
 import pytest
 
 from deltakv.services.cluster import ManagedProcess, ProcessError
-from tests.otlp_receiver import OtlpReceiver
 from tests.support.helm import (
     CASES,
     CHART,
@@ -72,6 +74,9 @@ pytestmark = [pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 DELTAKV = str(Path(sys.executable).parent / "deltakv")  # the console script the image runs
 START_TIMEOUT_S = 240.0
+# Pools are sized for production nodes (mori-rdma: 131072 pages per decode sidecar, 4 GiB of
+# /dev/shm even with the tiny model); ten of them at once do not fit one test machine.
+MAX_PAGES = 256
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -85,24 +90,27 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_TAKEN: set[int] = set()
 
 
-def free_block(n: int) -> int:
-    """P with P .. P + n - 1 free, below 32768 (Mooncake ignores ports in 32768-60999)."""
+def free_block(n: int = 1) -> int:
+    """P with P .. P + n - 1 free now and handed out to no other pod of this test: below
+    Linux's ephemeral range 32768-60999, so no client socket takes them meanwhile (and
+    Mooncake accepts them)."""
     rng = random.Random()
     for _ in range(500):
         base = rng.randrange(20000, 32000)
+        block = set(range(base, base + n))
+        if block & _TAKEN:
+            continue
         with contextlib.ExitStack() as stack:
             try:
-                for p in range(base, base + n):
+                for p in block:
                     s = stack.enter_context(socket.socket())
                     s.bind(("0.0.0.0", p))
             except OSError:
                 continue
+        _TAKEN.update(block)
         return base
     raise AssertionError(f"no {n} free adjacent ports below 32000")
 
@@ -140,6 +148,7 @@ class Case:
         self.dropped: set[str] = set()
         self.substituted_model: str | None = None
         self.tag = secrets.token_hex(3)
+        self.secrets: dict[str, dict[str, bytes]] = {}
         self.pods = {role: self._pod(role) for role in ("prefill", "decode")}
 
     # -- substitution ------------------------------------------------------------------------
@@ -155,7 +164,7 @@ class Case:
             pod.ports.update({p: base + p - min(engine) for p in engine})
         for c in containers:
             for p in c.get("ports", []):
-                pod.ports.setdefault(p["containerPort"], free_port())
+                pod.ports.setdefault(p["containerPort"], free_block())
         for volume in spec["volumes"]:
             pod.mounts[volume["name"]] = self._volume(pod, volume)
         return pod
@@ -184,8 +193,14 @@ class Case:
         return str(local)
 
     def _secret_data(self, name: str) -> dict[str, bytes]:
-        """A Secret's files: the rendered one's data if the chart made it, else the test
-        stand-in for a Secret the installer provides (TLS PKI, a pairing key)."""
+        """A Secret's files, the same for every pod of the case: the rendered one's data if
+        the chart made it, else the test stand-in for a Secret the installer provides (TLS
+        PKI, a pairing key)."""
+        if name not in self.secrets:
+            self.secrets[name] = self._make_secret_data(name)
+        return self.secrets[name]
+
+    def _make_secret_data(self, name: str) -> dict[str, bytes]:
         for s in of_kind(self.objects, "Secret"):
             if s["metadata"]["name"] == name:
                 return {k: base64.b64decode(v) for k, v in s["data"].items()}
@@ -207,7 +222,7 @@ class Case:
                 env[e["name"]] = expand(e["value"], env)
         env = {k: self._local_path(pod, container, v) for k, v in env.items()}
         if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.fixtures["otlp"].endpoint
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.fixtures["otlp"]
         if self.values["transport"]["backend"] == "mori" and not self.fixtures["mori_real"]:
             env["PYTHONPATH"] = str(REPO / "tests" / "standins")
         base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -245,6 +260,8 @@ class Case:
                 a = self._target(a)
             elif prev == "--model" and a != "tiny-random":
                 self.substituted_model, a = a, "tiny-random"
+            elif prev == "--num-pages" and int(a) > MAX_PAGES:
+                a = str(MAX_PAGES)
             out.append(a)
         if container["command"] == ["deltakv"]:
             out, dropped = without_pending_flags(out)
@@ -288,22 +305,66 @@ class Case:
         return [proc for pod in self.pods.values() for proc in pod.procs
                 if proc.name.split("/")[-1].startswith(kind)]
 
-    def kill(self) -> None:
+    def cleanup(self) -> None:
+        """Stop whatever still runs (SIGTERM, so sidecars unlink their pools; SIGKILL after
+        a bound) and remove what a killed process leaves in the shared /dev/shm: pool
+        segments named after the pod or derived from the socket path, and the MORI-IO
+        stand-in's per-process tables."""
+        from deltakv.sidecar.server import default_shm_name
+
         for pod in self.pods.values():
-            for proc in pod.procs:
-                proc.kill()
-            # A killed sidecar leaves its pool segment in the (shared) /dev/shm.
-            for leftover in Path("/dev/shm").glob(f"deltakv-{pod.name}-*"):
-                leftover.unlink(missing_ok=True)
+            for kind in ("worker", "sidecar"):
+                for proc in pod.procs:
+                    if proc.name.split("/")[-1].startswith(kind):
+                        proc.stop(signal.SIGTERM, timeout_s=20.0)
+            patterns = [f"deltakv-{pod.name}-*"]
+            for c in pod.spec.get("initContainers", []):
+                socket_path = self._local_path(pod, c, c["args"][c["args"].index("--socket") + 1])
+                patterns.append(default_shm_name(socket_path) + "*")
+            patterns += [f"mori-standin-*-{proc.pid}" for proc in pod.procs if proc.pid]
+            for pattern in patterns:
+                for leftover in Path("/dev/shm").glob(pattern):
+                    leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from deltakv.sidecar.transport.registry import unavailable_reason
 
-    with OtlpReceiver() as receiver:
-        yield {"pki": make_pki(tmp_path_factory.mktemp("pki")), "otlp": receiver,
+    with otlp_receiver() as endpoint:
+        yield {"pki": make_pki(tmp_path_factory.mktemp("pki")), "otlp": endpoint,
                "mori_real": unavailable_reason("mori") is None}
+
+
+# The collector stand-in runs in its own process: a gRPC server busy in this one would make
+# every fork below race gRPC's fork handlers (the child aborts in epoll_wait before exec).
+_RECEIVER = """
+import sys
+from tests.otlp_receiver import OtlpReceiver
+with OtlpReceiver() as receiver:
+    print(receiver.endpoint, flush=True)
+    sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def otlp_receiver() -> Iterator[str]:
+    """The endpoint of a local OTLP receiver (tests/otlp_receiver.py) in a child process,
+    stopped when its stdin closes."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER], cwd=REPO, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        endpoint = proc.stdout.readline().strip()
+        assert endpoint.startswith("http://"), f"OTLP receiver did not start ({endpoint!r})"
+        yield endpoint
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +382,7 @@ def cases(fixtures) -> Iterator[list[Case]]:
         yield built
     finally:
         for case in built:
-            case.kill()
+            case.cleanup()
         shutil.rmtree(root, ignore_errors=True)
 
 
