@@ -289,6 +289,68 @@ class PageManager:
         self._quarantined_total -= freed
         return freed
 
+    def release_all(self, quarantine_ms: int = 0) -> tuple[int, int, int]:
+        """:meth:`release` every request (a new worker attaches: what its predecessor held is
+        nobody's now). Returns ``(requests, freed, quarantined)``. Cached pages stay cached.
+        InvalidArgument for a negative ``quarantine_ms``."""
+        self._check_count("quarantine_ms", quarantine_ms)
+        with self._lock:
+            requests = list(self._requests)
+            freed = quarantined = 0
+            for request_id in requests:
+                f, q = self.release(request_id, quarantine_ms=quarantine_ms)
+                freed += f
+                quarantined += q
+            return len(requests), freed, quarantined
+
+    # ------------------------------------------------------------------ page digests
+
+    def cached_digests(self) -> list[tuple[int, int | None]]:
+        """``(page, digest)`` of every cached page (digest None: not set yet)."""
+        with self._lock:
+            return [(node.page, node.digest) for node in self._index.iter_nodes()]
+
+    def digests_of(self, pages: Sequence[int]) -> list[int | None]:
+        """The digest each listed page was cached with; None for a page that is not cached
+        or has none."""
+        with self._lock:
+            out = []
+            for p in pages:
+                node = self._index.node_of_page(p)
+                out.append(None if node is None else node.digest)
+            return out
+
+    def set_digests(self, digests: dict[int, int]) -> int:
+        """Record the digest of cached pages that have none yet (page -> digest); pages no
+        longer cached, or already digested, are skipped. Returns how many were set."""
+        with self._lock:
+            done = 0
+            for page, digest in digests.items():
+                node = self._index.node_of_page(page)
+                if node is not None and node.digest is None:
+                    node.digest = digest
+                    done += 1
+            return done
+
+    def evict_corrupt(self, pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Drop cached ``pages`` whose bytes are bad, each with the cached prefixes that
+        continue it, and free them. A page that is (or has a descendant that is) locked is
+        kept: a request still reads it. Returns ``(evicted pages, kept pages)``."""
+        with self._lock:
+            evicted: list[int] = []
+            kept: list[int] = []
+            for page in pages:
+                node = self._index.node_of_page(page)
+                if node is None:
+                    continue  # already gone (e.g. below another corrupt page)
+                if node.protect_ref:
+                    kept.append(page)
+                    continue
+                removed = self._index.remove_subtree(node)
+                self._alloc.free(removed)
+                evicted.extend(removed)
+            return evicted, kept
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> PoolCounts:

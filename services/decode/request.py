@@ -107,6 +107,7 @@ class RequestState:
     ``transfer_pending``: Prefill was sent and has not answered: its room must be fenced
     (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
+    ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
     Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
     """
 
@@ -126,3 +127,4 @@ class RequestState:
     in_scheduler: bool = False
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
+    lease: Any = None

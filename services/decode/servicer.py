@@ -72,12 +72,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.config = config
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
-        self.endpoint = worker.describe.endpoint
         # Woken whenever this service frees pages, so waiting admissions retry at once.
         self.pages_freed = asyncio.Condition()
         self.waiting = 0
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
+
+    @property
+    def endpoint(self) -> kv_pb2.EndpointInfo:
+        """Decode's transfer endpoint: its sidecar's current pool incarnation's."""
+        return self.worker.describe.endpoint
 
     def start(self) -> None:
         self.scheduler.start()
@@ -92,7 +96,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Server-streaming generation: the five steps of the module docstring. Streams
         ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
         (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
-        FAILED_PRECONDITION (prefill), INTERNAL (a failed decode step)."""
+        FAILED_PRECONDITION (prefill), DATA_LOSS (a delta page differs from prefill's digest),
+        UNAVAILABLE (this worker's sidecar is away or restarted), INTERNAL (a failed decode
+        step)."""
         state = self._open(request)
         try:
             parsed = self._parse(request)
@@ -142,6 +148,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Step 2: the cached prefix (locked) and freshly allocated pages for the rest of the
         prompt and the generation. RESOURCE_EXHAUSTED at once if the request exceeds the whole
         pool, or after ``admission_timeout_s`` of waiting for pages others hold."""
+        # The pool incarnation this request uses, until its cleanup ran (services/attach.py).
+        state.lease = self.worker.pairing.enter()
         layout = self.worker.layout
         prompt_len = len(parsed.prompt)
         max_new = parsed.sampling.max_new_tokens
@@ -175,7 +183,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Step 3: prefill computes the first token and writes the delta pages into this
         pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
         ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
-        enter decode's radix index. Returns the request, ready to decode."""
+        enter decode's radix index once the delta pages match prefill's page digests
+        (DATA_LOSS otherwise). Returns the request, ready to decode."""
         state.room = secrets.randbits(63) or 1
         bind_request(state.request_id, state.room)
         info = kv_pb2.TransferInfo(
@@ -194,8 +203,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             response = await self._call_prefill(state, prefill_pb2.PrefillRequest(
                 token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info),
                 timeout_s)
-            canonical, _ = await self.worker.sidecar.commit(state.sidecar_id, parsed.prompt,
-                                                            state.page_table)
+            # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
+            # nothing cached, and the pages go through this request's normal release.
+            canonical, _ = await self.worker.sidecar.commit(
+                state.sidecar_id, parsed.prompt, state.page_table,
+                verify_pages=state.delta_pages if response.stats.page_digests else (),
+                verify_digests=response.stats.page_digests)
             state.page_table[: len(canonical)] = canonical
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(
@@ -349,6 +362,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """The request's one cleanup task (every exit path awaits the same one)."""
         if state.cleanup is None:
             state.cleanup = asyncio.ensure_future(self._cleanup(state))
+            state.cleanup.add_done_callback(lambda _: state.lease and state.lease.release())
         return state.cleanup
 
     async def _cleanup(self, state: RequestState) -> None:

@@ -53,7 +53,9 @@ class DecodeServiceServicer:
     def Generate(self, request, context):
         """Streams token chunks and ends with one Usage message.
         INVALID_ARGUMENT for malformed input, RESOURCE_EXHAUSTED if the prompt cannot fit,
-        UNAVAILABLE if prefill or the transfer fails, DEADLINE_EXCEEDED past a bound.
+        UNAVAILABLE if prefill or the transfer fails or a sidecar restarted under the request
+        (retry), DEADLINE_EXCEEDED past a bound, DATA_LOSS if a transferred page does not match
+        the digest prefill sent (nothing of it was cached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

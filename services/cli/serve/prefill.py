@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wait at most this long for the sidecar to become healthy")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
                         help="on SIGTERM, give in-flight prefills this long to finish")
+    parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
+                        help="after a sidecar restart: how long the sidecar may stay away and "
+                             "the old pool's requests may take to end before this worker "
+                             "exits 1 instead of re-attaching")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
@@ -48,13 +52,18 @@ async def build(args: argparse.Namespace, stack, log):
 
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
-    worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
+    # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
+    worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
     servicer = PrefillServicer(worker, args.model)
     stack.callback(servicer.close)
+    # A lost pool incarnation: the attempts computing in it stop at their next check.
+    worker.pairing.on_lost.append(lambda reason: servicer.abort_all(reason))
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
     server = worker_server(
         args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
-    return Service.of_server(server, tls=credentials is not None,
-                             client_certs=bool(args.tls_ca))
+    return worker.pairing.supervise(
+        Service.of_server(server, tls=credentials is not None, client_certs=bool(args.tls_ca)),
+        server)
