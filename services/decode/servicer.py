@@ -6,26 +6,29 @@
 2. **admit** — RESOURCE_EXHAUSTED at once for a request that can never fit; ``MatchPrefix`` ->
    ``decode_prefix_len`` (skipped when ``disable_decode_prefix_reuse``), locked for the
    request; ``Allocate`` delta + generation pages, waiting (bounded) for pages others hold;
-3. **prefill** — ``Prefill(TransferInfo)`` with a deadline, then ``Commit`` the prompt's full
-   pages;
+3. **prefill** — the decode sidecar grants the delta pages to a new room (``IssueGrant``: the
+   complete ``TransferInfo``, sealed grant and current endpoint included), ``Prefill`` with a
+   deadline, ``CloseGrant`` once prefill reported every page written, then ``Commit`` the
+   prompt's full pages;
 4. **stream** — the first token, then the continuous batch's typed stream events;
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
 
 On every exit (finish, error, client cancel) the request's one cleanup runs, shielded from
-cancellation: it fences an unanswered prefill with ``AbortTransfer(room)`` before freeing the
-delta pages (unconfirmed: quarantined until ``lease_ms + grace`` after the send, DESIGN §6)
-and releases what the request's ``RequestState`` says it holds — exactly once.
+cancellation: it asks prefill to stop an unanswered transfer (``AbortTransfer(room)``, bounded
+and advisory) and releases what the request's ``RequestState`` says it holds — exactly once.
+The decode sidecar revokes the room's open grant on that ``Release`` and keeps its pages
+quarantined until its fence proves that no byte of the room can still land
+(docs/architecture.md, "Fencing"); no timer and no word of prefill's frees them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -38,7 +41,9 @@ from deltakv.errors import (
     Unavailable,
     from_rpc_error,
 )
+from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import (
     ParsedRequest,
     RequestState,
@@ -52,23 +57,31 @@ from deltakv.services.decode.scheduler import (
     FinishEvent,
     TokenEvent,
 )
+from deltakv.services.decode.stop import StopStrings
 from deltakv.services.model.sampling import should_stop
 from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from deltakv.sidecar.grants import prompt_digest
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 log = get_logger()
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    """The public decode service over one worker (model + sidecar) and one prefill target."""
+    """The public decode service over one worker (model + sidecar) and a pool of prefill
+    backends (:class:`~deltakv.services.decode.prefill_pool.PrefillPool`: each request is
+    pinned to one backend, which also receives its ``AbortTransfer``).
 
-    def __init__(self, worker: Worker, prefill_channel: grpc.aio.Channel,
-                 config: DecodeConfig) -> None:
+    :meth:`generate` is the one request path: the gRPC ``Generate`` handler and the OpenAI
+    HTTP API (:mod:`deltakv.services.openai`) both run it. ``memory`` remembers the text and
+    ids of recent answers so text chat reuses the exact cached prefix
+    (:mod:`deltakv.services.decode.chat_reuse`)."""
+
+    def __init__(self, worker: Worker, prefill: PrefillPool, config: DecodeConfig) -> None:
         self.worker = worker
-        self.prefill_channel = prefill_channel
-        self.prefill_service = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        self.prefill = prefill
+        self.memory = CompletionMemory()
         self.config = config
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
@@ -77,11 +90,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.waiting = 0
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
-
-    @property
-    def endpoint(self) -> kv_pb2.EndpointInfo:
-        """Decode's transfer endpoint: its sidecar's current pool incarnation's."""
-        return self.worker.describe.endpoint
 
     def start(self) -> None:
         self.scheduler.start()
@@ -93,17 +101,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Server-streaming generation: the five steps of the module docstring. Streams
-        ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
-        (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
-        FAILED_PRECONDITION (prefill), DATA_LOSS (a delta page differs from prefill's digest),
-        UNAVAILABLE (this worker's sidecar is away or restarted), INTERNAL (a failed decode
-        step)."""
+        """Server-streaming generation: :meth:`generate` bounded by the call's deadline. Closed
+        with the call, so a cancelled call's cleanup runs inside it, not at GC time."""
+        async with contextlib.aclosing(self.generate(request, context.time_remaining)) as out:
+            async for message in out:
+                yield message
+
+    async def generate(self, request: decode_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None] = lambda: None
+                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """The five steps of the module docstring. Streams ``TokenChunk``s, then one
+        ``Usage``. ``time_remaining()``: seconds left for the caller (None = no deadline), it
+        bounds the Prefill RPC. Raises (see ``decode.proto``): INVALID_ARGUMENT (parse),
+        RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED / FAILED_PRECONDITION
+        (prefill), DATA_LOSS (a delta page differs from prefill's digest), UNAVAILABLE (this
+        worker's sidecar is away or restarted), INTERNAL (a failed decode step). Closing the iterator early (or cancelling
+        its task) cancels the request: its cleanup runs as for a gRPC client cancel."""
         state = self._open(request)
         try:
             parsed = self._parse(request)
             await self._admit(state, parsed)
-            decode_request = await self._prefill(state, parsed, context)
+            decode_request = await self._prefill(state, parsed, time_remaining)
             async for message in self._stream(state, parsed, decode_request):
                 yield message
             yield await self._finish(state, parsed, decode_request)
@@ -126,6 +144,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.DecodeStats(pool=stats.pool, running=self.scheduler.num_running,
                                       waiting=self.waiting, **self.counters)
 
+    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]:
+        """``(prompt_tokens, cached_tokens)`` of ``request`` here and now: the prompt as
+        ``generate`` would encode it, and how much of it this decode's radix index holds (the
+        ``decode_prefix_len`` it would send; a router's precise prefix score). Locks nothing
+        beyond the call. INVALID_ARGUMENT as ``generate``'s parse step."""
+        parsed = self._parse(request)
+        sidecar_id = f"match/{uuid.uuid4().hex}"
+        try:
+            cached, _ = await self.worker.sidecar.match_prefix(sidecar_id, parsed.prompt)
+        finally:
+            await asyncio.shield(self.worker.sidecar.release(sidecar_id))
+        return len(parsed.prompt), cached
+
     # -- the steps of Generate --------------------------------------------------------------
 
     def _open(self, request: decode_pb2.GenerateRequest) -> RequestState:
@@ -140,7 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def _parse(self, request: decode_pb2.GenerateRequest) -> ParsedRequest:
         """Step 1: tokens and sampling, validated (INVALID_ARGUMENT)."""
-        return parse_generate(request, self.worker.model,
+        return parse_generate(request, self.worker.model, memory=self.memory,
                               default_max_new_tokens=self.config.default_max_new_tokens,
                               max_new_tokens_limit=self.config.max_new_tokens_limit)
 
@@ -179,20 +210,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state.delta_pages = pages[: layout.delta_pages(prompt_len, state.decode_prefix_len)]
 
     async def _prefill(self, state: RequestState, parsed: ParsedRequest,
-                       context: grpc.aio.ServicerContext) -> DecodeRequest:
-        """Step 3: prefill computes the first token and writes the delta pages into this
-        pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
-        ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
-        enter decode's radix index once the delta pages match prefill's page digests
-        (DATA_LOSS otherwise). Returns the request, ready to decode."""
-        state.room = secrets.randbits(63) or 1
+                       time_remaining: Callable[[], float | None]) -> DecodeRequest:
+        """Step 3: decode's sidecar grants the delta pages to a new room; prefill computes the
+        first token and writes them into this pool (``Prefill`` with the granted
+        ``TransferInfo`` and a deadline: the smaller of ``prefill_timeout_ms`` and the
+        client's remaining time); the grant is closed (its fence proven) and the prompt's
+        full pages enter decode's radix index once the delta pages match prefill's page
+        digests (DATA_LOSS otherwise). Returns the request, ready to decode."""
+        info = await self.worker.sidecar.issue_grant(
+            state.sidecar_id, kv_pb2.TransferInfo(
+                request_id=state.request_id, dst_page_indices=state.delta_pages,
+                decode_prefix_len=state.decode_prefix_len, prompt_len=state.prompt_len,
+                lease_ms=self.config.lease_ms), prompt_digest(parsed.prompt))
+        state.room = info.room
         bind_request(state.request_id, state.room)
-        info = kv_pb2.TransferInfo(
-            room=state.room, request_id=state.request_id, decode_endpoint=self.endpoint,
-            dst_page_indices=state.delta_pages, decode_prefix_len=state.decode_prefix_len,
-            prompt_len=state.prompt_len, lease_ms=self.config.lease_ms)
         timeout_s = self.config.prefill_timeout_ms / 1000.0
-        remaining = context.time_remaining()
+        remaining = time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
         # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
@@ -203,6 +236,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             response = await self._call_prefill(state, prefill_pb2.PrefillRequest(
                 token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info),
                 timeout_s)
+            await self.worker.sidecar.close_grant(state.room)
             # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
             # nothing cached, and the pages go through this request's normal release.
             canonical, _ = await self.worker.sidecar.commit(
@@ -236,21 +270,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _call_prefill(self, state: RequestState, request: prefill_pb2.PrefillRequest,
                             timeout_s: float) -> prefill_pb2.PrefillResponse:
-        """The Prefill RPC, its failure as a typed error: DEADLINE_EXCEEDED after
-        ``timeout_s``, UNAVAILABLE naming prefill, or prefill's own typed status.
-        ``state.transfer_pending`` is True from the send until prefill answered."""
-        await self._prefill_connected()
+        """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
+        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
+        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
+        send until prefill answered."""
+        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        state.prefill = backend
         state.sent_at = time.monotonic()
         state.transfer_pending = True
         try:
-            response = await self.prefill_service.Prefill(request, timeout=timeout_s)
+            response = await backend.stub.Prefill(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
+                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
+                                         f"{timeout_s:.1f} s")
             elif isinstance(error, Unavailable):
-                error = Unavailable(f"prefill failed: {exc.details()}")
+                error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
             raise error from None
+        finally:
+            self.prefill.done(backend)
         state.transfer_pending = False
         return response
 
@@ -259,28 +298,50 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         """Step 4: the first token (TTFT is measured as it is sent), then every token the
         continuous batch produces until the request stops, then any text the detokenizer
-        still held. An ``ErrorEvent`` from the batch is raised (INTERNAL)."""
+        still held. A stop string in the text ends the request early (finish_reason "stop",
+        the text from the stop string on is not sent). An ``ErrorEvent`` from the batch is
+        raised (INTERNAL)."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
                            decode_prefix_len=state.decode_prefix_len)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=parsed.prompt)
-        first = decode_request.tokens[-1]
-        yield _chunk([first], detokenizer.push(first))
+        stops = StopStrings(parsed.stop)
+        async with contextlib.aclosing(self._tokens(state, decode_request)) as tokens:
+            async for token_id in tokens:
+                piece = detokenizer.push(token_id)
+                yield state.streamed(token_id, piece, stops.push(piece))
+                if stops.hit:
+                    await self._stop_early(state, decode_request)
+                    break
+        tail = detokenizer.flush()
+        text = stops.flush(tail)
+        if tail or text:
+            yield state.streamed(None, tail, text)
+
+    async def _tokens(self, state: RequestState, decode_request: DecodeRequest
+                      ) -> AsyncIterator[int]:
+        """The generated token ids: prefill's first one, then the continuous batch's."""
+        yield decode_request.tokens[-1]
         if decode_request.finish_reason is None:
             self.scheduler.add(decode_request)
             state.in_scheduler = True
             while True:
                 match await decode_request.events.get():
                     case TokenEvent(token_id=token_id):
-                        yield _chunk([token_id], detokenizer.push(token_id))
+                        yield token_id
                     case FinishEvent():
-                        break
+                        return
                     case ErrorEvent(error=error):
                         raise error
-        tail = detokenizer.flush()
-        if tail:
-            yield _chunk([], tail)
+
+    async def _stop_early(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """A stop string ended the request: leave the batch (once no step can still write
+        its KV) and finish as "stop"."""
+        decode_request.finish_reason = "stop"
+        if state.in_scheduler and not decode_request.detached.is_set():
+            self.scheduler.cancel(decode_request)
+            await decode_request.detached.wait()
 
     async def _finish(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest) -> decode_pb2.GenerateResponse:
@@ -289,7 +350,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         with telemetry.span("decode.finish", completion_tokens=len(decode_request.generated),
                             finish_reason=decode_request.finish_reason or "stop") as span:
             await self._commit_kv(state, decode_request)
-            await self._release(state, quarantine_ms=0)
+            self._remember_answer(state, decode_request)
+            await self._release(state)
             usage = self._usage(state, decode_request)
             if parsed.echo_prompt:
                 usage.prompt_token_ids.extend(decode_request.tokens[: decode_request.prompt_len])
@@ -318,17 +380,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     # -- pages of a request -----------------------------------------------------------------
 
-    async def _prefill_connected(self) -> None:
-        """Wait (bounded) for the prefill connection, e.g. while it reconnects after a prefill
-        restart; UNAVAILABLE if it cannot be established. Nothing was sent yet, so nothing can
-        be written into the request's pages."""
-        timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
-        try:
-            await asyncio.wait_for(self.prefill_channel.channel_ready(), timeout=timeout_s)
-        except TimeoutError:
-            raise Unavailable(f"prefill is unreachable (no connection within {timeout_s:g} s)"
-                              ) from None
-
     async def _allocate(self, state: RequestState, num_pages: int) -> list[int]:
         """Allocate, waiting up to ``admission_timeout_s`` for pages held by other requests."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -343,7 +394,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         raise ResourceExhausted(
                             f"no room for {num_pages} pages after waiting "
                             f"{self.config.admission_timeout_s:.0f} s: {exc}") from None
-                    # Woken by our own releases; quarantines expire on their own, so poll too.
+                    # Woken by our own releases; fenced pages are freed by the sidecar, so poll too.
                     async with self.pages_freed:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.pages_freed.wait(), timeout=min(left, 0.5))
@@ -358,6 +409,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await self.worker.sidecar.commit(state.sidecar_id, kv_tokens,
                                              decode_request.page_table[:full_pages])
 
+    def _remember_answer(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """Remember the text streamed for the answer and the ids behind it, for the next turn
+        of a text chat. A final EOS is left out: the chat template writes the end of turn."""
+        ids, pieces = state.answer_ids, state.answer_pieces
+        if (ids and decode_request.finish_reason == "stop"
+                and ids[-1] in self.worker.model.eos_token_ids):
+            ids, pieces = ids[:-1], pieces[:-1]
+        self.memory.remember(ids, pieces, text="".join(state.answer_text))
+
     def _cleanup_once(self, state: RequestState) -> asyncio.Future:
         """The request's one cleanup task (every exit path awaits the same one)."""
         if state.cleanup is None:
@@ -366,7 +426,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return state.cleanup
 
     async def _cleanup(self, state: RequestState) -> None:
-        """Every exit path: detach from the batch, fence an unfinished transfer, release once."""
+        """Every exit path: detach from the batch, stop an unfinished transfer, release once
+        (the sidecar fences the room's pages on that Release)."""
         if not state.holds_pages:
             return
         try:
@@ -375,43 +436,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self.scheduler.cancel(decode_request)
                 await decode_request.detached.wait()  # no step may still write its KV
             if state.transfer_pending:
-                fenced = await self._abort_transfer(state)
-                if fenced:
-                    await self._release(state, quarantine_ms=0)
-                else:
-                    elapsed_ms = (time.monotonic() - (state.sent_at or time.monotonic())) * 1000
-                    hold = self.config.lease_ms + self.config.quarantine_grace_ms - elapsed_ms
-                    await self._release(state, quarantine_ms=max(1, int(hold)))
-                return
-            if decode_request is not None:
+                await self._abort_transfer(state)
+            elif decode_request is not None:
                 # Cancelled or failed after prefill: the KV written so far is valid; keep the
                 # full pages cached (F9) and free the rest.
                 await self._commit_kv(state, decode_request)
-            await self._release(state, quarantine_ms=0)
+                self._remember_answer(state, decode_request)
+            await self._release(state)
         except DeltaKVError as exc:
             log.error("cleanup_failed", reason=str(exc))
             if state.holds_pages:
-                await self._release(state, quarantine_ms=0)
+                await self._release(state)
 
-    async def _abort_transfer(self, state: RequestState) -> bool:
-        """True once prefill confirmed no write for the room is in flight or can start."""
+    async def _abort_transfer(self, state: RequestState) -> None:
+        """Ask prefill to stop the room's work (its forward pass, its writer) at once,
+        bounded by ``abort_timeout_ms``. Advisory: decode's sidecar does not free the pages
+        on prefill's word but on its own fence's proof."""
         try:
-            await self.prefill_service.AbortTransfer(
+            await state.prefill.stub.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
             log.info("transfer_aborted")
-            return True
         except grpc.RpcError as exc:
-            log.warning("abort_unconfirmed_pages_quarantined",
+            log.warning("abort_unanswered_pages_wait_for_fence",
                         code=exc.code().name, reason=exc.details())
-            return False
 
-    async def _release(self, state: RequestState, quarantine_ms: int) -> None:
+    async def _release(self, state: RequestState) -> None:
         if not state.holds_pages:
             return
         state.holds_pages = False  # exactly once, even if the RPC below fails
         try:
-            await self.worker.sidecar.release(state.sidecar_id, quarantine_ms=quarantine_ms)
+            await self.worker.sidecar.release(state.sidecar_id)
         finally:
             async with self.pages_freed:
                 self.pages_freed.notify_all()
@@ -444,6 +499,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             total_ms=(time.monotonic() - state.started_at) * 1000.0)
 
 
-def _chunk(token_ids: list[int], text: str) -> decode_pb2.GenerateResponse:
-    return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=token_ids,
-                                                                    text=text))

@@ -25,11 +25,13 @@ Only what cannot exist on one machine is substituted, each in one place below:
   flags, and :func:`test_every_named_model_resolves` resolves each model name the values give;
 * pool sizes -> at most 256 pages: the values size pools for production nodes (the mori-rdma
   values alone would take 6 GiB of this machine's /dev/shm);
-* flags of work not merged yet (tests/support/helm.py: PENDING_FLAGS) are left out while the
-  CLI lacks them.
 
 All pods of all cases start together (ports and names never collide), so the test costs about
-one cluster start plus the CPU of 20 small processes (~1-2 minutes on 2 busy cores).
+one cluster start plus the CPU of 20 small processes (~1-2 minutes on 2 busy cores);
+``DELTAKV_HELM_CASES=shm-cpu`` (comma-separated names) starts only those. Decode's OpenAI HTTP
+API is checked too: HTTPS as the values say (client certificates with tls.requireClientCert),
+plain HTTP refused. The affinity router (Envoy) is not started: no Envoy binary here; its
+rendered configuration is checked offline (tests/unit/test_helm_routing.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -65,7 +68,6 @@ from tests.support.helm import (
     of_kind,
     render,
     values_of,
-    without_pending_flags,
 )
 from tests.tls_certs import make_pki
 
@@ -145,7 +147,6 @@ class Case:
         self.name, self.values, self.objects = name, values, objects
         self.workdir = workdir
         self.fixtures = fixtures
-        self.dropped: set[str] = set()
         self.substituted_model: str | None = None
         self.tag = secrets.token_hex(3)
         self.secrets: dict[str, dict[str, bytes]] = {}
@@ -237,8 +238,9 @@ class Case:
         return text
 
     def _target(self, text: str) -> str:
-        """``<service>.<ns>.svc.<domain>:<port>`` -> ``127.0.0.1:<local port of its pod>``."""
-        host, _, port = text.rpartition(":")
+        """``[dns:///]<service>.<ns>.svc.<domain>:<port>`` -> ``127.0.0.1:<local port of its
+        pod>`` (one pod per role here: what the name resolves to)."""
+        host, _, port = text.removeprefix("dns:///").rpartition(":")
         service = named(self.objects, "Service", host.split(".")[0])
         (sp,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
         role = service["spec"]["selector"]["app.kubernetes.io/component"]
@@ -254,7 +256,8 @@ class Case:
         out = []
         for i, a in enumerate(args):
             prev = args[i - 1] if i else ""
-            if prev in ("--port", "--health-port", "--metrics-port") and int(a) in pod.ports:
+            if prev in ("--port", "--http-port", "--health-port", "--metrics-port") and \
+                    int(a) in pod.ports:
                 a = str(pod.ports[int(a)])
             elif prev in ("--prefill-target", "--target"):
                 a = self._target(a)
@@ -264,8 +267,6 @@ class Case:
                 a = str(MAX_PAGES)
             out.append(a)
         if container["command"] == ["deltakv"]:
-            out, dropped = without_pending_flags(out)
-            self.dropped.update(dropped)
             return [DELTAKV, *out]
         command = [self._local_path(pod, container, c) for c in container["command"]]
         return [sys.executable if command[0] == "python" else command[0], *command[1:], *out]
@@ -299,6 +300,40 @@ class Case:
         env = self._env(pod, container)
         return ManagedProcess(f"{self.name}/helm-test", self.argv(pod, container, env),
                               self.workdir / "helm-test.log", env=env).start()
+
+    def check_http_api(self) -> str | None:
+        """What is wrong with decode's OpenAI HTTP API as rendered (None if nothing, or if the
+        values turn it off): /v1/models answers over HTTPS when TLS is on — with the client
+        certificate only when tls.requireClientCert — and refuses plain HTTP; over plain HTTP
+        when TLS is off."""
+        import httpx
+
+        worker = self.pods["decode"].spec["containers"][0]
+        rendered = [p["containerPort"] for p in worker.get("ports", []) if p["name"] == "http"]
+        if not rendered:
+            return None
+        address = f"127.0.0.1:{self.pods['decode'].ports[rendered[0]]}"
+        tls = self.values["tls"]
+        pki = self.fixtures["pki"]
+        try:
+            if not tls["enabled"]:
+                response = httpx.get(f"http://{address}/v1/models", timeout=10.0)
+            else:
+                trust = ssl.create_default_context(cafile=str(pki.ca))
+                if tls["requireClientCert"]:
+                    with contextlib.suppress(httpx.HTTPError):
+                        httpx.get(f"https://{address}/v1/models", verify=trust, timeout=10.0)
+                        return "decode's HTTPS API answered a client without a certificate"
+                    trust.load_cert_chain(str(pki.client.cert), str(pki.client.key))
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.get(f"http://{address}/v1/models", timeout=10.0)
+                    return "decode's HTTP API answered plain HTTP with TLS on"
+                response = httpx.get(f"https://{address}/v1/models", verify=trust, timeout=10.0)
+        except httpx.HTTPError as exc:
+            return f"decode's HTTP API at {address}: {type(exc).__name__}: {exc}"
+        if response.status_code != 200 or not response.json().get("data"):
+            return f"decode's HTTP API /v1/models: {response.status_code} {response.text[:200]}"
+        return None
 
     def processes(self, kind: str) -> list[ManagedProcess]:
         """This case's running ``worker`` or ``sidecar`` processes."""
@@ -367,13 +402,22 @@ def otlp_receiver() -> Iterator[str]:
             proc.wait(10)
 
 
+def selected_cases() -> list[str]:
+    """Every case, or those named in ``$DELTAKV_HELM_CASES`` (comma-separated, e.g.
+    ``shm-cpu``): one values file at a time fits a machine shared with other work."""
+    wanted = [c for c in os.environ.get("DELTAKV_HELM_CASES", "").split(",") if c]
+    unknown = sorted(set(wanted) - set(CASES))
+    assert not unknown, f"DELTAKV_HELM_CASES names no case {unknown}; cases: {CASES}"
+    return wanted or list(CASES)
+
+
 @pytest.fixture(scope="module")
 def cases(fixtures) -> Iterator[list[Case]]:
     root = Path(tempfile.mkdtemp(prefix="dkv-chart-", dir="/tmp"))
     built: list[Case] = []
     try:
         with helm_python.Chart.load(CHART) as chart:
-            for name in CASES:
+            for name in selected_cases():
                 values = values_of(name)
                 workdir = root / name
                 workdir.mkdir()
@@ -405,6 +449,8 @@ def test_every_rendered_command_starts_serves_and_stops_cleanly(cases: list[Case
             code = None
         if code != 0:
             failures.append(f"{name}: helm test exited {code}\n{proc.log_tail(30)}")
+    failures += [f"{case.name}: {problem}" for case in cases
+                 if (problem := case.check_http_api()) is not None]
     # Workers first, then sidecars (the kubelet's order), every pod at once.
     for kind in ("worker", "sidecar"):
         procs = [proc for case in cases for proc in case.processes(kind)]
@@ -419,9 +465,6 @@ def test_every_rendered_command_starts_serves_and_stops_cleanly(cases: list[Case
             if code != 0:
                 failures.append(f"{proc.name} exited {code} on SIGTERM\n{proc.log_tail()}")
     assert not failures, "\n".join(failures)
-    for case in cases:
-        # Nothing but the pending flags may have been left out.
-        assert case.dropped <= {"--pairing-key-file"}, case.dropped
 
 
 def _wait_all(procs: list[ManagedProcess]) -> None:

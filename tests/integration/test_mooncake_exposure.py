@@ -3,7 +3,8 @@
 * ``--port P`` makes the engine listen on two ports of the sidecar's block ``P .. P + 3`` (the
   ports the Helm chart declares and names in its NetworkPolicy), next to the ``--health-port``,
   and on nothing else; a replacement engine started beside it (engine recycling) lands in the
-  same block, and a third one does not start.
+  same block, and a third one does not start — also in a real decode sidecar whose fence
+  recycles its engine after a revoked grant.
 * The engine binds every interface although it advertises ``--host`` (Mooncake has no bind
   option): asserted here so docs/security.md stays true if a Mooncake release changes it.
 * A stranger's engine (this test process, which learns the addresses from Describe — on a pod
@@ -19,6 +20,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -26,8 +28,9 @@ import pytest
 import torch
 
 from deltakv.sidecar.transport.mooncake_engine import engine_module
-from deltakv.v1 import sidecar_pb2
+from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory
+from tests.support.grants import grant
 from tests.support.layouts import TOY_LAYOUT
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
@@ -191,3 +194,45 @@ def test_a_stranger_reaches_decodes_pool_but_not_prefills(pair: Pair) -> None:
     finally:
         decode_pool.close()
         prefill_pool.close()
+
+
+def test_fencing_recycles_decodes_engine_inside_the_block() -> None:
+    """The sidecar as deployed (``--port P``): a revoked grant makes decode's fence replace its
+    engine (issue 11's incarnation fence); the replacement listens inside the declared block,
+    the sealed endpoint moves to it, and once the old engine retired (no open grant on it) the
+    process listens on two block ports again — twice, so the second replacement reuses the
+    block's ports the first engine gave back."""
+    factory = SidecarFactory()
+    try:
+        port, health = free_block(), free_port()
+        decode = factory.start("decode", transport="mooncake", extra_args=[
+            "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health)])
+        block = set(range(port, port + BLOCK))
+        endpoint = decode.describe().endpoint
+        for round_ in range(2):
+            owner = f"r{round_}"
+            dst = list(decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+                request_id=owner, num_pages=2), timeout=10).page_indices)
+            info = grant(decode, owner, kv_pb2.TransferInfo(
+                request_id=f"{owner}-write", dst_page_indices=dst, decode_prefix_len=0,
+                prompt_len=2 * TOY_LAYOUT.page_size, lease_ms=60_000))
+            assert info.decode_endpoint.incarnation == endpoint.incarnation
+            # The request ends with its grant open: revoked, fenced by a new engine.
+            decode.stub().Release(sidecar_pb2.ReleaseRequest(request_id=owner), timeout=10)
+            deadline = time.monotonic() + 30.0
+            while True:
+                fresh = decode.describe().endpoint
+                engine = set(listeners(decode.pid)) - {health}
+                stats = decode.stub().GetStats(kv_pb2.GetStatsRequest(), timeout=10)
+                if (fresh.incarnation != endpoint.incarnation and len(engine) == 2
+                        and stats.pool.quarantined == 0):
+                    break
+                assert engine <= block, f"an engine listens outside {sorted(block)}: {engine}"
+                assert time.monotonic() < deadline, (fresh, engine, stats)
+                time.sleep(0.05)
+            assert engine <= block
+            session_port = int(json.loads(fresh.descriptor)["session"].rpartition(":")[2])
+            assert session_port in engine and fresh.endpoint_id != endpoint.endpoint_id
+            endpoint = fresh
+    finally:
+        factory.close()

@@ -23,9 +23,6 @@ KUBE_VERSION = "1.34.0"
 RELEASE, NAMESPACE = "demo", "ml"
 #: What values.yaml leaves for the installer to choose: where the TLS certificate comes from.
 DEFAULTS_CHOICE: dict[str, Any] = {"tls": {"secretName": "deltakv-tls"}}
-#: Flags the chart renders for work another branch delivers (issue 13 items 1-2: HMAC transfer
-#: grants and signed pairing, branch "fence"), accepted as absent from the CLI until it lands.
-PENDING_FLAGS = {"--pairing-key-file": "issue 13 items 1-2 (transfer grants, branch fence)"}
 
 
 def values_of(case: str) -> dict[str, Any]:
@@ -103,24 +100,6 @@ def leaf_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.A
     return current
 
 
-def without_pending_flags(args: list[str]) -> tuple[list[str], list[str]]:
-    """``args`` minus the :data:`PENDING_FLAGS` (each with its value) that the CLI does not
-    know yet, and the names of those dropped. A pending flag the CLI knows stays."""
-    from deltakv.services.cli.main import build_parser
-
-    leaf = leaf_parser(build_parser(), list(args[:2]))
-    dropped = [f for f in PENDING_FLAGS if f in args and f not in leaf._option_string_actions]
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in dropped:
-            skip = True
-        else:
-            out.append(a)
-    return out, dropped
-
-
 def with_choice(values: dict[str, Any] | None) -> dict[str, Any]:
     """``values`` on top of :data:`DEFAULTS_CHOICE` (a deep merge; ``values`` wins)."""
     return deep_merge(values_of("defaults"), values or {})
@@ -144,13 +123,24 @@ def validate_strictly(obj: dict[str, Any]) -> None:
     """Validate one rendered object in strict mode; StrictValidationError naming the problem.
 
     Kubernetes' own kinds: the OpenAPI schemas bundled in ``kubernetes_validate`` (strict:
-    unknown fields rejected). cert-manager's ``Certificate`` is a CRD those schemas lack: it is
+    unknown fields rejected). The Gateway API kinds (InferencePool, HTTPRoute): the strict
+    schemas of :mod:`tests.support.crd_schemas`. cert-manager's ``Certificate`` is a CRD those schemas lack: it is
     validated by the models ``cloudcoil-models-cert-manager`` generates from cert-manager's own
     CRD schemas, and must round-trip through them unchanged — the models ignore unknown fields,
     so a field they drop is one cert-manager would reject.
     """
+    import jsonschema
     import kubernetes_validate
 
+    from tests.support.crd_schemas import SCHEMAS as CRD_SCHEMAS
+
+    crd = CRD_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+    if crd is not None:
+        try:
+            jsonschema.validate(obj, crd)
+        except jsonschema.ValidationError as exc:
+            raise StrictValidationError(f"{exc.message} at {list(exc.absolute_path)}") from None
+        return
     if obj.get("apiVersion", "").startswith("cert-manager.io/"):
         from cloudcoil.models.cert_manager import v1 as cert_manager
         from pydantic import ValidationError

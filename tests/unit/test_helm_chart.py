@@ -48,7 +48,6 @@ from tests.support.helm import (
     validate_strictly,
     values_of,
     with_choice,
-    without_pending_flags,
     workload_containers,
 )
 
@@ -180,8 +179,16 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
                for role in ("prefill", "decode")}
     for role, worker in workers.items():
         service = named(objects, "Service", f"{RELEASE}-deltakv-{role}")
-        (port,) = service["spec"]["ports"]
+        port = service["spec"]["ports"][0]
         assert port["targetPort"] == "grpc"
+        # decode's second port is the OpenAI HTTP API, the container port it is told to use.
+        http = service["spec"]["ports"][1:]
+        if role == "decode" and values["decode"]["httpPort"]:
+            assert [p["targetPort"] for p in http] == ["http"]
+            assert ports_by_name(worker)["http"] == int(flag_value(worker["args"],
+                                                                   "--http-port"))
+        else:
+            assert not http and "--http-port" not in worker["args"]
         assert ports_by_name(worker)["grpc"] == int(flag_value(worker["args"], "--port"))
         assert flag_value(worker["args"], "--host") == "0.0.0.0"
         selector = service["spec"]["selector"]
@@ -194,7 +201,8 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
         flag_value(workers["prefill"]["args"], "--port"))
     # decode dials the headless Service's DNS name on its port.
     target = flag_value(workers["decode"]["args"], "--prefill-target")
-    assert target == (f"{RELEASE}-deltakv-prefill.{NAMESPACE}.svc.{values['clusterDomain']}:"
+    assert target == (f"dns:///{RELEASE}-deltakv-prefill.{NAMESPACE}.svc."
+                      f"{values['clusterDomain']}:"
                       f"{prefill_svc['spec']['ports'][0]['port']}")
     decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
     assert decode_svc["spec"].get("clusterIP") != "None"
@@ -597,8 +605,7 @@ def test_rendered_args_are_accepted_by_the_cli(rendered, case, role, container):
     _, objects = rendered[case]
     (c,) = [c for r, c, _ in workload_containers(objects) if r == role and c["name"] == container]
     assert c["command"] == ["deltakv"]
-    # A flag of work still on another branch (PENDING_FLAGS) is left out until the CLI has it.
-    args, _ = without_pending_flags(c["args"])
+    args = c["args"]
     words = list(args[:2])
     parser = build_parser()
     leaf = leaf_parser(parser, words)

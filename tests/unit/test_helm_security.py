@@ -92,11 +92,18 @@ def test_policy_peer_helpers_are_not_vacuous():
     assert sources(policy, 2) is None and sources(policy, 1) == [{"podSelector": {}}]
 
 
+def router_labels(objects) -> list[dict[str, str]]:
+    """Pod labels of the affinity router (empty list when it is off)."""
+    return [d["spec"]["template"]["metadata"]["labels"] for d in of_kind(objects, "Deployment")
+            if d["metadata"]["name"] == f"{RELEASE}-deltakv-router"]
+
+
 def same_namespace_pods(peers, objects, role: str) -> bool:
     """Every peer is a same-namespace podSelector matching ``role``'s pods and no other
     deltakv pod (nor the test pod)."""
     others = [pod_labels(objects, r) for r in ("prefill", "decode") if r != role]
     others += [p["metadata"]["labels"] for p in of_kind(objects, "Pod")]
+    others += router_labels(objects)
     return bool(peers) and all(
         set(peer) == {"podSelector"} and selects(peer["podSelector"], pod_labels(objects, role))
         and not any(selects(peer["podSelector"], o) for o in others) for peer in peers)
@@ -125,17 +132,16 @@ def test_network_policies_allow_exactly_the_documented_sources(case, rendered):
         assert named_in_rules <= set(ports.values()), "a rule names a port the pod lacks"
         for name, port in ports.items():
             got = sources(policy, port)
-            if name == "grpc" and role == "decode":
+            if name in ("grpc", "http") and role == "decode":
+                # DecodeService and the OpenAI API: the front end, the test pod, the router.
                 expected = list(np["frontend"])
                 assert got[:len(expected)] == expected, (name, got)
                 extra = got[len(expected):]
-                if values["tests"]["enabled"]:
-                    (test_pod,) = test_pods
-                    assert len(extra) == 1
-                    assert selects(extra[0]["podSelector"], test_pod["metadata"]["labels"])
-                    assert not selects(extra[0]["podSelector"], pod_labels(objects, "prefill"))
-                else:
-                    assert extra == []
+                internal = [p["metadata"]["labels"] for p in test_pods] + router_labels(objects)
+                assert len(extra) == len(internal), (name, extra)
+                for peer, labels in zip(extra, internal, strict=True):
+                    assert selects(peer["podSelector"], labels)
+                    assert not selects(peer["podSelector"], pod_labels(objects, "prefill"))
             elif name == "grpc":
                 assert same_namespace_pods(got, objects, "decode"), got
             elif name.startswith("xfer-"):
@@ -174,7 +180,9 @@ def service_hosts(objects) -> set[str]:
     hosts = set()
     for role, c, is_sidecar in workload_containers(objects):
         if role == "decode" and not is_sidecar:
-            hosts.add(flag_value(c["args"], "--prefill-target").rsplit(":", 1)[0])
+            # dns:///NAME:PORT: decode dials every address NAME resolves to, checking NAME.
+            target = flag_value(c["args"], "--prefill-target").removeprefix("dns:///")
+            hosts.add(target.rsplit(":", 1)[0])
     for pod in of_kind(objects, "Pod"):
         hosts.add(flag_value(pod["spec"]["containers"][0]["args"], "--target").rsplit(":", 1)[0])
     return hosts

@@ -166,9 +166,16 @@ Rank r's block starts at enginePort + r * size; the sidecar is given its first p
 /etc/deltakv/pairing/pairing.key
 {{- end }}
 
-{{/* In-cluster DNS name:port of the prefill headless Service (decode's --prefill-target). */}}
+{{/* Decode's --prefill-target: dns:///<prefill headless Service>:port, so decode keeps one
+     backend per prefill pod address (re-resolved), pins each request to one and sends its
+     AbortTransfer to the same pod. */}}
 {{- define "deltakv.prefillTarget" -}}
-{{- printf "%s.%s.svc.%s:%d" (include "deltakv.poolName" (dict "root" . "role" "prefill")) .Release.Namespace .Values.clusterDomain (int64 .Values.prefill.port) }}
+{{- printf "dns:///%s.%s.svc.%s:%d" (include "deltakv.poolName" (dict "root" . "role" "prefill")) .Release.Namespace .Values.clusterDomain (int64 .Values.prefill.port) }}
+{{- end }}
+
+{{/* Headless Service of the decode pods (the affinity router resolves every pod from it). */}}
+{{- define "deltakv.decodeHeadless" -}}
+{{- printf "%s-headless" (include "deltakv.poolName" (dict "root" . "role" "decode")) }}
 {{- end }}
 
 {{- define "deltakv.decodeTarget" -}}
@@ -225,6 +232,15 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- if or (lt $first 1024) (gt $last 65535) (and (ge $last 32768) (le $first 60999)) }}
 {{- fail (printf "sidecar.enginePort=%d: with transport.backend=mooncake this sidecar's engines listen on %d-%d, and Mooncake silently picks random ports instead of any below 1024 or inside 32768-60999; choose enginePort in 1024-%d or 61000-%d" $first $first $last (sub 32768 (len $block)) (sub 65536 (len $block))) }}
 {{- end }}
+{{- end }}
+{{- if and $v.inferencePool.enabled (eq (int64 $v.decode.httpPort) 0) }}
+{{- fail "inferencePool.enabled=true needs decode.httpPort (the OpenAI API the gateway routes to); it is 0" }}
+{{- end }}
+{{- if and $v.inferencePool.enabled $v.inferencePool.httpRoute.enabled (not $v.inferencePool.httpRoute.gatewayName) }}
+{{- fail "inferencePool.httpRoute.enabled=true needs inferencePool.httpRoute.gatewayName (the Gateway to attach to)" }}
+{{- end }}
+{{- if and $v.affinityRouter.enabled (eq (int64 $v.decode.httpPort) 0) }}
+{{- fail "affinityRouter.enabled=true routes gRPC and HTTP; it needs decode.httpPort (0 here)" }}
 {{- end }}
 {{- if and $v.telemetry.otel.enabled (not $v.telemetry.otel.endpoint) }}
 {{- fail "telemetry.otel.enabled=true needs telemetry.otel.endpoint (the OTLP collector URL)" }}
