@@ -42,6 +42,16 @@ the responder's acknowledgement). So the decode sidecar keeps a current and a re
 (:mod:`deltakv.sidecar.fence`): pages of a room whose outcome is unknown stay quarantined until
 the engine incarnation that could receive them is closed.
 
+Open caveat (port reuse, not yet handled): an engine started after an earlier one retired may
+listen on the ports that one gave back — always with a fixed port block (``port=P``: four
+ports, two engines), by chance in the default range — and it registers the same pool at the
+same virtual address. A writer that reconnects later (e.g. a SIGSTOPped prefill sidecar
+resumed after decode's fence was proven) to the old session address reaches the new engine,
+which accepts the old addresses. Closing that hole needs an incarnation-specific address (a
+fresh mapping of the pool per engine, its address never reused) or a data-port authenticator;
+until then a Mooncake TCP writer stopped past decode's fence and resumed can still deliver
+into pages that were freed.
+
 Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
 hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
