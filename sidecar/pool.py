@@ -42,6 +42,7 @@ import torch
 
 from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
 from deltakv.layout import KVLayout
+from deltakv.sidecar.pool_mapping import PoolMapping
 
 #: Where Linux keeps POSIX shared-memory objects (``shm_open`` names map to files here).
 SHM_DIR = "/dev/shm"
@@ -114,9 +115,11 @@ class SharedKVPool:
     """
 
     def __init__(self, name: str, layout: KVLayout, mm: mmap.mmap, owner: bool,
-                 inode: tuple[int, int]) -> None:
-        # Use create()/attach(); this only wires an already-sized mapping.
+                 inode: tuple[int, int], fd: int) -> None:
+        # Use create()/attach(); this only wires an already-sized mapping. ``fd`` (the open
+        # segment, close-on-exec) is kept for map_again() and closed by close().
         self.name = name
+        self._fd: int | None = fd
         self.layout = layout
         self.owner = owner
         self.nbytes = layout.pool_bytes
@@ -173,8 +176,7 @@ class SharedKVPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
-        return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino))
+        return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino), fd=fd)
 
     @classmethod
     def attach(cls, name: str, layout: KVLayout,
@@ -216,9 +218,10 @@ class SharedKVPool:
                     f"implies ({layout.num_pages} pages x {layout.page_bytes} B)", name=name)
             mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino))
+            raise
+        return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino), fd=fd)
 
     # ------------------------------------------------------------------ access
 
@@ -236,6 +239,16 @@ class SharedKVPool:
         """Virtual address of page 0 in this process (engines register ``[ptr, ptr+nbytes)``)."""
         self._check_open()
         return self.tensor.data_ptr()
+
+    def map_again(self) -> PoolMapping:
+        """A new read/write mapping of this pool's pages at a fresh virtual address (an engine
+        incarnation registers the pool through its own: :mod:`deltakv.sidecar.pool_mapping`).
+        The caller owns it and retires it; it outlives :meth:`close` harmlessly (the pages stay
+        until it is retired). InvalidArgument if the pool is closed, ResourceExhausted if the
+        process has no address space left."""
+        with self._lock:
+            self._check_open()
+            return PoolMapping(self._fd, self.nbytes)
 
     def as_bytes(self) -> torch.Tensor:
         """uint8 view ``[num_pages, page_bytes]`` of the same memory (no copy); row ``p`` is
@@ -294,8 +307,11 @@ class SharedKVPool:
                 return
             self._closed = True
             mm, self._mmap = self._mmap, None
+            fd, self._fd = self._fd, None
             # Drop our own exports of the buffer first so mmap.close() can succeed.
             del self.tensor, self._bytes
+        if fd is not None:
+            os.close(fd)
         if self.owner:
             self.unlink()
         # torch.frombuffer keeps a reference to the mmap object but no buffer export, so
