@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from deltakv.layout import KVLayout
     from deltakv.sidecar import pairing
-    from deltakv.sidecar.pool import SharedKVPool, incarnation_name
+    from deltakv.sidecar.pool import SharedKVPool, incarnation_name, shm_prefix
     from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
     from deltakv.v1 import kv_pb2
     from tests.support.tickets import ticket
 
     layout = KVLayout(**json.loads(args.layout))
-    pool = SharedKVPool.create(layout, name=incarnation_name(f"deltakv-test-peer-"
+    pool = SharedKVPool.create(layout, name=incarnation_name(f"{shm_prefix()}test-peer-"
                                                              f"{uuid.uuid4().hex[:12]}"))
     transport = None
     try:

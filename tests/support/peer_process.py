@@ -19,6 +19,7 @@ from pathlib import Path
 from deltakv.layout import KVLayout
 from deltakv.sidecar.pool import SHM_DIR
 from deltakv.v1 import kv_pb2
+from tests.support.shm import remove_leftovers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 90.0  # importing torch on a busy 2-core CI machine
@@ -151,7 +152,9 @@ class PeerProcess:
                 if stream is not None:
                     stream.close()
         self._log.close()
-        if self.segment:  # a killed peer leaves its segments behind (pool, shm fence words)
+        # A killed peer leaves its segments behind (pool, shm fence words, stand-in MR table).
+        if self.segment:
             for name in (self.segment, f"{self.segment}.fence"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(SHM_DIR, name))
+        remove_leftovers(self.proc.pid)
