@@ -94,6 +94,16 @@ class SidecarClient:
             request_id=request_id, num_pages=num_pages))
         return list(resp.page_indices)
 
+    async def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
+                    max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
+        """Lock the cached prefix of ``token_ids`` and allocate the rest of ``total_pages``
+        in one step: ``(matched_len, prefix_pages, new_pages)``. ResourceExhausted if the
+        pages do not fit now (nothing is held then), Aborted for a released request id."""
+        resp = await self._call("Admit", sidecar_pb2.AdmitRequest(
+            request_id=request_id, token_ids=token_ids, total_pages=total_pages,
+            max_match_tokens=max_match_tokens))
+        return resp.matched_len, list(resp.prefix_pages), list(resp.new_pages)
+
     async def commit(self, request_id: str, token_ids: Sequence[int],
                      page_table: Sequence[int]) -> tuple[list[int], int]:
         """Insert full pages into the radix index: (canonical page table, cached_len)."""

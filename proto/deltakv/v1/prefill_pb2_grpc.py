@@ -69,7 +69,9 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Returns only after every delta write completed.
+        """Returns only after every delta write completed. RESOURCE_EXHAUSTED (prefill pool full
+        after the bounded queue wait, or the wait queue full) is sent before the room's transfer
+        could start: retryable with a new room.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from deltakv.v1 import kv_pb2 as deltakv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/sidecar.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb1\x01\n\x10\x44\x65scribeResponse\x12*\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.deltakv.v1.SidecarRole\x12\x15\n\rpool_shm_name\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\"<\n\x12\x43onnectPeerRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"\x15\n\x13\x43onnectPeerResponse\"O\n\x12MatchPrefixRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"@\n\x13MatchPrefixResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\"8\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"(\n\x10\x41llocateResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"L\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cpage_indices\x18\x03 \x03(\r\":\n\x0e\x43ommitResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x12\n\ncached_len\x18\x02 \x01(\r\";\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rquarantine_ms\x18\x02 \x01(\r\"5\n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\x12\x13\n\x0bquarantined\x18\x02 \x01(\r\"\x96\x01\n\x11WritePagesRequest\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x12\x1a\n\x12prefill_cached_len\x18\x04 \x01(\r\">\n\x12WritePagesResponse\x12(\n\x05stats\x18\x01 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\"!\n\x11\x41\x62ortWriteRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"#\n\x12\x41\x62ortWriteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\",\n\x14PageChecksumsRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"&\n\x15PageChecksumsResponse\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\"\xc1\x01\n\x0cSidecarStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x17\n\x0frooms_in_flight\x18\x03 \x01(\r\x12\x14\n\x0ctransfers_ok\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x15\n\rpages_written\x18\x07 \x01(\x04*^\n\x0bSidecarRole\x12\x1c\n\x18SIDECAR_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SIDECAR_ROLE_PREFILL\x10\x01\x12\x17\n\x13SIDECAR_ROLE_DECODE\x10\x02\x32\xf6\x05\n\x0eSidecarService\x12\x45\n\x08\x44\x65scribe\x12\x1b.deltakv.v1.DescribeRequest\x1a\x1c.deltakv.v1.DescribeResponse\x12N\n\x0b\x43onnectPeer\x12\x1e.deltakv.v1.ConnectPeerRequest\x1a\x1f.deltakv.v1.ConnectPeerResponse\x12N\n\x0bMatchPrefix\x12\x1e.deltakv.v1.MatchPrefixRequest\x1a\x1f.deltakv.v1.MatchPrefixResponse\x12\x45\n\x08\x41llocate\x12\x1b.deltakv.v1.AllocateRequest\x1a\x1c.deltakv.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.deltakv.v1.CommitRequest\x1a\x1a.deltakv.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.deltakv.v1.ReleaseRequest\x1a\x1b.deltakv.v1.ReleaseResponse\x12K\n\nWritePages\x12\x1d.deltakv.v1.WritePagesRequest\x1a\x1e.deltakv.v1.WritePagesResponse\x12K\n\nAbortWrite\x12\x1d.deltakv.v1.AbortWriteRequest\x1a\x1e.deltakv.v1.AbortWriteResponse\x12T\n\rPageChecksums\x12 .deltakv.v1.PageChecksumsRequest\x1a!.deltakv.v1.PageChecksumsResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.SidecarStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/sidecar.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb1\x01\n\x10\x44\x65scribeResponse\x12*\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.deltakv.v1.SidecarRole\x12\x15\n\rpool_shm_name\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\"<\n\x12\x43onnectPeerRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"\x15\n\x13\x43onnectPeerResponse\"O\n\x12MatchPrefixRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"@\n\x13MatchPrefixResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\"8\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"(\n\x10\x41llocateResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"d\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10max_match_tokens\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\"M\n\rAdmitResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cprefix_pages\x18\x02 \x03(\r\x12\x11\n\tnew_pages\x18\x03 \x03(\r\"L\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cpage_indices\x18\x03 \x03(\r\":\n\x0e\x43ommitResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x12\n\ncached_len\x18\x02 \x01(\r\";\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rquarantine_ms\x18\x02 \x01(\r\"5\n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\x12\x13\n\x0bquarantined\x18\x02 \x01(\r\"\x96\x01\n\x11WritePagesRequest\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x12\x1a\n\x12prefill_cached_len\x18\x04 \x01(\r\">\n\x12WritePagesResponse\x12(\n\x05stats\x18\x01 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\"!\n\x11\x41\x62ortWriteRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"#\n\x12\x41\x62ortWriteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\",\n\x14PageChecksumsRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"&\n\x15PageChecksumsResponse\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\"\xc1\x01\n\x0cSidecarStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x17\n\x0frooms_in_flight\x18\x03 \x01(\r\x12\x14\n\x0ctransfers_ok\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x15\n\rpages_written\x18\x07 \x01(\x04*^\n\x0bSidecarRole\x12\x1c\n\x18SIDECAR_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SIDECAR_ROLE_PREFILL\x10\x01\x12\x17\n\x13SIDECAR_ROLE_DECODE\x10\x02\x32\xb4\x06\n\x0eSidecarService\x12\x45\n\x08\x44\x65scribe\x12\x1b.deltakv.v1.DescribeRequest\x1a\x1c.deltakv.v1.DescribeResponse\x12N\n\x0b\x43onnectPeer\x12\x1e.deltakv.v1.ConnectPeerRequest\x1a\x1f.deltakv.v1.ConnectPeerResponse\x12N\n\x0bMatchPrefix\x12\x1e.deltakv.v1.MatchPrefixRequest\x1a\x1f.deltakv.v1.MatchPrefixResponse\x12\x45\n\x08\x41llocate\x12\x1b.deltakv.v1.AllocateRequest\x1a\x1c.deltakv.v1.AllocateResponse\x12<\n\x05\x41\x64mit\x12\x18.deltakv.v1.AdmitRequest\x1a\x19.deltakv.v1.AdmitResponse\x12?\n\x06\x43ommit\x12\x19.deltakv.v1.CommitRequest\x1a\x1a.deltakv.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.deltakv.v1.ReleaseRequest\x1a\x1b.deltakv.v1.ReleaseResponse\x12K\n\nWritePages\x12\x1d.deltakv.v1.WritePagesRequest\x1a\x1e.deltakv.v1.WritePagesResponse\x12K\n\nAbortWrite\x12\x1d.deltakv.v1.AbortWriteRequest\x1a\x1e.deltakv.v1.AbortWriteResponse\x12T\n\rPageChecksums\x12 .deltakv.v1.PageChecksumsRequest\x1a!.deltakv.v1.PageChecksumsResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.SidecarStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deltakv.v1.sidecar_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIDECARROLE']._serialized_start=1417
-  _globals['_SIDECARROLE']._serialized_end=1511
+  _globals['_SIDECARROLE']._serialized_start=1598
+  _globals['_SIDECARROLE']._serialized_end=1692
   _globals['_DESCRIBEREQUEST']._serialized_start=61
   _globals['_DESCRIBEREQUEST']._serialized_end=78
   _globals['_DESCRIBERESPONSE']._serialized_start=81
@@ -50,28 +50,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLOCATEREQUEST']._serialized_end=548
   _globals['_ALLOCATERESPONSE']._serialized_start=550
   _globals['_ALLOCATERESPONSE']._serialized_end=590
-  _globals['_COMMITREQUEST']._serialized_start=592
-  _globals['_COMMITREQUEST']._serialized_end=668
-  _globals['_COMMITRESPONSE']._serialized_start=670
-  _globals['_COMMITRESPONSE']._serialized_end=728
-  _globals['_RELEASEREQUEST']._serialized_start=730
-  _globals['_RELEASEREQUEST']._serialized_end=789
-  _globals['_RELEASERESPONSE']._serialized_start=791
-  _globals['_RELEASERESPONSE']._serialized_end=844
-  _globals['_WRITEPAGESREQUEST']._serialized_start=847
-  _globals['_WRITEPAGESREQUEST']._serialized_end=997
-  _globals['_WRITEPAGESRESPONSE']._serialized_start=999
-  _globals['_WRITEPAGESRESPONSE']._serialized_end=1061
-  _globals['_ABORTWRITEREQUEST']._serialized_start=1063
-  _globals['_ABORTWRITEREQUEST']._serialized_end=1096
-  _globals['_ABORTWRITERESPONSE']._serialized_start=1098
-  _globals['_ABORTWRITERESPONSE']._serialized_end=1133
-  _globals['_PAGECHECKSUMSREQUEST']._serialized_start=1135
-  _globals['_PAGECHECKSUMSREQUEST']._serialized_end=1179
-  _globals['_PAGECHECKSUMSRESPONSE']._serialized_start=1181
-  _globals['_PAGECHECKSUMSRESPONSE']._serialized_end=1219
-  _globals['_SIDECARSTATS']._serialized_start=1222
-  _globals['_SIDECARSTATS']._serialized_end=1415
-  _globals['_SIDECARSERVICE']._serialized_start=1514
-  _globals['_SIDECARSERVICE']._serialized_end=2272
+  _globals['_ADMITREQUEST']._serialized_start=592
+  _globals['_ADMITREQUEST']._serialized_end=692
+  _globals['_ADMITRESPONSE']._serialized_start=694
+  _globals['_ADMITRESPONSE']._serialized_end=771
+  _globals['_COMMITREQUEST']._serialized_start=773
+  _globals['_COMMITREQUEST']._serialized_end=849
+  _globals['_COMMITRESPONSE']._serialized_start=851
+  _globals['_COMMITRESPONSE']._serialized_end=909
+  _globals['_RELEASEREQUEST']._serialized_start=911
+  _globals['_RELEASEREQUEST']._serialized_end=970
+  _globals['_RELEASERESPONSE']._serialized_start=972
+  _globals['_RELEASERESPONSE']._serialized_end=1025
+  _globals['_WRITEPAGESREQUEST']._serialized_start=1028
+  _globals['_WRITEPAGESREQUEST']._serialized_end=1178
+  _globals['_WRITEPAGESRESPONSE']._serialized_start=1180
+  _globals['_WRITEPAGESRESPONSE']._serialized_end=1242
+  _globals['_ABORTWRITEREQUEST']._serialized_start=1244
+  _globals['_ABORTWRITEREQUEST']._serialized_end=1277
+  _globals['_ABORTWRITERESPONSE']._serialized_start=1279
+  _globals['_ABORTWRITERESPONSE']._serialized_end=1314
+  _globals['_PAGECHECKSUMSREQUEST']._serialized_start=1316
+  _globals['_PAGECHECKSUMSREQUEST']._serialized_end=1360
+  _globals['_PAGECHECKSUMSRESPONSE']._serialized_start=1362
+  _globals['_PAGECHECKSUMSRESPONSE']._serialized_end=1400
+  _globals['_SIDECARSTATS']._serialized_start=1403
+  _globals['_SIDECARSTATS']._serialized_end=1596
+  _globals['_SIDECARSERVICE']._serialized_start=1695
+  _globals['_SIDECARSERVICE']._serialized_end=2515
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,11 @@ class SidecarServiceStub:
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/deltakv.v1.SidecarService/Admit',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/deltakv.v1.SidecarService/Commit',
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.CommitRequest.SerializeToString,
@@ -121,6 +126,16 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """Admission in one step: match and lock the cached prefix of token_ids AND allocate the
+        rest of the request's pages, or change nothing. RESOURCE_EXHAUSTED (nothing held, no
+        request record) if the pages do not fit now; the caller waits without holding anything
+        and tries again. ABORTED for a request id that was already released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
         """Insert the full pages of token_ids (page table = request's pages) into the radix index.
         """
@@ -129,7 +144,10 @@ class SidecarServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """End of a request: unlock its locks, free (or quarantine) the pages it still owns.
+        """End of a request: unlock its locks, free (or quarantine) the pages it still owns. The id
+        stays fenced afterwards: a late MatchPrefix/Allocate/Admit/Commit for it is ABORTED
+        instead of re-creating the request. NOT_FOUND if it holds nothing (already released, or
+        never seen: it is fenced then too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +204,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.Allocate,
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -326,6 +349,33 @@ class SidecarService:
             '/deltakv.v1.SidecarService/Allocate',
             deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/Admit',
+            deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,
