@@ -22,6 +22,11 @@ makes it deadlock-free across requests: a waiter holds **nothing** while it wait
 two waiting requests that each kept a cached prefix the other had to evict blocked each other
 until their timeouts).
 
+The other half of admission is giving pages back: :func:`release_retried` is the one
+``Release`` both workers use — retried while it fails transiently, because a release lost to a
+cancelled RPC leaked the request's pages for good (issue 12) — after which the worker calls
+:meth:`AdmissionQueue.pages_freed`.
+
 Every wait is ``asyncio.wait`` on a plain future with a timeout: unlike ``async with cond:
 await asyncio.wait_for(cond.wait(), t)``, which on Python 3.11 can hang when a cancellation
 lands while the condition's lock is being re-acquired, it cannot swallow or delay a
@@ -35,14 +40,57 @@ import asyncio
 import collections
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from deltakv.errors import DeltaKVError, ResourceExhausted, Unavailable
+from deltakv.errors import (
+    Aborted,
+    DeadlineExceeded,
+    DeltaKVError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 
 T = TypeVar("T")
 
 #: How often a waiting head re-asks the sidecar when nothing woke it (seconds).
 DEFAULT_POLL_S = 0.25
+#: How long a transiently failing Release is retried by default (seconds).
+DEFAULT_RELEASE_RETRY_S = 30.0
+# Errors after which a Release may not have reached the sidecar (CANCELLED arrives as
+# Aborted): try again. Back-off doubles from the first to the last value (seconds).
+_TRANSIENT = (Unavailable, DeadlineExceeded, Aborted)
+_RETRY_FIRST_S = 0.05
+_RETRY_MAX_S = 1.0
+
+
+async def release_retried(sidecar: Any, request_id: str, quarantine_ms: int, retry_s: float,
+                          logger: Any) -> bool:
+    """``sidecar.release(request_id, quarantine_ms=...)`` until the sidecar confirms it or
+    answers NOT_FOUND (an earlier try went through, or the id was never admitted: nothing is
+    held under it, and the sidecar fences it from then on); transient failures are retried
+    with doubling back-off for up to ``retry_s`` seconds. Returns True once confirmed; False
+    (logged as ``release_failed``) after the bound or on a non-transient error. Never raises
+    a sidecar error."""
+    deadline = time.monotonic() + retry_s
+    delay = _RETRY_FIRST_S
+    while True:
+        try:
+            await sidecar.release(request_id, quarantine_ms=quarantine_ms)
+            return True
+        except NotFound:
+            return True
+        except _TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                logger.error("release_failed", code=exc.code.name, reason=str(exc),
+                             retried_s=retry_s)
+                return False
+            logger.warning("release_retry", code=exc.code.name, reason=str(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
+        except DeltaKVError as exc:
+            logger.error("release_failed", code=exc.code.name, reason=str(exc))
+            return False
 
 
 class _Waiter:
@@ -99,9 +147,11 @@ class AdmissionQueue:
         for waiter in self._queue:
             waiter.wake()
 
-    async def admit(self, attempt: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    async def admit(self, attempt: Callable[[], Awaitable[T]], timeout_s: float,
+                    bound_s: float | None = None) -> T:
         """``await attempt()`` once this request is the head and its pages fit; wait at most
-        ``timeout_s`` seconds in all.
+        ``timeout_s`` seconds in all (``bound_s``: the request's whole admission bound, named
+        in the error; default ``timeout_s``).
 
         ``attempt`` makes one admission try (the sidecar's ``Admit``) and raises
         :class:`ResourceExhausted` when the pages do not fit now (``details["never_fits"]``:
@@ -142,7 +192,8 @@ class AdmissionQueue:
                     wait_s = left
                 if left <= 0:
                     raise ResourceExhausted(
-                        f"no room in the {self.name} pool after waiting {timeout_s:g} s"
+                        f"no room in the {self.name} pool after waiting "
+                        f"{timeout_s if bound_s is None else bound_s:g} s"
                         + (f": {last}" if last is not None else
                            f" ({self._queue.index(waiter)} requests ahead)"))
                 await asyncio.wait({waiter.woken}, timeout=wait_s)

@@ -12,6 +12,9 @@ class DecodeConfig:
 
     Times in ms unless named ``_s``. ``lease_ms`` must cover prefill compute + transfer; the
     quarantine after an unconfirmed abort is ``lease_ms + quarantine_grace_ms`` from the send.
+    ``admission_timeout_s``: a request's budget for waiting for pages, decode's and prefill's,
+    from its start; ``max_waiting``: requests queued for pages at most (one more is refused
+    at once); ``release_retry_s``: how long a transiently failing ``Release`` is retried.
     """
 
     max_batch_size: int = 8
@@ -23,3 +26,5 @@ class DecodeConfig:
     abort_timeout_ms: int = 5_000
     prefill_connect_timeout_ms: int = 3_000
     admission_timeout_s: float = 30.0
+    max_waiting: int = 1024
+    release_retry_s: float = 30.0

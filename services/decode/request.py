@@ -14,9 +14,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltakv.errors import InvalidArgument
+from deltakv.errors import InvalidArgument, shown
+from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.decode.scheduler import DecodeRequest
-from deltakv.services.model.sampling import Sampler
+from deltakv.services.model.sampling import Sampler, validate_sampling
 from deltakv.services.model.tokenizer import encode_chat, encode_text
 from deltakv.v1 import decode_pb2, kv_pb2, prefill_pb2
 
@@ -39,11 +40,17 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     """Tokenize (text, chat template, or token ids) and validate ``request`` for ``model``
     (a loaded model: ``tokenizer``, ``vocab_size``, ``config.max_position_embeddings``).
 
-    Raises InvalidArgument (INVALID_ARGUMENT) for: no input, an empty prompt or chat, an unknown
-    chat role, a token id outside the vocabulary, ``max_new_tokens`` over
-    ``max_new_tokens_limit``, a negative temperature, ``top_p`` outside [0, 1], or prompt +
-    ``max_new_tokens`` beyond the model's context. Pure: touches no page and no peer.
+    Raises InvalidArgument (INVALID_ARGUMENT) for: a ``request_id`` over
+    :data:`~deltakv.limits.MAX_REQUEST_ID_CHARS` characters, no input, an empty prompt or chat,
+    an unknown chat role, a token id outside the vocabulary, ``max_new_tokens`` over
+    ``max_new_tokens_limit``, sampling parameters outside their ranges
+    (:func:`~deltakv.services.model.sampling.validate_sampling`), or prompt +
+    ``max_new_tokens`` beyond the model's context. Messages quote at most a clipped part of
+    what was sent. Pure: touches no page and no peer.
     """
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id has {len(request.request_id)} characters; the limit "
+                              f"is {MAX_REQUEST_ID_CHARS}")
     kind = request.WhichOneof("input")
     if kind == "text":
         prompt = encode_text(model.tokenizer, request.text)
@@ -53,7 +60,8 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         for message in messages:
             if message["role"] not in CHAT_ROLES:
-                raise InvalidArgument(f"unknown chat role {message['role']!r}")
+                raise InvalidArgument(f"unknown chat role {shown(message['role'])}; use one of "
+                                      f"{', '.join(CHAT_ROLES)}")
         prompt = encode_chat(model.tokenizer, messages)
     elif kind == "token_ids":
         prompt = list(request.token_ids.ids)
@@ -72,10 +80,7 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     if sampling.max_new_tokens > max_new_tokens_limit:
         raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
                               f"{max_new_tokens_limit}")
-    if sampling.temperature < 0:
-        raise InvalidArgument(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0.0 <= sampling.top_p <= 1.0:
-        raise InvalidArgument(f"top_p must be in [0, 1], got {sampling.top_p}")
+    validate_sampling(sampling)
     positions = getattr(model.config, "max_position_embeddings", 0)
     if positions and len(prompt) + sampling.max_new_tokens > positions:
         raise InvalidArgument(
@@ -107,12 +112,14 @@ class RequestState:
     ``transfer_pending``: Prefill was sent and has not answered: its room must be fenced
     (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
-    Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
+    ``admission_deadline``: until when the request may wait for pages (decode's and, through
+    Prefill retries, prefill's). Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
     """
 
     request_id: str
     sidecar_id: str
     started_at: float
+    admission_deadline: float = 0.0
     prompt_len: int = 0
     decode_prefix_len: int = 0
     page_table: list[int] = field(default_factory=list)
@@ -126,3 +133,4 @@ class RequestState:
     in_scheduler: bool = False
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
+    counted: bool = False  # in exactly one of requests_ok / _failed / _cancelled

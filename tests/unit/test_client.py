@@ -228,7 +228,7 @@ def test_leaving_a_stream_early_cancels_the_call(tmp_path: Path) -> None:
         servicer.fault = "slow"
         async with DecodeClient(target, timeout_s=30) as client:
             kept = client.stream(token_ids=[2000] * 20, max_new_tokens=500, request_id="brk")
-            async for chunk in kept:  # ``kept`` stays referenced: only the iterator is dropped
+            async for _chunk in kept:  # ``kept`` stays referenced: only the iterator is dropped
                 if len(kept.token_ids) == 2:
                     break
             closed = client.stream(token_ids=[2000] * 20, max_new_tokens=500, request_id="acl")
@@ -248,9 +248,9 @@ def test_leaving_a_stream_early_cancels_the_call(tmp_path: Path) -> None:
             while len(servicer.cancelled_after) < 4:
                 assert asyncio.get_running_loop().time() - t0 < 2.0, servicer.cancelled_after
                 await asyncio.sleep(0.01)
-            return dict(servicer.cancelled_after), chunk
+            return dict(servicer.cancelled_after)
 
-    cancelled, chunk = _with_server(tmp_path, body)
+    cancelled = _with_server(tmp_path, body)
     assert cancelled["brk"] == 2 and cancelled["acl"] == 2
     assert set(cancelled) == {"brk", "acl", "task", "drop"}
     assert all(sent < 10 for sent in cancelled.values())

@@ -35,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.prefill_connect_timeout_ms,
                         help="how long a request waits for the prefill connection (re)established")
     parser.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
-                        help="how long a request may wait for free pages")
+                        help="how long a request may wait for free pages (decode's and, by "
+                             "retrying Prefill, prefill's), FIFO, from its start")
+    parser.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                        help="requests waiting for pages at most; more are refused at once "
+                             "(RESOURCE_EXHAUSTED)")
     parser.add_argument("--connect-timeout-s", type=float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
@@ -56,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
     return lifecycle.run(args, build, role="decode", process="worker")
 
 
-async def handshake(channel, endpoint, timeout_s: float, log) -> None:
+async def handshake(channel, endpoint, timeout_s: float, log):
     """Pair with prefill: retry while it is unreachable (bounded by ``timeout_s``); a layout
-    mismatch (FAILED_PRECONDITION) is final and raised at once."""
+    mismatch (FAILED_PRECONDITION) is final and raised at once. Returns prefill's
+    ``HandshakeResponse``."""
     import asyncio
     import time
 
@@ -76,7 +81,7 @@ async def handshake(channel, endpoint, timeout_s: float, log) -> None:
                                          timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
             log.info("paired_with_prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
                      model=reply.model)
-            return
+            return reply
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -106,7 +111,7 @@ async def build(args: argparse.Namespace, stack, log):
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
         quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
-        admission_timeout_s=args.admission_timeout_s)
+        admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
@@ -115,14 +120,16 @@ async def build(args: argparse.Namespace, stack, log):
     channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
                               interceptors=otel_grpc.aio_client_interceptors())
     stack.push_async_callback(channel.close)
-    await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
-    servicer = DecodeServicer(worker, channel, config)
+    paired = await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
+    servicer = DecodeServicer(worker, channel, config,
+                              prefill_num_pages=paired.prefill_endpoint.layout.num_pages)
     servicer.start()
     stack.push_async_callback(servicer.stop)
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = worker_server(
         args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
-    return Service.of_server(server, prefill=args.prefill_target, tls=credentials is not None,
+    return Service.of_server(server, on_drain=servicer.begin_drain,
+                             prefill=args.prefill_target, tls=credentials is not None,
                              client_certs=bool(args.tls_ca),
                              prefill_tls=prefill_credentials is not None)
