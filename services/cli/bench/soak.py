@@ -29,8 +29,10 @@ Checks (each failure is a *violation*; exit status 1 if there is any):
 4. within 1 s of the last request's end both sidecars report 0 live requests, 0 live, 0
    locked and 0 quarantined pages and ``free + cached == num_pages``, and neither worker has
    a request running or waiting;
-5. every completed greedy request's tokens equal a single-process reference computed here
-   (the paged runner on a private pool), and its bytes equal ``delta_pages * page_bytes``.
+5. every completed greedy request's tokens are the model's greedy continuation — checked here
+   against transformers' own model, the test oracle of DESIGN §8, by one teacher-forced
+   forward per request (:func:`check_greedy`) — and its bytes equal
+   ``delta_pages * page_bytes``.
 
 Output: a table on stdout and, with ``--json PATH``, the report dict (``config``, ``planned``,
 ``outcomes``, ``latency_ms``, ``time_to_baseline_s``, ``pools``, ``reference``,
@@ -264,29 +266,40 @@ async def run_soak(decode: str, prefill: str, config: SoakConfig,
     return planned, outcomes, baseline  # type: ignore[return-value]
 
 
-def greedy_references(model_name: str, page_size: int, wanted: list[Planned]) -> dict[int, list]:
-    """Single-process greedy tokens (``ignore_eos``) of each request in ``wanted``, by index:
-    the paged runner, one request at a time, on a private pool."""
-    from deltakv.services.model.loader import load_model
-    from deltakv.services.model.runner import DecodeSeq, ModelRunner
+#: Logits (absolute) within which a generated token counts as the argmax: float32 kernels
+#: differ in the last bits, so a near-tie may go either way in two correct implementations.
+GREEDY_TOLERANCE = 1e-3
 
-    model = load_model(model_name)
-    need = max((-(-(len(p.prompt) + p.max_new_tokens) // page_size) for p in wanted), default=1)
-    runner = ModelRunner(model, model.new_pool(page_size, need))
-    out = {}
-    for p in wanted:
-        table = list(range(-(-(len(p.prompt) + p.max_new_tokens) // page_size)))
-        tokens = [int(runner.prefill(p.prompt, table, 0).argmax())]
-        while len(tokens) < p.max_new_tokens:
-            seq = DecodeSeq(token_id=tokens[-1], seq_len=len(p.prompt) + len(tokens) - 1,
-                            page_table=table)
-            tokens.append(int(runner.decode_step([seq])[0].argmax()))
-        out[p.index] = tokens
-    return out
+
+def check_greedy(model_name: str, completed: list[tuple[Planned, list[int]]]
+                 ) -> tuple[dict[int, bool], int]:
+    """Whether each completed greedy request's tokens are the model's greedy continuation,
+    by index, and how many tokens were near-ties. The oracle is transformers' own model
+    (DESIGN §8) run once per request over prompt + generated tokens (teacher forcing): token
+    ``i`` must be the argmax, within :data:`GREEDY_TOLERANCE`, of the logits at the position
+    before it, and there must be exactly ``max_new_tokens`` of them (``ignore_eos``)."""
+    import torch
+
+    from deltakv.services.model.loader import load_transformers_model
+
+    hf_model, _ = load_transformers_model(model_name)
+    verdicts, near_ties = {}, 0
+    with torch.inference_mode():
+        for p, generated in completed:
+            if len(generated) != p.max_new_tokens:
+                verdicts[p.index] = False
+                continue
+            ids = torch.tensor([p.prompt + generated[:-1]])
+            logits = hf_model(ids).logits[0, len(p.prompt) - 1:].float()
+            chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+            best = logits.max(dim=1).values
+            verdicts[p.index] = bool((chosen >= best - GREEDY_TOLERANCE).all())
+            near_ties += int((chosen < best).sum())
+    return verdicts, near_ties
 
 
 def violations_of(config: SoakConfig, planned: list[Planned], outcomes: list[Outcome],
-                  baseline: dict, references: dict[int, list]) -> list[str]:
+                  baseline: dict, greedy: dict[int, bool]) -> list[str]:
     """Every broken check of the module docstring, one line each."""
     bad = []
     for p, o in zip(planned, outcomes, strict=True):
@@ -313,8 +326,8 @@ def violations_of(config: SoakConfig, planned: list[Planned], outcomes: list[Out
         if o.code == "OK":
             if not o.bytes_ok:
                 bad.append(f"{tag}: transferred bytes != delta_pages * page_bytes")
-            if p.index in references and o.token_ids != references[p.index]:
-                bad.append(f"{tag}: tokens differ from the single-process reference")
+            if greedy.get(p.index) is False:
+                bad.append(f"{tag}: tokens are not the model's greedy continuation")
     ttb = baseline["time_to_baseline_s"]
     if ttb is None or ttb > LATE_S:
         bad.append(f"pools not at baseline within {LATE_S:g} s of the last request "
@@ -332,7 +345,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def report(config: SoakConfig, planned: list[Planned], outcomes: list[Outcome],
-           baseline: dict, references: dict[int, list], violations: list[str]) -> dict:
+           baseline: dict, greedy: dict[int, bool], near_ties: int,
+           violations: list[str]) -> dict:
     """The report dict (see the module docstring)."""
     planned_counts: dict[str, int] = {}
     for p in planned:
@@ -355,10 +369,8 @@ def report(config: SoakConfig, planned: list[Planned], outcomes: list[Outcome],
             round(len(outcomes) / baseline["wall_s"], 1) if baseline["wall_s"] else None,
         "wall_s": baseline["wall_s"], "time_to_baseline_s": baseline["time_to_baseline_s"],
         "pools": baseline["pools"],
-        "reference": {"checked": len(references),
-                      "equal": sum(1 for p, o in zip(planned, outcomes, strict=True)
-                                   if p.index in references
-                                   and o.token_ids == references[p.index])},
+        "reference": {"checked": len(greedy), "equal": sum(greedy.values()),
+                      "near_ties": near_ties},
         "violations": violations,
     }
 
@@ -383,7 +395,7 @@ def format_report(r: dict) -> str:
     lines += ["", f"time to baseline after the last request: {r['time_to_baseline_s']} s",
               *(f"  {name}: {pool}" for name, pool in r["pools"].items()),
               f"greedy outputs equal to the reference: {r['reference']['equal']} of "
-              f"{r['reference']['checked']}",
+              f"{r['reference']['checked']} ({r['reference']['near_ties']} near-tie tokens)",
               f"violations: {len(r['violations'])}",
               *(f"  {v}" for v in r["violations"][:20])]
     return "\n".join(lines)
@@ -426,11 +438,11 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr)))
     finally:
         cluster.stop()
-    wanted = [p for p, o in zip(planned, outcomes, strict=True)
-              if p.kind == "greedy" and o.code == "OK"]
-    references = greedy_references(config.model, config.page_size, wanted)
-    violations = violations_of(config, planned, outcomes, baseline, references)
-    result = report(config, planned, outcomes, baseline, references, violations)
+    completed = [(p, o.token_ids) for p, o in zip(planned, outcomes, strict=True)
+                 if p.kind == "greedy" and o.code == "OK"]
+    greedy, near_ties = check_greedy(config.model, completed)
+    violations = violations_of(config, planned, outcomes, baseline, greedy)
+    result = report(config, planned, outcomes, baseline, greedy, near_ties, violations)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
