@@ -296,8 +296,8 @@ class PageManager:
             req = self._requests.close(request_id)
             if req is None:
                 raise NotFound(
-                    f"request {request_id!r} holds nothing: "
-                    f"{'already released' if known else 'never seen (now fenced)'}",
+                    f"unknown request {request_id!r}: it holds nothing "
+                    f"({'already released' if known else 'never seen; fenced from now on'})",
                     request_id=request_id)
             for group in req.locks:
                 self._index.unlock(group)

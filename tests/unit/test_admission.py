@@ -1,6 +1,7 @@
 """AdmissionQueue: FIFO order, head-of-line fairness, bounded waits, never-fits and full-queue
 refusals, close() failing every waiter at once, and a cancellation storm that must leave no
-waiter behind (issue 12: the Condition + wait_for pattern it replaces hung under cancellation).
+waiter behind (issue 12: the Condition + wait_for pattern it replaces hung under cancellation);
+release_retried: a Release is sent again until the sidecar confirms it, within its bound.
 
 The pool here is a counter of free pages with the sidecar's contract: an attempt takes its
 pages or raises ResourceExhausted (``never_fits`` when it exceeds the pool), changing nothing.
@@ -14,8 +15,15 @@ import time
 
 import pytest
 
-from deltakv.errors import ResourceExhausted, Unavailable
-from deltakv.services.admission import AdmissionQueue
+from deltakv.errors import (
+    Aborted,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from deltakv.services.admission import AdmissionQueue, release_retried
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,3 +185,68 @@ def test_cancellation_storm_leaves_no_waiter(run: int) -> None:
     outcome, pending, waiting, free = asyncio.run(scenario())
     assert pending == 0 and waiting == 0 and free == 8
     assert sum(outcome.values()) == 200 and outcome["cancelled"] <= 66
+
+
+class FlakySidecar:
+    """Release answers with the queued errors first, then succeeds; records every call."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.calls: list[tuple[str, int]] = []
+
+    async def release(self, request_id: str, quarantine_ms: int = 0) -> tuple[int, int]:
+        self.calls.append((request_id, quarantine_ms))
+        if self.errors:
+            raise self.errors.pop(0)
+        return 3, 0
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def warning(self, event: str, **fields) -> None:
+        self.events.append(("warning", event))
+
+    def error(self, event: str, **fields) -> None:
+        self.events.append(("error", event))
+
+
+@pytest.mark.parametrize("errors, confirmed, calls, events", [
+    # A release lost to a cancelled call (CANCELLED arrives as Aborted) or a busy sidecar is
+    # sent again until the sidecar confirms it (issue 12's leak).
+    ((Aborted("cancelled"), Unavailable("socket closed"), DeadlineExceeded("10 s")), True, 4,
+     [("warning", "release_retry")] * 3),
+    # NOT_FOUND: an earlier try went through (or the id was never admitted): nothing held.
+    ((Unavailable("socket closed"), NotFound("unknown request 'r'")), True, 2,
+     [("warning", "release_retry")]),
+    # Not transient: logged, not retried.
+    ((InvalidArgument("bad quarantine"),), False, 1, [("error", "release_failed")]),
+])
+def test_release_is_retried_until_the_sidecar_confirms_it(errors, confirmed, calls,
+                                                          events) -> None:
+    sidecar, lines = FlakySidecar(*errors), Lines()
+    assert asyncio.run(release_retried(sidecar, "r/1", 0, 5.0, lines)) is confirmed
+    assert sidecar.calls == [("r/1", 0)] * calls
+    assert lines.events == events
+
+
+def test_release_retries_are_bounded(monkeypatch) -> None:
+    """Back-off 50, 100, 200, 400 ms...: with a 0.3 s bound the third failure is the last try
+    (50 + 100 ms slept, the next 200 ms would pass the bound). A fake clock keeps it exact."""
+    import types
+
+    from deltakv.services import admission
+
+    now = [100.0]
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(admission, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(admission.asyncio, "sleep", sleep)
+    sidecar, lines = FlakySidecar(*[Unavailable("down")] * 100), Lines()
+    assert asyncio.run(release_retried(sidecar, "r/1", 250, 0.3, lines)) is False
+    assert sidecar.calls == [("r/1", 250)] * 3
+    assert now[0] == pytest.approx(100.15)
+    assert lines.events == [("warning", "release_retry")] * 2 + [("error", "release_failed")]

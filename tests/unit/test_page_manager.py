@@ -220,7 +220,7 @@ def test_release_fences_the_id_against_late_calls() -> None:
     assert counts(pm) == PoolCounts(num_pages=8, free=6, cached=2, live=0, quarantined=0,
                                     locked=0, evictable=2, live_requests=0)
     # Release first, the late call second: the id is fenced although it was never seen.
-    with pytest.raises(NotFound, match="never seen"):
+    with pytest.raises(NotFound, match="'r/2': it holds nothing \\(never seen; fenced from now on"):
         pm.release("r/2")
     with pytest.raises(Aborted):
         pm.allocate("r/2", 1)
