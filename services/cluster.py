@@ -254,6 +254,8 @@ class ClusterConfig:
     # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
     telemetry_args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    # End-to-end page digests in both sidecars (--page-digests on|off).
+    page_digests: bool = True
 
 
 class LocalCluster:
@@ -307,7 +309,8 @@ class LocalCluster:
                              "--socket", self.sockets[role], "--model", c.model,
                              "--page-size", str(c.page_size), "--num-pages", str(pages),
                              "--host", c.host, "--port", "0", "--shm-name", self.shm_names[role],
-                             "--log-level", c.log_level)
+                             "--log-level", c.log_level,
+                             "--page-digests", "on" if c.page_digests else "off")
             for opt in c.transport_options:
                 argv += ["--transport-option", opt]
             argvs[f"{role}-sidecar"] = argv + (c.prefill_sidecar_args if role == "prefill"

@@ -1,9 +1,10 @@
 """Start-up shared by the prefill and decode workers: their sidecar, its pool, the model, and
 their gRPC server (:func:`worker_server`).
 
-A worker (prefill or decode service) never owns KV memory: it asks its sidecar to ``Describe``
-itself, maps the sidecar's pool zero-copy, loads the model and checks that the model's KV
-geometry is exactly the pool's (a mismatch would silently corrupt attention).
+A worker (prefill or decode service) never owns KV memory: it pairs with its sidecar
+(:mod:`deltakv.services.attach`: ``Attach``, then every call bound to that pool incarnation),
+maps the sidecar's pool zero-copy, loads the model and checks that the model's KV geometry is
+exactly the pool's (a mismatch would silently corrupt attention).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deltakv.errors import FailedPrecondition
 from deltakv.layout import KVLayout
 from deltakv.rpc.server import AioServer
+from deltakv.services.attach import SidecarPairing
 from deltakv.sidecar.client import SidecarClient
 
 if TYPE_CHECKING:
@@ -27,15 +28,37 @@ if TYPE_CHECKING:
 
 @dataclass
 class Worker:
-    """What a service holds after start-up. ``pool`` is a mapping of the sidecar's memory:
-    the sidecar owns and frees it; :meth:`close` only unmaps."""
+    """What a service holds after start-up: the model and the pairing with its sidecar.
 
-    sidecar: SidecarClient
-    describe: sidecar_pb2.DescribeResponse
-    layout: KVLayout
-    pool: SharedKVPool
+    The sidecar-side parts (``sidecar``, ``describe``, ``layout``, ``pool``, ``runner``) are
+    those of the current pool incarnation (:class:`~deltakv.services.attach.Attachment`): a
+    sidecar restart replaces them once the requests of the old one ended
+    (:mod:`deltakv.services.attach`). ``sidecar`` is a client bound to that incarnation.
+    The pool is a mapping of the sidecar's memory: the sidecar owns and frees it;
+    :meth:`close` only unmaps."""
+
     model: LoadedModel
-    runner: ModelRunner
+    pairing: SidecarPairing
+
+    @property
+    def sidecar(self) -> SidecarClient:
+        return self.pairing.current.sidecar
+
+    @property
+    def describe(self) -> sidecar_pb2.DescribeResponse:
+        return self.pairing.current.describe
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.pairing.current.layout
+
+    @property
+    def pool(self) -> SharedKVPool:
+        return self.pairing.current.pool
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.pairing.current.runner
 
     @property
     def page_size(self) -> int:
@@ -46,49 +69,44 @@ class Worker:
         return self.layout.page_bytes
 
     async def close(self) -> None:
-        await self.sidecar.close()
-        self.pool.close()
-
-
-def check_model_matches_pool(model: LoadedModel, layout: KVLayout) -> None:
-    """FAILED_PRECONDITION naming the field if the model's KV geometry differs from the pool's."""
-    expected = model.kv_layout(layout.page_size, layout.num_pages, layout.dtype)
-    layout.check_compatible(expected)
+        await self.pairing.close()
 
 
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
-                       log=None) -> Worker:
-    """Connect to the sidecar (bounded wait), map its pool, load the model, build the runner.
+                       log=None, *, quarantine_ms: int = 0,
+                       reattach_timeout_s: float = 60.0) -> Worker:
+    """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
+    previous worker left there is released, its live pages quarantined for
+    ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
+    restarts (``reattach_timeout_s``: see :class:`SidecarPairing`) once
+    :meth:`SidecarPairing.start` runs.
 
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
     """
     from deltakv.services.model.loader import load_model
-    from deltakv.services.model.runner import ModelRunner
     from deltakv.services.runtime import otel_grpc
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
     sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
-    await sidecar.wait_ready(timeout_s=ready_timeout_s)
-    describe = await sidecar.describe()
-    layout = KVLayout.from_proto(describe.endpoint.layout)
-    # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-    model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
     try:
-        check_model_matches_pool(model, layout)
-    except FailedPrecondition as exc:
+        await sidecar.wait_ready(timeout_s=ready_timeout_s)
+        describe = await sidecar.describe()
+        layout = KVLayout.from_proto(describe.endpoint.layout)
+        # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
+        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
+        pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
+                                 reattach_timeout_s=reattach_timeout_s, log=log)
+        attachment = await pairing.attach(ready_timeout_s)
+    except BaseException:
         await sidecar.close()
-        raise FailedPrecondition(
-            f"model {model_name!r} does not match the sidecar's KV pool: {exc}") from exc
-    pool = sidecar.map_pool(describe)
-    runner = ModelRunner(model, pool.tensor)
+        raise
     if log is not None:
-        log.info("worker_ready", model=model_name, page_size=layout.page_size,
-                 num_pages=layout.num_pages, page_bytes=layout.page_bytes,
-                 endpoint_id=describe.endpoint.endpoint_id, backend=describe.endpoint.backend)
-    return Worker(sidecar=sidecar, describe=describe, layout=layout, pool=pool, model=model,
-                  runner=runner)
+        log.info("worker_ready", model=model_name, page_size=attachment.layout.page_size,
+                 num_pages=attachment.layout.num_pages, page_bytes=attachment.layout.page_bytes,
+                 endpoint_id=attachment.incarnation, backend=attachment.endpoint.backend)
+    return Worker(model=model, pairing=pairing)
 
 
 def worker_server(args: Any, service_name: str, add_servicers: Callable[[Any], None],

@@ -7,17 +7,24 @@ deltakv error of its status code (``deltakv.errors.from_rpc_error``), so callers
 
 KV bytes never travel through this client: :meth:`SidecarClient.map_pool` maps the sidecar's
 pool segment zero-copy into the worker.
+
+Pool incarnations (:mod:`deltakv.sidecar.incarnation`): a client made with
+:meth:`SidecarClient.bind` sends the incarnation it was bound to with every call, so a
+restarted sidecar refuses it; that refusal is raised as :class:`SidecarRestarted`
+(UNAVAILABLE: retry once the worker re-attached), and ``on_stale`` is told at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from deltakv.errors import InvalidArgument, from_rpc_error
+from deltakv.errors import InvalidArgument, SidecarRestarted, StaleIncarnation, from_rpc_error
 from deltakv.rpc.channel import options, uds_address, wait_serving_async
+from deltakv.sidecar.incarnation import incarnation_of, metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 if TYPE_CHECKING:
@@ -31,7 +38,13 @@ class SidecarClient:
     client interceptors (e.g. tracing). The channel is created lazily inside the running event
     loop; call :meth:`close` when done. Not shared between event loops.
     Raises :class:`InvalidArgument` for a non-positive timeout or a too-long socket path.
+
+    ``incarnation``: None for an unbound client (Describe, Attach, operators); see :meth:`bind`.
     """
+
+    incarnation: str | None = None
+    #: Called with the sidecar's incarnation when a bound call is refused as stale.
+    on_stale: Callable[[str], None] | None = None
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0,
                  interceptors: Sequence[Any] | None = None) -> None:
@@ -43,6 +56,7 @@ class SidecarClient:
         self._interceptors = list(interceptors or [])
         self._channel: grpc.aio.Channel | None = None
         self._stub: sidecar_pb2_grpc.SidecarServiceStub | None = None
+        self._owns_channel = True
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -53,14 +67,47 @@ class SidecarClient:
             self._stub = sidecar_pb2_grpc.SidecarServiceStub(self._channel)
         return self._stub
 
+    def bind(self, incarnation: str,
+             on_stale: Callable[[str], None] | None = None) -> SidecarClient:
+        """A client over the same channel whose every call names pool ``incarnation`` (the
+        sidecar refuses it once it is another incarnation). ``on_stale(current)`` is called
+        when that happens. Closing the bound client closes nothing; close this one."""
+        self._get_stub()
+        bound = copy.copy(self)
+        bound.incarnation = incarnation
+        bound.on_stale = on_stale
+        bound._owns_channel = False
+        return bound
+
     async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidArgument(f"{method}: timeout must be > 0 s, got {timeout}")
+        metadata = None if self.incarnation is None else metadata_for(self.incarnation)
         try:
-            return await getattr(self._get_stub(), method)(request, timeout=timeout)
+            return await getattr(self._get_stub(), method)(request, timeout=timeout,
+                                                           metadata=metadata)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+            raise self._typed(err, method) from None
+
+    def _typed(self, err: grpc.RpcError, method: str) -> Exception:
+        """The typed error of a failed call; a refusal of a bound call by another
+        incarnation becomes SidecarRestarted (and ``on_stale`` hears of it)."""
+        error = from_rpc_error(err)
+        if self.incarnation is None or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return error
+        trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        current = incarnation_of(trailing)
+        if current is None or current == self.incarnation:
+            return error
+        if self.on_stale is not None:
+            self.on_stale(current)
+        restarted = SidecarRestarted(
+            f"{method}: this worker's sidecar restarted (pool incarnation {self.incarnation} "
+            f"is gone, the sidecar is now {current}); retry once the worker re-attached",
+            paired=self.incarnation, current=current)
+        restarted.__cause__ = StaleIncarnation(error.message)
+        return restarted
 
     # -- readiness and metadata -----------------------------------------------------------
 
@@ -70,9 +117,15 @@ class SidecarClient:
         self._get_stub()
         await wait_serving_async(self._channel, timeout_s, what=f"sidecar at {self.socket_path}")
 
-    async def describe(self) -> sidecar_pb2.DescribeResponse:
+    async def describe(self, timeout_s: float | None = None) -> sidecar_pb2.DescribeResponse:
         """Endpoint, role, pool segment name and sizes, pid."""
-        return await self._call("Describe", sidecar_pb2.DescribeRequest())
+        return await self._call("Describe", sidecar_pb2.DescribeRequest(), timeout_s=timeout_s)
+
+    async def attach(self, quarantine_ms: int = 0) -> sidecar_pb2.AttachResponse:
+        """Pair with the sidecar: what a previous worker left is released (its live pages
+        quarantined for ``quarantine_ms``); the response's ``describe`` is the incarnation
+        paired with."""
+        return await self._call("Attach", sidecar_pb2.AttachRequest(quarantine_ms=quarantine_ms))
 
     async def connect_peer(self, peer: kv_pb2.EndpointInfo) -> None:
         """Preflight a peer endpoint; FailedPrecondition (layout mismatch naming the field,
@@ -105,10 +158,14 @@ class SidecarClient:
         return resp.matched_len, list(resp.prefix_pages), list(resp.new_pages)
 
     async def commit(self, request_id: str, token_ids: Sequence[int],
-                     page_table: Sequence[int]) -> tuple[list[int], int]:
-        """Insert full pages into the radix index: (canonical page table, cached_len)."""
+                     page_table: Sequence[int], verify_pages: Sequence[int] = (),
+                     verify_digests: Sequence[int] = ()) -> tuple[list[int], int]:
+        """Insert full pages into the radix index: (canonical page table, cached_len).
+        ``verify_pages`` / ``verify_digests``: check those pages' bytes first (DataLoss on a
+        mismatch, nothing committed)."""
         resp = await self._call("Commit", sidecar_pb2.CommitRequest(
-            request_id=request_id, token_ids=token_ids, page_indices=page_table))
+            request_id=request_id, token_ids=token_ids, page_indices=page_table,
+            verify=sidecar_pb2.PageDigests(page_indices=verify_pages, digests=verify_digests)))
         return list(resp.page_indices), resp.cached_len
 
     async def release(self, request_id: str, quarantine_ms: int = 0) -> tuple[int, int]:
@@ -123,7 +180,14 @@ class SidecarClient:
                                 sidecar_pb2.PageChecksumsRequest(page_indices=pages))
         return list(resp.crc32)
 
+    async def audit_cache(self, evict: bool = False,
+                          timeout_s: float | None = None) -> sidecar_pb2.AuditCacheResponse:
+        """Re-verify every cached page against its digest (``evict``: drop corrupt ones)."""
+        return await self._call("AuditCache", sidecar_pb2.AuditCacheRequest(evict=evict),
+                                timeout_s=timeout_s)
+
     async def get_stats(self) -> sidecar_pb2.SidecarStats:
+        """Pool accounting and transfer / digest counters."""
         return await self._call("GetStats", kv_pb2.GetStatsRequest())
 
     # -- transfers ------------------------------------------------------------------------
@@ -168,7 +232,7 @@ class SidecarClient:
         return SharedKVPool.attach(describe.pool_shm_name, layout)
 
     async def close(self) -> None:
-        """Close the channel (idempotent)."""
-        if self._channel is not None:
+        """Close the channel (idempotent; a bound client leaves it to its parent)."""
+        if self._channel is not None and self._owns_channel:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()

@@ -13,17 +13,11 @@ Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
 ``free + cached + live + quarantined == num_pages`` always; :meth:`PageManager.stats`
 exposes the counts and :meth:`PageManager.check_invariants` verifies them from scratch.
 
-A request's life: ``admit`` (in one step: lock the cached prefix and allocate live pages for
-the rest, or change nothing) — or the two halves, ``match_prefix`` then ``allocate`` — →
-``commit`` (full pages move into the index, locked by the request) → ``release`` (every lock
-dropped exactly once; remaining live pages freed or quarantined; the id stays fenced, see
-:mod:`deltakv.sidecar.requests`).
-
-Admission never holds what another waiter needs (issue 12): :meth:`PageManager.admit` either
-succeeds or leaves no lock, page or record behind, so a request that has to wait for pages
-waits holding nothing, and the workers queue such requests FIFO
-(:class:`deltakv.services.admission.AdmissionQueue`). Two waiting requests can then never
-block each other by each keeping a prefix the other would have to evict.
+A request's life: ``admit`` (lock the cached prefix and allocate the rest in one step, or
+change nothing, so a request that must wait for pages waits holding nothing: docs/admission.md)
+— or its halves ``match_prefix``, ``allocate`` — → ``commit`` (full pages move into the index,
+locked by the request) → ``release`` (every lock dropped exactly once; remaining live pages
+freed or quarantined; the id stays fenced, :mod:`deltakv.sidecar.requests`).
 """
 
 from __future__ import annotations
@@ -36,10 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
-from deltakv.limits import MAX_SIDECAR_REQUEST_ID_CHARS
 from deltakv.sidecar.allocator import PageAllocator
 from deltakv.sidecar.radix import RadixIndex, RadixNode
-from deltakv.sidecar.requests import RequestRecord, RequestTable
+from deltakv.sidecar.requests import RequestRecord, RequestTable, check_request_id
 
 
 @dataclass(frozen=True)
@@ -85,15 +78,7 @@ class PageManager:
 
     # ------------------------------------------------------------------ validation
 
-    @staticmethod
-    def _check_request_id(request_id: object) -> str:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"request_id must be a non-empty string, got "
-                                  f"{type(request_id).__name__} {request_id!r:.40}")
-        if len(request_id) > MAX_SIDECAR_REQUEST_ID_CHARS:
-            raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is "
-                                  f"{MAX_SIDECAR_REQUEST_ID_CHARS}")
-        return request_id
+    _check_request_id = staticmethod(check_request_id)
 
     @staticmethod
     def _check_count(name: str, value: object) -> int:
@@ -157,14 +142,11 @@ class PageManager:
 
     def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
               max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
-        """Admission in one step: lock the longest cached page-aligned prefix of
-        ``token_ids`` (at most ``max_match_tokens`` tokens if > 0; empty ``token_ids``
-        matches nothing) AND allocate the rest of a ``total_pages``-page page table — or
-        change nothing.
-
-        Fits iff ``total_pages - prefix pages <= free + evictable`` once the prefix is locked
-        (a page the request itself reuses is never counted as evictable for it). Expired
-        quarantine is freed first; unlocked LRU leaves are evicted as needed.
+        """Lock the longest cached page-aligned prefix of ``token_ids`` (at most
+        ``max_match_tokens`` tokens if > 0; none for empty ``token_ids``) AND allocate the
+        rest of a ``total_pages``-page page table — or change nothing. Fits iff the new pages
+        fit in ``free + evictable`` once the prefix is locked; expired quarantine is freed
+        first, unlocked LRU leaves are evicted as needed.
 
         Returns ``(matched_len, prefix_pages, new_pages)``: ``matched_len`` tokens (a
         multiple of ``page_size``), their pages in prefix order (locked for the request), and
@@ -328,6 +310,68 @@ class PageManager:
             freed += len(pages)
         self._quarantined_total -= freed
         return freed
+
+    def release_all(self, quarantine_ms: int = 0) -> tuple[int, int, int]:
+        """:meth:`release` every request (a new worker attaches: what its predecessor held is
+        nobody's now). Returns ``(requests, freed, quarantined)``. Cached pages stay cached.
+        InvalidArgument for a negative ``quarantine_ms``."""
+        self._check_count("quarantine_ms", quarantine_ms)
+        with self._lock:
+            requests = list(self._requests)
+            freed = quarantined = 0
+            for request_id in requests:
+                f, q = self.release(request_id, quarantine_ms=quarantine_ms)
+                freed += f
+                quarantined += q
+            return len(requests), freed, quarantined
+
+    # ------------------------------------------------------------------ page digests
+
+    def cached_digests(self) -> list[tuple[int, int | None]]:
+        """``(page, digest)`` of every cached page (digest None: not set yet)."""
+        with self._lock:
+            return [(node.page, node.digest) for node in self._index.iter_nodes()]
+
+    def digests_of(self, pages: Sequence[int]) -> list[int | None]:
+        """The digest each listed page was cached with; None for a page that is not cached
+        or has none."""
+        with self._lock:
+            out = []
+            for p in pages:
+                node = self._index.node_of_page(p)
+                out.append(None if node is None else node.digest)
+            return out
+
+    def set_digests(self, digests: dict[int, int]) -> int:
+        """Record the digest of cached pages that have none yet (page -> digest); pages no
+        longer cached, or already digested, are skipped. Returns how many were set."""
+        with self._lock:
+            done = 0
+            for page, digest in digests.items():
+                node = self._index.node_of_page(page)
+                if node is not None and node.digest is None:
+                    node.digest = digest
+                    done += 1
+            return done
+
+    def evict_corrupt(self, pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Drop cached ``pages`` whose bytes are bad, each with the cached prefixes that
+        continue it, and free them. A page that is (or has a descendant that is) locked is
+        kept: a request still reads it. Returns ``(evicted pages, kept pages)``."""
+        with self._lock:
+            evicted: list[int] = []
+            kept: list[int] = []
+            for page in pages:
+                node = self._index.node_of_page(page)
+                if node is None:
+                    continue  # already gone (e.g. below another corrupt page)
+                if node.protect_ref:
+                    kept.append(page)
+                    continue
+                removed = self._index.remove_subtree(node)
+                self._alloc.free(removed)
+                evicted.extend(removed)
+            return evicted, kept
 
     # ------------------------------------------------------------------ introspection
 

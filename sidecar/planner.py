@@ -55,6 +55,12 @@ class WritePlan:
     prompt_len: int
 
     @property
+    def source_pages(self) -> list[int]:
+        """The delta's source pages in prompt order (pair ``i`` goes to
+        ``dst_page_indices[i]``)."""
+        return [run.src_page + i for run in self.runs for i in range(run.num_pages)]
+
+    @property
     def empty(self) -> bool:
         """True when nothing has to move (full-prefix hit)."""
         return self.pages == 0

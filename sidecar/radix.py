@@ -31,10 +31,12 @@ from deltakv.errors import InvalidArgument
 
 class RadixNode:
     """One cached full page. ``key``: the page's ``page_size`` token ids; ``page``: pool page
-    index; ``lock_ref``: locks held on it; ``last_access``: logical LRU time."""
+    index; ``lock_ref``: locks held on it; ``last_access``: logical LRU time; ``digest``: the
+    page's bytes' digest when it was cached (``deltakv.sidecar.digests``; None until set).
+    The digest lives and dies with the node, so an evicted page never keeps a stale one."""
 
     __slots__ = ("key", "page", "parent", "children", "lock_ref", "protect_ref",
-                 "last_access", "id", "depth")
+                 "last_access", "id", "depth", "digest")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None,
                  node_id: int, depth: int) -> None:
@@ -48,6 +50,7 @@ class RadixNode:
         self.last_access = 0
         self.id = node_id
         self.depth = depth  # pages from the root: this node holds tokens [(d-1)*ps, d*ps)
+        self.digest: int | None = None
 
     @property
     def attached(self) -> bool:
@@ -300,6 +303,27 @@ class RadixIndex:
             if parent is not self._root and not parent.children and parent.protect_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def remove_subtree(self, node: RadixNode) -> list[int]:
+        """Remove ``node`` and every node below it (their KV continues ``node``'s prefix, so
+        none is reachable without it) and return their pages for the caller to free.
+
+        Used to drop a page whose bytes are known bad. Raises :class:`InvalidArgument`
+        (INVALID_ARGUMENT), changing nothing, if ``node`` is not in this index or it or a
+        descendant is locked (``protect_ref > 0``: a request still reads it)."""
+        (node,) = self._check_nodes([node])
+        if node.protect_ref:
+            raise InvalidArgument(f"{node!r} or a page below it is locked; cannot remove it")
+        removed: list[int] = []
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            stack.extend(current.children.values())
+            del self._by_page[current.page]
+            removed.append(current.page)
+        del node.parent.children[node.key]
+        node.parent = None
+        return removed
 
     # ------------------------------------------------------------------ checks
 

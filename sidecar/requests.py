@@ -27,12 +27,26 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from deltakv.errors import Aborted, NotFound
+from deltakv.errors import Aborted, InvalidArgument, NotFound
 from deltakv.errors import shown as _shown
+from deltakv.limits import MAX_SIDECAR_REQUEST_ID_CHARS
 from deltakv.sidecar.radix import RadixNode
 
 TOMBSTONE_TTL_S = 120.0
 MAX_TOMBSTONES = 65_536
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` if it is a non-empty string of at most
+    :data:`~deltakv.limits.MAX_SIDECAR_REQUEST_ID_CHARS` characters, else InvalidArgument
+    (INVALID_ARGUMENT)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidArgument(f"request_id must be a non-empty string, got "
+                              f"{type(request_id).__name__} {_shown(request_id, 40)}")
+    if len(request_id) > MAX_SIDECAR_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is "
+                              f"{MAX_SIDECAR_REQUEST_ID_CHARS}")
+    return request_id
 
 
 @dataclass
@@ -65,6 +79,10 @@ class RequestTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def __iter__(self) -> Iterator[str]:
+        """The ids of the live requests (a snapshot)."""
+        return iter(list(self._live))
 
     def items(self) -> Iterator[tuple[str, RequestRecord]]:
         """(id, record) of every live request."""

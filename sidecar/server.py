@@ -27,6 +27,8 @@ from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
 from deltakv.rpc.server import SyncServer
+from deltakv.sidecar.digests import PageDigester
+from deltakv.sidecar.incarnation import IncarnationGuard
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.rooms import RoomRegistry
 from deltakv.sidecar.servicer import ROLES, SERVICE_NAME, SidecarService
@@ -45,7 +47,9 @@ class SidecarConfig:
     ``transport``: a registry name or an out-of-tree ``module:Class``;
     ``transport_extra``: backend options; ``shm_name``: pool segment name (None: derived from
     the socket path, so a restart reclaims the leftover); ``health_port``: TCP health-only
-    port (0 = off); ``drain_timeout_s``: bounded wait for in-flight writes on shutdown.
+    port (0 = off); ``drain_timeout_s``: bounded wait for in-flight writes on shutdown;
+    ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
+    checked or kept).
     """
 
     role: str
@@ -61,6 +65,7 @@ class SidecarConfig:
     max_workers: int = 64
     max_lease_ms: int = 600_000
     abort_grace_s: float = 5.0
+    page_digests: bool = True
 
 
 def default_shm_name(socket_path: str) -> str:
@@ -132,7 +137,8 @@ class SidecarServer:
                 role=cfg.role, layout=cfg.layout, pool=self.pool, page_manager=page_manager,
                 transport=self.transport, endpoint=endpoint, peers=self.peers,
                 rooms=self.rooms, max_lease_ms=cfg.max_lease_ms,
-                abort_grace_s=cfg.abort_grace_s)
+                abort_grace_s=cfg.abort_grace_s,
+                digester=PageDigester(self.pool, enabled=cfg.page_digests))
             self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             service = self.service
@@ -140,6 +146,7 @@ class SidecarServer:
                 address, [SERVICE_NAME],
                 lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
                 outer_interceptors=self.interceptors, logger=self.log,
+                interceptors=[IncarnationGuard(self.endpoint_id, self._log_stale_call)],
                 max_workers=cfg.max_workers,
                 health_address=f"0.0.0.0:{cfg.health_port}" if cfg.health_port else None)
             self.server.start()
@@ -148,10 +155,15 @@ class SidecarServer:
             raise
         self.server.set_serving()
         self.log.info("sidecar_serving", socket=cfg.socket_path, endpoint_id=self.endpoint_id,
+                      page_digests=cfg.page_digests,
                       transport=cfg.transport, backend=endpoint.backend,
                       address=endpoint.address, pool_shm_name=self.pool.name,
                       num_pages=cfg.layout.num_pages, page_bytes=cfg.layout.page_bytes,
                       health_address=self.server.health_address)
+
+    def _log_stale_call(self, method: str, claimed: str) -> None:
+        self.log.warning("stale_incarnation_refused", method=method, claimed=claimed,
+                         endpoint_id=self.endpoint_id)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until :meth:`stop` finished (True) or ``timeout_s`` passed (False)."""

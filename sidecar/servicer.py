@@ -10,7 +10,10 @@ place, and anything unexpected into INTERNAL.
 ``WritePages`` is the sidecar's part of the one write path: the peer table checks the decode
 endpoint, :func:`~deltakv.sidecar.planner.plan_delta` checks the ``TransferInfo`` and plans,
 the room registry admits the room, and the transport moves each planned batch. This module
-re-checks nothing those steps own. Process assembly (pool, transport, servers) is
+re-checks nothing those steps own. Page digests (taken by ``WritePages``, checked by
+``Commit``, kept by cached pages, re-checked by ``AuditCache``) are
+:mod:`deltakv.sidecar.digests`; incarnation checks happen before any handler
+(:mod:`deltakv.sidecar.incarnation`). Process assembly (pool, transport, servers) is
 :mod:`deltakv.sidecar.server`.
 """
 
@@ -28,6 +31,7 @@ from deltakv import metrics as deltakv_metrics
 from deltakv import telemetry
 from deltakv.errors import (
     Aborted,
+    DataLoss,
     DeltaKVError,
     FailedPrecondition,
     InvalidArgument,
@@ -35,6 +39,7 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
+from deltakv.sidecar.digests import PageDigester, audit_cache
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.rooms import RoomRegistry, RoomState
@@ -79,12 +84,13 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         max_lease_ms: longest accepted ``TransferInfo.lease_ms``; must not exceed the room
             registry's tombstone TTL so a fenced room outlives every lease.
         abort_grace_s: how long ``AbortWrite`` waits past an in-flight write's deadline.
+        digester: page digests over ``pool`` (None: digests off).
     """
 
     def __init__(self, *, role: str, layout: KVLayout, pool: Any, page_manager: Any,
                  transport: Transport, endpoint: kv_pb2.EndpointInfo, peers: PeerTable,
                  rooms: RoomRegistry, max_lease_ms: int = 600_000,
-                 abort_grace_s: float = 5.0) -> None:
+                 abort_grace_s: float = 5.0, digester: PageDigester | None = None) -> None:
         if role not in ROLES:
             raise InvalidArgument(f"sidecar role must be one of {sorted(ROLES)}, got {role!r}")
         if max_lease_ms <= 0 or max_lease_ms > rooms.tombstone_ttl_s * 1e3:
@@ -101,12 +107,14 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.rooms = rooms
         self.max_lease_ms = max_lease_ms
         self.abort_grace_s = abort_grace_s
+        self.digester = digester if digester is not None else PageDigester(pool, enabled=False)
         self._pm_lock = threading.RLock()
         self._counter_lock = threading.Lock()
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.bytes_written = 0
         self.pages_written = 0
+        self.digest_mismatches = 0
         self.log = log.bind(role=f"{role}-sidecar")
 
     # -- pool metadata --------------------------------------------------------------------
@@ -119,6 +127,29 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             endpoint=self.endpoint, role=ROLES[self.role], pool_shm_name=self.pool.name,
             pool_bytes=self.layout.pool_bytes, page_bytes=self.layout.page_bytes,
             pid=os.getpid())
+
+    def Attach(self, request: sidecar_pb2.AttachRequest,
+               context: grpc.ServicerContext) -> sidecar_pb2.AttachResponse:
+        """A worker (re)pairs: fence the rooms still in flight (a previous worker's writes;
+        bounded by the abort grace), then release every request it left behind — locks
+        dropped, live pages quarantined for ``quarantine_ms`` (0: freed) or, if a write is
+        still in flight after the grace, for at least the longest lease. Returns the
+        Describe of this incarnation (what the worker pairs with) and what was released."""
+        fenced = self.rooms.abort_all("a new worker attached")
+        deadline = time.monotonic() + self.abort_grace_s
+        while self.rooms.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        quarantine_ms = request.quarantine_ms
+        if self.rooms.in_flight:
+            quarantine_ms = max(quarantine_ms, self.max_lease_ms)
+        with self._pm_lock:
+            requests, freed, quarantined = self.page_manager.release_all(quarantine_ms)
+        self.log.info("worker_attached", released_requests=requests, freed_pages=freed,
+                      quarantined_pages=quarantined, fenced_rooms=fenced)
+        return sidecar_pb2.AttachResponse(
+            describe=self.Describe(sidecar_pb2.DescribeRequest(), context),
+            released_requests=requests, freed_pages=freed, quarantined_pages=quarantined,
+            fenced_rooms=fenced)
 
     def ConnectPeer(self, request: sidecar_pb2.ConnectPeerRequest,
                     context: grpc.ServicerContext) -> sidecar_pb2.ConnectPeerResponse:
@@ -176,10 +207,63 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         INVALID_ARGUMENT for a page table that does not fit the tokens or names pages the
         request does not hold."""
         rid = _request_id(request.request_id, "Commit")
+        verified = self._verify(rid, request.verify)
         with self._pm_lock:
             pages, cached = self.page_manager.commit(rid, list(request.token_ids),
                                            list(request.page_indices))
+        self._record_digests(pages, verified)
         return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
+
+    def _verify(self, request_id: str, verify: sidecar_pb2.PageDigests) -> dict[int, int]:
+        """Check ``verify``'s pages against their digests before a Commit (DATA_LOSS, nothing
+        committed); page -> digest of the verified pages. The pages must be the request's own
+        live pages (INVALID_ARGUMENT otherwise): nobody else writes them while we read."""
+        pages = [int(p) for p in verify.page_indices]
+        if not pages:
+            return {}
+        with self._pm_lock:
+            owned = set(self.page_manager.request_pages(request_id))
+        foreign = [p for p in pages if p not in owned]
+        if foreign:
+            raise InvalidArgument(f"Commit: pages {foreign[:16]} to verify are not live pages "
+                                  f"of request {request_id!r}")
+        try:
+            verified = self.digester.verify(pages, list(verify.digests))
+        except DataLoss as exc:
+            self._count_mismatches(len(exc.details.get("pages", ())), "commit")
+            self.log.error("page_digest_mismatch", request_id=request_id,
+                           pages=exc.details.get("pages"), checked=len(pages))
+            raise
+        if verified:
+            self._count_verified(len(verified), "commit")
+        return verified
+
+    def _record_digests(self, table: list[int], known: dict[int, int]) -> None:
+        """Give the freshly cached pages of ``table`` their digest: the verified one, or one
+        taken now (pages the worker wrote itself). The committing request holds a lock on
+        every page of ``table``, so none can be evicted and rewritten meanwhile."""
+        if not self.digester.enabled or not table:
+            return
+        with self._pm_lock:
+            missing = [p for p, d in zip(table, self.page_manager.digests_of(table),
+                                         strict=True) if d is None]
+        if not missing:
+            return
+        fresh = [p for p in missing if p not in known]
+        digests = {p: known[p] for p in missing if p in known}
+        digests.update(zip(fresh, self.digester.digest(fresh), strict=True))
+        with self._pm_lock:
+            self.page_manager.set_digests(digests)
+
+    def _count_mismatches(self, pages: int, where: str) -> None:
+        with self._counter_lock:
+            self.digest_mismatches += pages
+        deltakv_metrics.instruments().pages_verified.add(pages, {"outcome": "corrupt",
+                                                                 "where": where})
+
+    @staticmethod
+    def _count_verified(pages: int, where: str) -> None:
+        deltakv_metrics.instruments().pages_verified.add(pages, {"outcome": "ok", "where": where})
 
     def Release(self, request: sidecar_pb2.ReleaseRequest,
                 context: grpc.ServicerContext) -> sidecar_pb2.ReleaseResponse:
@@ -198,6 +282,32 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         return sidecar_pb2.PageChecksumsResponse(
             crc32=self.pool.page_crc32([int(p) for p in request.page_indices]))
 
+    def AuditCache(self, request: sidecar_pb2.AuditCacheRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.AuditCacheResponse:
+        """Re-hash every cached page against the digest it was cached with
+        (:func:`~deltakv.sidecar.digests.audit_cache`); report the corrupt ones and, with
+        ``evict``, drop those no request has locked along with the cached prefixes below
+        them. Counted in ``deltakv.cache.audit.pages`` (outcome ok|corrupt) and
+        ``deltakv.cache.audit.evicted``. Checks nothing when digests are off."""
+        result = audit_cache(self.digester, self.page_manager, self._pm_lock,
+                             evict=request.evict)
+        instruments = deltakv_metrics.instruments()
+        instruments.audit_pages.add(result.checked - len(result.corrupt), {"outcome": "ok"})
+        if result.corrupt:
+            instruments.audit_pages.add(len(result.corrupt), {"outcome": "corrupt"})
+            instruments.audit_evicted.add(len(result.evicted))
+            with self._counter_lock:
+                self.digest_mismatches += len(result.corrupt)
+            self.log.error("cache_audit_corrupt", corrupt_pages=result.corrupt,
+                           evicted_pages=len(result.evicted), kept_pages=result.kept)
+        self.log.info("cache_audited", pages_checked=result.checked,
+                      corrupt=len(result.corrupt), evicted=len(result.evicted),
+                      unverified=result.unverified, duration_ms=round(result.duration_s * 1e3, 2))
+        return sidecar_pb2.AuditCacheResponse(
+            pages_checked=result.checked, corrupt_pages=result.corrupt,
+            evicted_pages=len(result.evicted), pages_unverified=result.unverified,
+            duration_us=int(result.duration_s * 1e6))
+
     def pool_page_counts(self) -> dict[str, int]:
         """Pages by state (free, cached, live, quarantined, locked, evictable) for the
         ``deltakv.pool.pages`` gauge; thread-safe (the exporter's thread calls it)."""
@@ -215,7 +325,8 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             stats = self.page_manager.stats()
         with self._counter_lock:
             counters = dict(transfers_ok=self.transfers_ok, transfers_failed=self.transfers_failed,
-                            bytes_written=self.bytes_written, pages_written=self.pages_written)
+                            bytes_written=self.bytes_written, pages_written=self.pages_written,
+                            digest_mismatches=self.digest_mismatches)
         return sidecar_pb2.SidecarStats(
             pool=kv_pb2.PoolStats(
                 num_pages=stats.num_pages, free=stats.free, cached=stats.cached,
@@ -223,7 +334,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
                 evictable=stats.evictable, page_bytes=self.layout.page_bytes,
                 live_requests=stats.live_requests),
             live_requests=stats.live_requests, rooms_in_flight=self.rooms.in_flight,
-            **counters)
+            page_digests=self.digester.enabled, **counters)
 
     # -- transfers ------------------------------------------------------------------------
 
@@ -297,6 +408,7 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
             deadline = min(deadline, time.monotonic() + rpc_left)
 
         room_log = self.log.bind(room=info.room, request_id=info.request_id)
+        digests = self._source_digests(plan, room_log)
         ticket = self.rooms.begin(info.room, info.request_id, deadline)
         ok = False
         pages_done = 0
@@ -337,9 +449,30 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         duration_us = int((time.monotonic() - started) * 1e6)
         stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
                               prefill_cached_len=request.prefill_cached_len)
+        stats.page_digests.extend(digests)
         room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
                       batches=stats.batches, duration_us=duration_us)
         return sidecar_pb2.WritePagesResponse(stats=stats)
+
+    def _source_digests(self, plan: Any, room_log: Any) -> list[int]:
+        """Digests of the delta's source pages in prompt order (``[]`` with digests off),
+        read before any byte moves. Source pages cached in this sidecar's index must still
+        match the digest they were cached with: DATA_LOSS otherwise (a corrupt prefill cache
+        must not reach decode with a fresh, matching digest)."""
+        sources = plan.source_pages
+        digests = self.digester.digest(sources)
+        if not digests:
+            return []
+        with self._pm_lock:
+            recorded = self.page_manager.digests_of(sources)
+        bad = [p for p, want, got in zip(sources, recorded, digests, strict=True)
+               if want is not None and want != got]
+        if bad:
+            self._count_mismatches(len(bad), "source")
+            room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
+            raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
+                           f"from their digests; run AuditCache with evict", pages=bad)
+        return digests
 
     def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:

@@ -10,11 +10,14 @@ exception                   gRPC code              when
 InvalidArgument             INVALID_ARGUMENT       bad input (shape, range, alignment, ...)
 AlreadyExists               ALREADY_EXISTS         duplicate room in flight
 FailedPrecondition          FAILED_PRECONDITION    layout mismatch, unknown/dead endpoint
+StaleIncarnation            FAILED_PRECONDITION    a worker's call names another pool
+                                                   incarnation than its sidecar's (restarted)
 ResourceExhausted           RESOURCE_EXHAUSTED     not enough pages even after eviction
 Unavailable                 UNAVAILABLE            peer unreachable, engine failure, draining
+SidecarRestarted            UNAVAILABLE            a worker's sidecar restarted under a request
 DeadlineExceeded            DEADLINE_EXCEEDED      a bound (lease, deadline) ran out
 Aborted                     ABORTED                transfer superseded or fenced by an abort
-DataLoss                    DATA_LOSS              checksum mismatch
+DataLoss                    DATA_LOSS              checksum / page digest mismatch
 NotFound                    NOT_FOUND              unknown lock / request / room
 Internal                    INTERNAL               a bug: never expected
 ==========================  =====================  ==========================================
@@ -80,6 +83,12 @@ class UnknownEndpoint(FailedPrecondition):
     """A TransferInfo names an endpoint (incarnation) that does not exist (any more)."""
 
 
+class StaleIncarnation(FailedPrecondition):
+    """A worker's call to its sidecar names a pool incarnation (endpoint id) that is not the
+    sidecar's: the sidecar restarted and its pool is new, so the worker's mapping and page
+    tables describe memory this sidecar never owned. Refused before anything is done."""
+
+
 class ResourceExhausted(DeltaKVError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -90,6 +99,12 @@ class Unavailable(DeltaKVError):
 
 class TransferFailed(Unavailable):
     """The transfer engine reported an error on a batch; the room failed."""
+
+
+class SidecarRestarted(Unavailable):
+    """Worker side: the worker's own sidecar restarted (or is being re-attached) while a
+    request ran, so the pool that request computed into is gone. Retryable: the worker
+    re-attaches to the new incarnation (services/attach.py)."""
 
 
 class DeadlineExceeded(DeltaKVError, TimeoutError):

@@ -25,6 +25,10 @@ instrument                             Prometheus                              a
 ``deltakv.transfer.size`` hist, By     ``deltakv_transfer_size_bytes``          (prefill sidecar)
 ``deltakv.transfers`` counter          ``deltakv_transfers_total``              ``outcome``
 ``deltakv.pool.pages`` gauge           ``deltakv_pool_pages``                   ``state``
+``deltakv.pages.verified`` counter     ``deltakv_pages_verified_total``         ``outcome``,
+                                                                               ``where``
+``deltakv.cache.audit.pages`` counter  ``deltakv_cache_audit_pages_total``      ``outcome``
+``deltakv.cache.audit.evicted``        ``deltakv_cache_audit_evicted_total``    (sidecar)
 =====================================  ======================================  ================
 
 ``outcome`` of a request: ``ok | rejected | cancelled``; of a transfer: ``ok`` or the gRPC code
@@ -32,7 +36,9 @@ name in lower case (``unavailable``, ``deadline_exceeded``, ``aborted``, ...). `
 rejection: the gRPC code name in lower case. ``kind`` of prefill tokens: ``computed`` (the
 forward pass ran over them) or ``cached`` (prefill-side prefix reuse skipped them). Pool ``state``: ``free | cached | live |
 quarantined | locked | evictable`` (``free + cached + live + quarantined == num_pages``; locked
-and evictable are subsets of cached).
+and evictable are subsets of cached). Page digests (``deltakv.sidecar.digests``): ``outcome`` is
+``ok | corrupt``; ``where`` a digest was checked: ``commit`` (decode's destination pages
+against prefill's digests) or ``source`` (prefill's cached source pages before a write).
 """
 
 from __future__ import annotations
@@ -101,6 +107,16 @@ class DeltaKVMetrics:
         self.transfers = meter.create_counter(
             "deltakv.transfers", unit="{transfer}",
             description="WritePages calls by outcome (ok or the gRPC code name)")
+        self.pages_verified = meter.create_counter(
+            "deltakv.pages.verified", unit="{page}",
+            description="pages checked against their digest, by outcome (ok, corrupt) and "
+                        "where (commit, source)")
+        self.audit_pages = meter.create_counter(
+            "deltakv.cache.audit.pages", unit="{page}",
+            description="cached pages re-verified by AuditCache, by outcome (ok, corrupt)")
+        self.audit_evicted = meter.create_counter(
+            "deltakv.cache.audit.evicted", unit="{page}",
+            description="pages AuditCache evicted (corrupt pages and the prefixes below them)")
         self._pool_lock = threading.Lock()
         self._pool_readers: list[tuple[Mapping[str, str], Callable[[], Mapping[str, int]]]] = []
         self._pool_gauge: Any = None

@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transfer lease (default: the decode service's, 60 s)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
+    parser.add_argument("--page-digests", choices=("on", "off"), default="on",
+                        help="end-to-end page digests in both sidecars (default on)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
     from deltakv.services.runtime import otel
@@ -130,6 +132,7 @@ def cluster_config(args: argparse.Namespace):
                          transport_options=args.transport_option, log_level=args.log_level,
                          telemetry_args=otel.forwarded_args(args),
                          decode_args=_decode_bounds(args),
+                         page_digests=getattr(args, "page_digests", "on") == "on",
                          metrics_port=_metrics_base_port(args))
 
 

@@ -113,7 +113,9 @@ class RequestState:
     (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
     ``admission_deadline``: until when the request may wait for pages (decode's and, through
-    Prefill retries, prefill's). Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
+    Prefill retries, prefill's). ``lease``: the pool incarnation it uses
+    (``SidecarPairing.enter``), released after cleanup. Times are ``time.monotonic()``
+    seconds; ``ttft_ms`` in ms.
     """
 
     request_id: str
@@ -134,3 +136,4 @@ class RequestState:
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
     counted: bool = False  # in exactly one of requests_ok / _failed / _cancelled
+    lease: Any = None

@@ -127,6 +127,16 @@ class DecodeScheduler:
         if request not in self.in_step:
             self._drop(request, None)
 
+    def fail_all(self, error: DeltaKVError) -> int:
+        """Fail every running request with ``error`` (e.g. its pool incarnation is gone):
+        each gets an ErrorEvent now and is dropped like a cancel (``detached`` once no step
+        can write its KV). Returns how many."""
+        requests = list(self.running)
+        for request in requests:
+            request.events.put_nowait(ErrorEvent(error))
+            self.cancel(request)
+        return len(requests)
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -91,12 +91,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.prefill_num_pages = prefill_num_pages
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
-        self.endpoint = worker.describe.endpoint
         self.admission = AdmissionQueue("decode", max_waiting=config.max_waiting)
         self.teardown = Teardown(worker, self.prefill_service, self.scheduler, self.admission,
                                  config)
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
+
+    @property
+    def endpoint(self) -> kv_pb2.EndpointInfo:
+        """Decode's transfer endpoint: its sidecar's current pool incarnation's."""
+        return self.worker.describe.endpoint
 
     def start(self) -> None:
         self.scheduler.start()
@@ -120,7 +124,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Server-streaming generation: the five steps of the module docstring. Streams
         ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
         (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
-        FAILED_PRECONDITION (prefill), INTERNAL (a failed decode step)."""
+        FAILED_PRECONDITION (prefill), DATA_LOSS (a delta page differs from prefill's digest),
+        UNAVAILABLE (this worker's sidecar is away or restarted), INTERNAL (a failed decode
+        step)."""
         state = self._open(request)
         try:
             parsed = self._parse(request)
@@ -179,6 +185,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prompt and the generation, in one ``Admit``. RESOURCE_EXHAUSTED at once if the
         request exceeds decode's pool or the prompt prefill's, or after waiting (FIFO,
         holding nothing) until the admission budget ends."""
+        # The pool incarnation this request uses, until its teardown ran (services/attach.py).
+        state.lease = self.worker.pairing.enter()
         layout = self.worker.layout
         prompt_len = len(parsed.prompt)
         max_new = parsed.sampling.max_new_tokens
@@ -220,15 +228,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Step 3: prefill computes the first token and writes the delta pages into this
         pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
         ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
-        enter decode's radix index. Returns the request, ready to decode."""
+        enter decode's radix index once the delta pages match prefill's page digests
+        (DATA_LOSS otherwise). Returns the request, ready to decode."""
         # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
         with telemetry.span("decode.first_token", prompt_len=state.prompt_len,
                             decode_prefix_len=state.decode_prefix_len,
                             delta_pages=len(state.delta_pages),
                             lease_ms=self.config.lease_ms) as span:
             response = await self._prefill_with_retries(state, parsed, context)
-            canonical, _ = await self.worker.sidecar.commit(state.sidecar_id, parsed.prompt,
-                                                            state.page_table)
+            # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
+            # nothing cached, and the pages go through this request's normal release.
+            canonical, _ = await self.worker.sidecar.commit(
+                state.sidecar_id, parsed.prompt, state.page_table,
+                verify_pages=state.delta_pages if response.stats.page_digests else (),
+                verify_digests=response.stats.page_digests)
             state.page_table[: len(canonical)] = canonical
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(

@@ -68,8 +68,13 @@ class Teardown:
         through ``asyncio.shield``)."""
         if state.cleanup is None:
             state.cleanup = asyncio.ensure_future(self._run(state))
-            state.cleanup.add_done_callback(lambda _: self._open.pop(id(state), None))
+            state.cleanup.add_done_callback(lambda _: self._done(state))
         return state.cleanup
+
+    def _done(self, state: RequestState) -> None:
+        self._open.pop(id(state), None)
+        if state.lease is not None:  # the pool incarnation it used (services/attach.py)
+            state.lease.release()
 
     async def wait_all(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` until every opened request finished its teardown; how

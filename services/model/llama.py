@@ -6,11 +6,9 @@ SwiGLU MLP, tied or untied output head. The module holds **weights only**; the K
 page-major pool ``[num_pages, num_layers, 2 (K,V), page_size, num_kv_heads, head_dim]`` that the
 caller owns (normally the sidecar's shared memory) and passes to every forward.
 
-Addressing: the pool is viewed flat as token rows ``[num_pages * num_layers * 2 * page_size,
-num_kv_heads, head_dim]``; token position ``pos`` of a sequence with page table ``table`` has
-K of layer ``l`` at row ``((table[pos // page_size] * L + l) * 2 + 0) * page_size + pos %
-page_size`` and V ``page_size`` rows further. :class:`deltakv.services.model.runner.ModelRunner` turns
-page tables into those row indices (validating them first); this module trusts them.
+Attention reads the context where it lies in the pool (:mod:`deltakv.services.model.attention`:
+consecutive page runs as views, a gather buffer for the rest); :class:`deltakv.services.model.runner.ModelRunner`
+validates page tables and plans those reads; this module trusts them.
 
 The module keeps no mutable state, so concurrent forwards on disjoint pages are safe.
 """
@@ -24,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from deltakv.errors import InvalidArgument
+from deltakv.services.model.attention import ContextReader, PagedKV
+from deltakv.services.model.linear import Linear, make_linear
 
 # Model types whose transformers implementation is exactly the architecture below.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -135,52 +135,52 @@ def rope_inv_freq(config: Any, spec: LlamaSpec) -> tuple[torch.Tensor, float]:
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor        # [hidden]
-    w_qkv: torch.Tensor             # [(H + 2*Hkv) * D, hidden], q rows then k then v
-    b_qkv: torch.Tensor | None      # [(H + 2*Hkv) * D]
-    w_o: torch.Tensor               # [hidden, H * D]
-    b_o: torch.Tensor | None
+    qkv: Linear                     # hidden -> (H + 2*Hkv) * D, q rows then k then v
+    o: Linear                       # H * D -> hidden
     post_norm: torch.Tensor         # [hidden]
-    w_gate_up: torch.Tensor         # [2 * intermediate, hidden], gate rows then up
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor            # [hidden, intermediate]
-    b_down: torch.Tensor | None
+    gate_up: Linear                 # hidden -> 2 * intermediate, gate rows then up
+    down: Linear                    # intermediate -> hidden
 
 
 class PagedLlama:
     """Weights of a Llama-family decoder plus the paged forward passes.
 
     Built with :meth:`from_transformers`. Weights are fused where that saves matmuls (q/k/v in
-    one projection, gate/up in one) and stay read-only; the object can be shared by threads.
+    one projection, gate/up in one), packed for the linear kernel once
+    (:mod:`deltakv.services.model.linear`) and stay read-only; the object can be shared by
+    threads.
     ``dtype`` is the compute dtype (float32 by default); the KV pool may hold another dtype
     (e.g. bfloat16 KV with float32 compute), converted on write and read.
     """
 
     def __init__(self, spec: LlamaSpec, embed: torch.Tensor, layers: list[_Layer],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, inv_freq: torch.Tensor,
-                 rope_scaling: float) -> None:
+                 rope_scaling: float, linear_backend: str | None = None) -> None:
         self.spec = spec
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head
         # Matrix-vector products with the vocabulary-sized head run ~2x faster on CPU BLAS with
-        # the [hidden, vocab] layout; products with several rows prefer [vocab, hidden]. The
-        # head is the largest matrix of small models, so both layouts are kept (one extra copy).
+        # the [hidden, vocab] layout (measured 4.9 ms vs 8.3 ms for oneDNN's packed head on
+        # SmolLM2); several rows go through the linear kernel. The head is the largest matrix
+        # of small models, so both layouts are kept (one extra copy).
+        self.lm_head = make_linear(lm_head, None, linear_backend)
         self.lm_head_t = lm_head.t().contiguous()
         self.inv_freq = inv_freq
         self.rope_scaling = rope_scaling
         self.dtype = embed.dtype
         self.device = embed.device
         self._act = _ACTIVATIONS[spec.hidden_act]
-        self._scale = spec.head_dim ** -0.5
 
     @classmethod
-    def from_transformers(cls, hf_model: Any) -> PagedLlama:
+    def from_transformers(cls, hf_model: Any, linear_backend: str | None = None) -> PagedLlama:
         """Take the weights of a transformers ``*ForCausalLM`` (Llama/Mistral/Qwen2 layout).
 
-        Embedding, norms and output head are shared with ``hf_model`` (no copy); q/k/v and
-        gate/up are concatenated into new tensors and the output head gets a transposed copy. Raises :class:`InvalidArgument`
-        (INVALID_ARGUMENT) for an unsupported architecture.
+        Embedding and norms are shared with ``hf_model`` (no copy); q/k/v and gate/up are
+        concatenated, every projection and the output head packed for the linear kernel
+        (``linear_backend``: a :data:`deltakv.services.model.linear.BACKENDS` name, or the
+        first that fits), and the output head gets a transposed copy. Raises
+        :class:`InvalidArgument` (INVALID_ARGUMENT) for an unsupported architecture.
         """
         config = hf_model.config
         spec = LlamaSpec.from_config(config)
@@ -197,27 +197,25 @@ class PagedLlama:
                                                                   dtype=lin.weight.dtype)
                               for p, lin in zip(parts, linears, strict=True)])
 
+        def linear(*linears: Any) -> Linear:
+            weight = torch.cat([lin.weight for lin in linears]).detach().contiguous()
+            return make_linear(weight, cat_bias(*linears), linear_backend)
+
         layers = []
         for block in base.layers:
             attn, mlp = block.self_attn, block.mlp
             layers.append(_Layer(
                 input_norm=block.input_layernorm.weight.detach(),
-                w_qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight,
-                                 attn.v_proj.weight]).detach().contiguous(),
-                b_qkv=cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                w_o=attn.o_proj.weight.detach(),
-                b_o=bias(attn.o_proj),
+                qkv=linear(attn.q_proj, attn.k_proj, attn.v_proj),
+                o=linear(attn.o_proj),
                 post_norm=block.post_attention_layernorm.weight.detach(),
-                w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-                .contiguous(),
-                b_gate_up=cat_bias(mlp.gate_proj, mlp.up_proj),
-                w_down=mlp.down_proj.weight.detach(),
-                b_down=bias(mlp.down_proj),
+                gate_up=linear(mlp.gate_proj, mlp.up_proj),
+                down=linear(mlp.down_proj),
             ))
         inv_freq, scaling = rope_inv_freq(config, spec)
         return cls(spec, base.embed_tokens.weight.detach(), layers, base.norm.weight.detach(),
                    hf_model.lm_head.weight.detach(), inv_freq.to(base.embed_tokens.weight.device),
-                   scaling)
+                   scaling, linear_backend)
 
     # ---- building blocks -------------------------------------------------------------------
 
@@ -246,7 +244,7 @@ class PagedLlama:
         """q ``[N, H, D]``, k and v ``[N, Hkv, D]`` with RoPE applied, for hidden ``[N, hidden]``."""
         spec = self.spec
         n = h.shape[0]
-        qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+        qkv = layer.qkv(h)
         q_end = spec.num_heads * spec.head_dim
         k_end = q_end + spec.num_kv_heads * spec.head_dim
         q = qkv[:, :q_end].view(n, spec.num_heads, spec.head_dim)
@@ -256,8 +254,8 @@ class PagedLlama:
 
     def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x, layer.post_norm)
-        gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-        return x + F.linear(self._act(gate) * up, layer.w_down, layer.b_down)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(self._act(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[vocab]`` for hidden ``[hidden]``, ``[N, vocab]`` for ``[N, hidden]``."""
@@ -266,99 +264,66 @@ class PagedLlama:
             return (h[None] @ self.lm_head_t)[0].float()
         if h.shape[0] == 1:
             return (h @ self.lm_head_t).float()
-        return (self.lm_head @ h.t()).t().float().contiguous()
+        return self.lm_head(h).float()
 
     # ---- paged forwards ----------------------------------------------------------------------
 
-    def prefill(self, pool: torch.Tensor, token_ids: torch.Tensor, start: int,
-                write_rows: torch.Tensor | None, prefix_rows: torch.Tensor | None,
-                all_logits: bool) -> torch.Tensor:
+    def _store(self, kv: PagedKV, layer: int, write_rows: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Write K/V ``[N, Hkv, D]`` of N positions at token ``write_rows`` (layer 0, K) of
+        ``layer``, converted to the pool's dtype."""
+        base = write_rows + layer * kv.layer_rows
+        kv.rows.index_copy_(0, base, k.to(kv.pool.dtype))
+        kv.rows.index_copy_(0, base + kv.page_size, v.to(kv.pool.dtype))
+
+    def prefill(self, kv: PagedKV, reader: ContextReader, token_ids: torch.Tensor, start: int,
+                write_rows: torch.Tensor | None, all_logits: bool) -> torch.Tensor:
         """Forward one sequence's positions ``[start, start + T)`` over the paged pool.
 
-        ``token_ids`` ``[T]`` int64. ``write_rows`` ``[T]``: token rows (see module doc, layer 0,
-        K) where this call stores each new position's K/V, or ``None`` to store nothing (the
-        positions' K/V is already in the pool). ``prefix_rows`` ``[start]``: token rows (layer 0,
-        K) of positions ``[0, start)``, or ``None`` when ``start == 0``. Returns float32 logits
+        ``token_ids`` ``[T]`` int64. ``reader``: the plan of the prefix ``[0, start)`` (one
+        sequence, empty when ``start == 0``). ``write_rows`` ``[T]``: token rows (layer 0, K)
+        where this call stores each new position's K/V, or ``None`` to store nothing (the
+        positions' K/V is already in the pool). The new positions attend to each other from
+        their freshly computed K/V (causal), to the prefix from the pool. Returns float32 logits
         ``[vocab]`` of the last position, or ``[T, vocab]`` with ``all_logits``. Writes only
         ``write_rows``; the pool stays owned by the caller.
         """
         spec = self.spec
         t = token_ids.shape[0]
-        ps = pool.shape[3]
-        layer_rows = 2 * ps  # rows from one layer's K to the next layer's K
-        tok_view = pool.view(-1, spec.num_kv_heads, spec.head_dim)
         positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self._rope(positions)
-        mask = None
-        kv_prefix_rows = None
-        if prefix_rows is not None:
-            mask = (torch.arange(start + t, device=self.device)[None, :]
-                    <= positions[:, None])  # [T, start+T]: position i sees keys 0..start+i
-            kv_prefix_rows = torch.cat((prefix_rows, prefix_rows + ps))  # K rows, then V rows
-        gqa = spec.num_heads != spec.num_kv_heads
         x = F.embedding(token_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = self._qkv(layer, h, cos, sin)
             if write_rows is not None:
-                tok_view.index_copy_(0, write_rows + index * layer_rows, k.to(pool.dtype))
-                tok_view.index_copy_(0, write_rows + (index * layer_rows + ps), v.to(pool.dtype))
-            keys, values = k, v  # [T, Hkv, D]
-            if kv_prefix_rows is not None:
-                past = tok_view.index_select(0, kv_prefix_rows + index * layer_rows)
-                past = past.to(self.dtype).view(2, start, spec.num_kv_heads, spec.head_dim)
-                keys = torch.cat((past[0], keys))
-                values = torch.cat((past[1], values))
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                enable_gqa=gqa)
-            attn = out[0].transpose(0, 1).reshape(t, spec.num_heads * spec.head_dim)
-            x = x + F.linear(attn, layer.w_o, layer.b_o)
+                self._store(kv, index, write_rows, k, v)
+            attn = reader.attend(index, q.transpose(0, 1).contiguous()[None],
+                                 k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            attn = attn[0].transpose(0, 1).reshape(t, spec.num_heads * spec.head_dim)
+            x = x + layer.o(attn)
             x = self._mlp_block(layer, x)
         return self._logits(x if all_logits else x[-1])
 
-    def decode(self, pool: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-               write_rows: torch.Tensor, context_rows: torch.Tensor,
-               context_mask: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, kv: PagedKV, reader: ContextReader, token_ids: torch.Tensor,
+               positions: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
         """One decode step for ``B`` sequences of different lengths.
 
         ``token_ids`` ``[B]`` int64: each sequence's newest token, at position ``positions[b]``
         (tokens already cached). ``write_rows`` ``[B]``: token rows (layer 0, K) where its K/V is
-        stored. ``context_rows`` ``[B, S]``: token rows (layer 0, K) of positions ``[0, S)``,
-        ``S = max(positions) + 1``, padded past each sequence's own length; ``context_mask``
-        ``[B, 1, 1, S]`` float, 0 where visible and -inf on padding (``None`` when nothing is
-        padded). Returns float32 logits ``[B, vocab]``.
+        stored. ``reader``: the plans of each sequence's keys ``[0, positions[b]]``, the new
+        position included (it is stored before attention reads the pool). Returns float32
+        logits ``[B, vocab]``.
         """
         spec = self.spec
         b = token_ids.shape[0]
-        s = context_rows.shape[-1]
-        ps = pool.shape[3]
-        layer_rows = 2 * ps
-        group = spec.num_heads // spec.num_kv_heads
-        tok_view = pool.view(-1, spec.num_kv_heads, spec.head_dim)
         cos, sin = self._rope(positions)
-        # K rows then V rows of every context position: one gather per layer fetches both, in
-        # whole-token rows (all KV heads of a position are contiguous in a page).
-        kv_rows = torch.stack((context_rows, context_rows + ps)).view(-1)
-        kv_shape = (2, b, s, spec.num_kv_heads, spec.head_dim)
         x = F.embedding(token_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = self._qkv(layer, h, cos, sin)
-            # Store first, then read the whole context back: the new position is part of it.
-            tok_view.index_copy_(0, write_rows + index * layer_rows, k.to(pool.dtype))
-            tok_view.index_copy_(0, write_rows + (index * layer_rows + ps), v.to(pool.dtype))
-            kv = tok_view.index_select(0, kv_rows + index * layer_rows).view(kv_shape)
-            if kv.dtype != self.dtype:
-                kv = kv.to(self.dtype)
-            # Grouped-query attention without repeating K/V: the query heads that share a KV
-            # head act as that head's query rows (no causal mask needed for one new token).
-            # K/V stay token-major; the attention kernel reads them through strides.
-            qg = q.view(b, spec.num_kv_heads, group, spec.head_dim)
-            attn = F.scaled_dot_product_attention(qg, kv[0].transpose(1, 2),
-                                                  kv[1].transpose(1, 2), attn_mask=context_mask)
-            x = x + F.linear(attn.reshape(b, spec.num_heads * spec.head_dim), layer.w_o,
-                             layer.b_o)
+            self._store(kv, index, write_rows, k, v)
+            attn = reader.attend(index, q[:, :, None])  # one query position: no causal mask
+            x = x + layer.o(attn.reshape(b, spec.num_heads * spec.head_dim))
             x = self._mlp_block(layer, x)
         return self._logits(x)

@@ -2,10 +2,12 @@
 
 The services hand the runner the pool tensor their sidecar exposes (shared memory mapped
 zero-copy) and page tables from the sidecar's allocator; the runner validates every request
-before touching the pool, converts page tables into row indices, and runs
-:class:`deltakv.services.model.llama.PagedLlama`. Calls may come from worker threads; the runner has no
-mutable state of its own, and concurrent calls must use disjoint pages for the positions they
-write (the allocator guarantees that).
+before touching the pool, turns page tables into write rows and attention read plans
+(:mod:`deltakv.services.model.attention`: runs of pages read in place, the rest gathered), and
+runs :class:`deltakv.services.model.llama.PagedLlama`. Calls may come from worker threads; the
+runner has no mutable state of its own (each call builds its own plans and gather buffer), and
+concurrent calls must use disjoint pages for the positions they write (the allocator
+guarantees that).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from numbers import Integral
 import torch
 
 from deltakv.errors import InvalidArgument
+from deltakv.services.model.attention import (
+    MIN_RUN_TOKENS,
+    ContextReader,
+    PagedKV,
+    kernel_for,
+)
 from deltakv.services.model.loader import LoadedModel
 
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,10 +50,16 @@ class ModelRunner:
     ``kv_pool``: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, C-contiguous,
     float32/bfloat16/float16 on the model's device. It is **not owned** by the runner: the
     sidecar (or the test) allocates and frees it and must keep it alive while the runner is used.
-    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) if the pool does not fit the model.
+    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) if the pool does not fit the model or
+    this torch build has no attention kernel for its device.
+
+    ``min_run_tokens``: shortest run of consecutive full pages that attention reads in place
+    (shorter runs are copied through the gather buffer); a tuning knob with a measured default
+    (:data:`~deltakv.services.model.attention.MIN_RUN_TOKENS`), results do not depend on it.
     """
 
-    def __init__(self, model: LoadedModel, kv_pool: torch.Tensor) -> None:
+    def __init__(self, model: LoadedModel, kv_pool: torch.Tensor,
+                 min_run_tokens: int = MIN_RUN_TOKENS) -> None:
         module = model.module
         spec = module.spec
         if not isinstance(kv_pool, torch.Tensor) or kv_pool.dim() != 6:
@@ -67,13 +81,16 @@ class ModelRunner:
             raise InvalidArgument("KV pool must be C-contiguous (page-major layout)")
         if kv_pool.device != module.device:
             raise InvalidArgument(f"KV pool is on {kv_pool.device}, model on {module.device}")
+        if isinstance(min_run_tokens, bool) or not isinstance(min_run_tokens, int) \
+                or min_run_tokens < 1:
+            raise InvalidArgument(f"min_run_tokens must be an int >= 1, got {min_run_tokens!r}")
         self.model = model
         self.pool = kv_pool
         self.page_size = int(page_size)
         self.num_pages = int(num_pages)
         self._module = module
-        # Token rows between consecutive pages in the pool's [rows, Hkv, D] view.
-        self._page_rows = spec.num_layers * 2 * self.page_size
+        self._kernel = kernel_for(kv_pool.device)
+        self._kv = PagedKV(kv_pool, module.dtype, min_run_tokens)
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -102,13 +119,6 @@ class ModelRunner:
         if num_tokens > max_pos:
             raise InvalidArgument(f"{what} has {num_tokens} tokens; the model supports "
                                   f"{max_pos} positions")
-
-    # ---- row arithmetic --------------------------------------------------------------------
-
-    def _token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token rows (layer 0, K) of ``positions`` through page ``table`` (both int64)."""
-        return (table[positions // self.page_size] * self._page_rows
-                + positions % self.page_size)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -139,18 +149,19 @@ class ModelRunner:
                                   f"(the prompt has {n} tokens)")
         self._check_table(page_table, n, "prefill")
         start = min(cached_len, n - 1)
-        device = self._module.device
+        module = self._module
+        device = module.device
+        kv = self._kv
         with torch.inference_mode():
             table = torch.tensor(page_table, dtype=torch.int64, device=device)
             write_rows = None
             if cached_len < n:
-                write_rows = self._token_rows(table, torch.arange(start, n, device=device))
-            prefix_rows = None
-            if start > 0:
-                prefix_rows = self._token_rows(table, torch.arange(start, device=device))
+                write_rows = kv.token_rows(table, torch.arange(start, n, device=device))
+            group = module.spec.num_heads // module.spec.num_kv_heads
+            plan = kv.plan(page_table, start, query_rows=(n - start) * group)
             ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=device)
-            return self._module.prefill(self.pool, ids, start, write_rows, prefix_rows,
-                                        return_all_logits)
+            return module.prefill(kv, ContextReader(kv, [plan], self._kernel), ids, start,
+                                  write_rows, return_all_logits)
 
     def decode_step(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence in ``batch`` (continuous batching): writes each
@@ -179,27 +190,19 @@ class ModelRunner:
                                       f"which another sequence in the batch also writes")
             written.add(slot)
             tables.append(table[:-(-(seq.seq_len + 1) // self.page_size)])
-        device = self._module.device
+        module, kv = self._module, self._kv
+        device = module.device
+        group = module.spec.num_heads // module.spec.num_kv_heads
         with torch.inference_mode():
-            b = len(batch)
             lengths = torch.tensor([seq.seq_len for seq in batch], dtype=torch.int64,
                                    device=device)
-            max_pages = max(len(t) for t in tables)
-            # Pad every table with its own first page: padded positions are masked, and reading
-            # a page the sequence owns keeps every gathered row inside the pool.
-            padded = torch.tensor([t + [t[0]] * (max_pages - len(t)) for t in tables],
-                                  dtype=torch.int64, device=device)  # [B, max_pages]
-            s = int(lengths.max()) + 1
-            positions = torch.arange(s, device=device)
-            rows = (padded[:, positions // self.page_size] * self._page_rows
-                    + positions % self.page_size)  # [B, S]
-            write_rows = rows.gather(1, lengths[:, None])[:, 0]
-            mask = None
-            if int(lengths.min()) + 1 < s:
-                visible = positions[None, :] <= lengths[:, None]  # [B, S]
-                mask = torch.zeros((b, 1, 1, s), dtype=self._module.dtype, device=device)
-                mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+            write_rows = torch.tensor([kv.token_row(table, seq.seq_len)
+                                       for table, seq in zip(tables, batch, strict=True)],
+                                      dtype=torch.int64, device=device)
+            # Keys [0, seq_len] each: the new position is stored before attention reads it.
+            plans = [kv.plan(table, seq.seq_len + 1, query_rows=group)
+                     for table, seq in zip(tables, batch, strict=True)]
             ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
                                device=device)
-            return self._module.decode(self.pool, ids, lengths, write_rows,
-                                       rows.contiguous(), mask)
+            return module.decode(kv, ContextReader(kv, plans, self._kernel), ids, lengths,
+                                 write_rows)

@@ -29,6 +29,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -40,6 +41,7 @@ from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     InvalidArgument,
+    SidecarRestarted,
     Unavailable,
 )
 from deltakv.layout import KVLayout
@@ -102,6 +104,10 @@ class _Attempt:
     write_started: bool = False
     write_done: bool = False
     stats: dict[str, float] = field(default_factory=dict)
+    # The pool incarnation it computes in (services/attach.py); the error that stops it once
+    # that incarnation is lost.
+    lease: Any = None
+    lost: DeltaKVError | None = None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -163,6 +169,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             telemetry.fail_current(exc)
             raise  # the server's error interceptor sends its status
         attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}")
+        try:
+            attempt.lease = self.worker.pairing.enter()
+        except DeltaKVError as exc:
+            self.counters["requests_failed"] += 1
+            telemetry.fail_current(exc)
+            raise
         self.attempts[info.room] = attempt
         try:
             response = await self._prefill(attempt, request, receipt, context)
@@ -283,9 +295,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillResponse(first_token_id=first_token, stats=stats,
                                            prefill_ms=prefill_ms, transfer_ms=transfer_ms)
 
+    def abort_all(self, reason: str) -> None:
+        """This worker's sidecar pool incarnation is lost: every attempt computing in it
+        fails at its next check with SidecarRestarted (UNAVAILABLE, retryable)."""
+        for attempt in self.attempts.values():
+            attempt.lost = SidecarRestarted(f"room {attempt.room}: {reason}")
+
     @staticmethod
     def _check_alive(attempt: _Attempt, lease_end: float, context: grpc.aio.ServicerContext,
                      where: str) -> None:
+        if attempt.lost is not None:
+            raise attempt.lost
         if attempt.aborted:
             raise Aborted(f"room {attempt.room} was aborted {where}")
         if time.monotonic() >= lease_end:
@@ -313,6 +333,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 attempt.holds_pages = False
                 self.admission.pages_freed()
             self.attempts.pop(attempt.room, None)
+            if attempt.lease is not None:
+                attempt.lease.release()
 
     async def wait_cleanups(self, timeout_s: float) -> int:
         """At shutdown, after the server stopped: wait up to ``timeout_s`` for the cleanups of

@@ -9,7 +9,9 @@
    model, servicer, channels, gRPC server), pushing each part's close onto the stack as soon as
    it exists, and returns a :class:`Service`. A signal during build abandons it;
 3. **SERVING** — :attr:`Service.start` listens and reports SERVING; one ``serving`` log line;
-4. **wait** for SIGTERM or SIGINT;
+4. **wait** for SIGTERM or SIGINT — or for :attr:`Service.failed` (the service found it can no
+   longer serve correctly, e.g. a worker that cannot re-pair with its restarted sidecar):
+   then the same drain and close follow and the exit status is 1;
 5. **drain** — :attr:`Service.drain`: one-way NOT_SERVING, stop accepting, in-flight work gets
    ``--drain-timeout-s``;
 6. **close** — the stack unwinds in reverse: the server (again, a no-op after a drain), then
@@ -57,11 +59,14 @@ class Service:
     ``start()``: listen and report SERVING. ``drain(grace_s)``: one-way NOT_SERVING, stop
     accepting, give in-flight work ``grace_s`` seconds, stop; must be idempotent (the
     lifecycle calls it again with 0 while closing). ``fields``: logged on the ``serving`` line.
+    ``failed``: a future the service resolves with an exception when it cannot go on
+    serving (the process then drains and exits 1); None: it never gives up by itself.
     """
 
     start: Callable[[], Awaitable[None]]
     drain: Callable[[float], Awaitable[None]]
     fields: dict[str, Any] = field(default_factory=dict)
+    failed: asyncio.Future | None = None
 
     @classmethod
     def of_server(cls, server: Any, on_drain: Callable[[], None] | None = None,
@@ -135,15 +140,34 @@ async def serve(args: argparse.Namespace, build: Build, *, role: str, process: s
             code = exc.code.name if isinstance(exc, DeltaKVError) else type(exc).__name__
             log.error("start_up_failed", reason=str(exc), code=code)
             return exit_status(exc)
+        status = 0
         if service is None:
             log.info("stopped_during_start_up")
         else:
             log.info("serving", **service.fields)
-            await stop.wait()
+            failure = await _until_stopped_or_failed(stop, service.failed)
+            if failure is not None:
+                code = failure.code.name if isinstance(failure, DeltaKVError) else "INTERNAL"
+                log.error("service_failed", reason=str(failure), code=code)
+                status = 1
             log.info("draining", grace_s=args.drain_timeout_s)
             await service.drain(args.drain_timeout_s)
     log.info("stopped")
-    return 0
+    return status
+
+
+async def _until_stopped_or_failed(stop: asyncio.Event,
+                                   failed: asyncio.Future | None) -> BaseException | None:
+    """Wait for ``stop`` (None) or for ``failed`` to resolve (its exception)."""
+    stopping = asyncio.ensure_future(stop.wait())
+    waits = {stopping} if failed is None else {stopping, failed}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if failed is not None and failed.done() and not failed.cancelled():
+        return failed.exception() or RuntimeError("service failed")
+    return None
 
 
 async def _unless_stopped(build: Awaitable[Service], stop: asyncio.Event) -> Service | None:

@@ -18,7 +18,8 @@ from deltakv.services.cli.bench.transfer import bench_layout, time_page_writes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
-        "contiguous_ratio", "scattered_ratio", "verified"}
+        "contiguous_ratio", "scattered_ratio", "contiguous_nodigest_gbps",
+        "scattered_nodigest_gbps", "digest_cost", "verified"}
 
 
 @pytest.mark.timeout(300)
@@ -30,7 +31,7 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["memcpy_gbps"] > 0
+    assert result["memcpy_gbps"] > 0 and result["xxh3_gbps"] > 0
     # "all" is every backend the registry has available here; the rest are listed as skipped.
     from deltakv.sidecar.transport.registry import available_backends
 
@@ -43,7 +44,8 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
         assert (rec["pages"], rec["page_bytes"]) == (3, 4096)
         assert rec["bytes"] == 3 * 4096
         assert rec["contiguous_runs"] == 1 and rec["scattered_runs"] == 3
-        for key in ("raw_gbps", "contiguous_gbps", "scattered_gbps"):
+        for key in ("raw_gbps", "contiguous_gbps", "scattered_gbps", "contiguous_nodigest_gbps",
+                    "scattered_nodigest_gbps"):
             assert rec[key] > 0
         assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table

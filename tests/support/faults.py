@@ -25,6 +25,11 @@ Options (``TransportOptions.extra``; every other key goes to the inner backend):
                    ``delay_ms`` act on transfers of a few pages
 ``rooms=K``        apply the faults to the first K rooms only (0 = all, the default): a retry
                    with a new room after an injected failure then succeeds
+``corrupt_page=N`` after the batch holding a room's N-th delta page (1-based) was written,
+                   flip one byte of that page at the destination, in place — the write
+                   "succeeds" with one wrong page, which end-to-end page digests must catch
+                   (shm: through the peer's mapping; other backends: that one page is written
+                   again from a source copy with the byte flipped)
 =================  ===========================================================================
 
 Batches are counted per room by the ticket ``write`` is handed (``ticket.batches_started``,
@@ -59,6 +64,8 @@ if TYPE_CHECKING:
 
 #: The registry name of the wrapper (``--transport`` value).
 TRANSPORT = "tests.support.faults:FaultyTransport"
+#: Byte of a page that ``corrupt_page`` flips.
+CORRUPT_BYTE = 1000
 #: What must be on PYTHONPATH for a sidecar process to import :data:`TRANSPORT`.
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -74,6 +81,7 @@ class FaultSpec:
     hang: bool = False
     batch_entries: int = 0
     rooms: int = 0
+    corrupt_page: int = 0
 
     @classmethod
     def from_options(cls, extra: dict) -> tuple[FaultSpec, dict]:
@@ -160,12 +168,14 @@ class FaultyTransport(Transport):
         self.limits = limits
         self._lock = threading.Lock()
         self._faulted_rooms: set[int] = set()
+        self._pages_done: dict[int, int] = {}  # room -> delta pages written so far
         log.warning("fault_injection_enabled", spec=str(self.spec), backend=self.name,
                     note="test facility: transfers are deliberately slowed/failed")
 
     # -- delegation -----------------------------------------------------------------------
 
     def register_pool(self, pool: SharedKVPool) -> None:
+        self._source = pool
         self.inner.register_pool(pool)
 
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
@@ -213,3 +223,29 @@ class FaultyTransport(Transport):
             raise TransferFailed(
                 f"room {ticket.room}: injected engine error on batch {batch_no}")
         self.inner.write(peer, batch, ticket)
+        if spec.corrupt_page:
+            self._corrupt(peer, batch, ticket)
+
+    def _corrupt(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
+        """Flip one byte of the room's ``corrupt_page``-th delta page at the destination if
+        this batch wrote it."""
+        with self._lock:
+            before = self._pages_done.get(ticket.room, 0)
+            self._pages_done[ticket.room] = before + sum(run.num_pages for run in batch)
+        index = self.spec.corrupt_page - 1 - before
+        for run in batch:
+            if 0 <= index < run.num_pages:
+                src, dst = run.src_page + index, run.dst_page + index
+                log.warning("fault_corrupt_page", room=ticket.room, dst_page=dst)
+                mapped = getattr(peer, "pool", None)  # the shm backend maps the peer's pool
+                if mapped is not None:
+                    mapped.as_bytes()[dst][CORRUPT_BYTE] ^= 0xFF
+                    return
+                view = self._source.as_bytes()[src]
+                view[CORRUPT_BYTE] ^= 0xFF
+                try:
+                    self.inner.write(peer, [PageRun(src, dst, 1)], ticket)
+                finally:
+                    view[CORRUPT_BYTE] ^= 0xFF
+                return
+            index -= run.num_pages

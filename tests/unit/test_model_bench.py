@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -13,20 +14,25 @@ from deltakv.services.cli.main import build_parser
 def test_bench_model_reports_every_point(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = build_parser().parse_args([
-        "bench", "model", "--model", "tiny-random", "--prefill-lens", "40,70",
-        "--decode-batches", "1,3", "--decode-context", "20", "--decode-steps", "3",
-        "--repeats", "1", "--json", str(out)])
+        "bench", "model", "--model", "tiny-random", "--context", "40", "--extend", "5",
+        "--decode-batches", "1,3", "--decode-steps", "3", "--prefill-lens", "30",
+        "--repeats", "2", "--json", str(out)])
     assert args._run(args) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "tiny-random"
-    points = [(r["phase"], r["batch"], r["tokens"]) for r in report["results"]]
-    assert points == [("prefill", 1, 40), ("prefill", 1, 70), ("decode", 1, 20), ("decode", 3, 20)]
+    assert len(report["load_before"]) == 3 and len(report["load_after"]) == 3
+    assert report["min_run_tokens"] >= 1 and report["linear"] in {"OneDNNLinear", "TorchLinear"}
+    assert datetime.datetime.fromisoformat(report["date"]).tzinfo is not None
+    points = [(r["phase"], r["batch"], r["context"], r["tokens"]) for r in report["results"]]
+    assert points == [("floor", 1, 0, 1), ("extend", 1, 40, 5), ("decode", 1, 40, 3),
+                      ("decode", 3, 40, 3), ("prefill", 1, 0, 30)]
     for row in report["results"]:
-        assert row["runner_tok_s"] > 0 and row["transformers_tok_s"] > 0
-        assert row["ratio"] == pytest.approx(row["runner_tok_s"] / row["transformers_tok_s"],
-                                             rel=0.01)
+        assert row["runner_ms"] > 0 and row["transformers_ms"] > 0
+        assert row["runner_tok_s"] == pytest.approx(
+            row["batch"] * row["tokens"] / row["runner_ms"] * 1e3, rel=0.01)
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
     printed = capsys.readouterr().out
-    assert printed.count("ratio=") == 4
+    assert printed.count("ratio=") == 5
 
 
 @pytest.mark.parametrize("argv", [["--prefill-lens", "0"], ["--decode-batches", "a,b"]])
@@ -38,6 +44,6 @@ def test_bench_model_rejects_bad_lists(argv, capsys):
 
 def test_bench_model_rejects_bad_counts(capsys):
     args = build_parser().parse_args(["bench", "model", "--model", "tiny-random",
-                                      "--decode-steps", "0"])
+                                      "--extend", "0"])
     assert args._run(args) == 2
-    assert "--decode-steps must be >= 1" in capsys.readouterr().err
+    assert "--extend must be >= 1" in capsys.readouterr().err

@@ -50,9 +50,18 @@ def scattered_table(num_tokens: int, page_size: int, num_pages: int) -> list[int
     return table
 
 
-def make_runner(model, page_size: int, num_pages: int = 160, dtype: str = "float32"):
+def consecutive_table(num_tokens: int, page_size: int, first: int = 3) -> list[int]:
+    """One run of consecutive pages (not starting at page 0), as the allocator prefers."""
+    return list(range(first, first + -(-num_tokens // page_size)))
+
+
+def make_runner(model, page_size: int, num_pages: int = 160, dtype: str = "float32",
+                min_run_tokens: int | None = None):
+    """A runner on a fresh pool; ``min_run_tokens=1`` makes attention read every run it can
+    in place, even at these short lengths."""
     pool = model.new_pool(page_size, num_pages, dtype)
-    return ModelRunner(model, pool), pool
+    kwargs = {} if min_run_tokens is None else {"min_run_tokens": min_run_tokens}
+    return ModelRunner(model, pool, **kwargs), pool
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -109,6 +118,23 @@ def test_twenty_decode_steps_match_transformers(tiny, prompt, reference, page_si
         torch.testing.assert_close(logits[0], reference[pos], atol=ATOL, rtol=0)
 
 
+def test_plain_torch_linear_backend_matches_transformers(tiny, prompt, reference):
+    """The model with ``F.linear`` layers (the fallback when oneDNN cannot take a weight)."""
+    import dataclasses
+
+    from deltakv.services.model.llama import PagedLlama
+
+    hf_model, model = tiny
+    plain = dataclasses.replace(model, module=PagedLlama.from_transformers(
+        hf_model, linear_backend="torch"))
+    runner, _ = make_runner(plain, 16)
+    table = scattered_table(PROMPT_LEN + 2, 16, 160)
+    logits = runner.prefill(prompt[:PROMPT_LEN], table, 0, return_all_logits=True)
+    torch.testing.assert_close(logits, reference[:PROMPT_LEN], atol=ATOL, rtol=0)
+    step = runner.decode_step([DecodeSeq(prompt[PROMPT_LEN], PROMPT_LEN, table)])
+    torch.testing.assert_close(step[0], reference[PROMPT_LEN], atol=ATOL, rtol=0)
+
+
 def test_decode_from_empty_cache(tiny, prompt, reference):
     """seq_len 0: the first token is decoded with nothing cached, like a 1-token prefill."""
     _, model = tiny
@@ -135,19 +161,24 @@ def test_kv_lands_only_in_the_page_table_slots(tiny, prompt):
     assert torch.equal(nonzero, written)
 
 
-def test_batched_decode_equals_unbatched(tiny):
+@pytest.mark.parametrize("layout", ["interleaved", "consecutive"])
+def test_batched_decode_equals_unbatched(tiny, layout):
     """4 sequences of different lengths with different page tables, decoded together, give
-    the same logits and the same KV bytes as each decoded alone."""
+    the same logits and the same KV bytes as each decoded alone. Interleaved tables are read
+    through the gather buffer; consecutive ones partly in place (runs) and partly gathered."""
     _, model = tiny
     generator = torch.Generator().manual_seed(11)
     lengths = [3, 17, 40, 64]
     prompts = [torch.randint(3, 259, (n,), generator=generator).tolist() for n in lengths]
     page_size, steps = 16, 6
     per_seq = -(-(max(lengths) + steps) // page_size)
-    tables = [[s + 4 * i for i in range(per_seq)] for s in range(4)]  # interleaved pages
+    if layout == "interleaved":
+        tables = [[s + 4 * i for i in range(per_seq)] for s in range(4)]
+    else:
+        tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(4)]
 
     def run(batched: bool):
-        runner, pool = make_runner(model, page_size, num_pages=4 * per_seq)
+        runner, pool = make_runner(model, page_size, num_pages=4 * per_seq, min_run_tokens=1)
         tokens = [int(torch.argmax(runner.prefill(p, t, 0))) for p, t in zip(prompts, tables,
                                                                               strict=True)]
         history = []
@@ -166,6 +197,80 @@ def test_batched_decode_equals_unbatched(tiny):
     torch.testing.assert_close(batched_logits, single_logits, atol=1e-5, rtol=0)
     assert torch.equal(batched_logits.argmax(-1), single_logits.argmax(-1))
     torch.testing.assert_close(batched_pool, single_pool, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("cached_len", [1, 17, 32])
+def test_consecutive_and_scattered_tables_agree(tiny, prompt, reference, page_size, cached_len):
+    """The same sequence on one run of pages (read in place) and on scattered pages (read
+    through the gather buffer): both equal transformers, and each other."""
+    _, model = tiny
+    steps = 6
+    results = []
+    for table in (consecutive_table(PROMPT_LEN + steps, page_size),
+                  scattered_table(PROMPT_LEN + steps, page_size, 160)):
+        runner, _ = make_runner(model, page_size, min_run_tokens=1)
+        runner.prefill(prompt[:cached_len], table, 0)
+        logits = [runner.prefill(prompt[:PROMPT_LEN], table, cached_len, return_all_logits=True)]
+        for pos in range(PROMPT_LEN, PROMPT_LEN + steps):
+            logits.append(runner.decode_step([DecodeSeq(prompt[pos], pos, table)]))
+        got = torch.cat(logits)
+        torch.testing.assert_close(got, reference[cached_len:PROMPT_LEN + steps], atol=ATOL,
+                                   rtol=0)
+        results.append(got)
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=0)
+
+
+def fragmented_table(num_tokens: int, page_size: int) -> list[int]:
+    """Runs of 1 to 9 pages in shuffled order with gaps, like a pool after some churn."""
+    need = -(-num_tokens // page_size)
+    generator = torch.Generator().manual_seed(5)
+    table, page = [], 0
+    while len(table) < need:
+        length = int(torch.randint(1, 10, (1,), generator=generator))
+        table.append(list(range(page, page + length)))
+        page += length + 1
+    order = torch.randperm(len(table), generator=generator).tolist()
+    return [p for i in order for p in table[i]][:need]
+
+
+LONG = 2000
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    generator = torch.Generator().manual_seed(9)
+    return torch.randint(3, 259, (LONG + 24,), generator=generator).tolist()
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny, long_prompt):
+    hf_model, _ = tiny
+    with torch.inference_mode():
+        return hf_model(torch.tensor([long_prompt])).logits[0].float()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", ["consecutive", "scattered", "fragmented"])
+def test_long_context_matches_transformers(tiny, long_prompt, long_reference, page_size,
+                                           layout):
+    """~2k context with the runner's default tuning: a cold prefill of 1500 tokens, a 500-token
+    extend over it (prefix gathered: cheaper than ps partial results of 1000 query rows), a
+    16-token extend over 2000 (the incremental turn: prefix read in place where it runs), then
+    decode steps; every logit equals transformers'."""
+    _, model = tiny
+    total = LONG + 24
+    table = {"consecutive": lambda: consecutive_table(total, page_size),
+             "scattered": lambda: scattered_table(total, page_size, 2 * -(-total // page_size)),
+             "fragmented": lambda: fragmented_table(total, page_size)}[layout]()
+    runner, _ = make_runner(model, page_size, num_pages=max(table) + 1)
+    runner.prefill(long_prompt[:1500], table, 0)
+    got = [runner.prefill(long_prompt[:LONG], table, 1500, return_all_logits=True)[-4:],
+           runner.prefill(long_prompt[:LONG + 16], table, LONG, return_all_logits=True)]
+    for pos in range(LONG + 16, total):
+        got.append(runner.decode_step([DecodeSeq(long_prompt[pos], pos, table)]))
+    expected = torch.cat([long_reference[LONG - 4:LONG], long_reference[LONG:total]])
+    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
 
 
 def test_batched_decode_with_shared_prefix_pages(tiny, prompt, reference):

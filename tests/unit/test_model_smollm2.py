@@ -53,13 +53,18 @@ def hf_outputs(smollm2, prompts):
     return outputs
 
 
-def greedy_batch(model, prompts, max_new_tokens):
+def greedy_batch(model, prompts, max_new_tokens, consecutive=False):
     """Greedy generation of all prompts together: one prefill each, then batched decode steps
-    over the sequences still running (continuous batching)."""
+    over the sequences still running (continuous batching). Page tables are interleaved (no
+    sequence owns a consecutive run: attention reads through the gather buffer) or, with
+    ``consecutive``, one run per sequence read in place from 16 tokens on."""
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // PAGE_SIZE)
-    runner = ModelRunner(model, model.new_pool(PAGE_SIZE, per_seq * len(prompts)))
-    # Interleaved page tables: no sequence owns a consecutive run.
-    tables = [[i + len(prompts) * k for k in range(per_seq)] for i in range(len(prompts))]
+    n = len(prompts)
+    runner = ModelRunner(model, model.new_pool(PAGE_SIZE, per_seq * n), min_run_tokens=16)
+    if consecutive:
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+    else:
+        tables = [[i + n * k for k in range(per_seq)] for i in range(n)]
     samplers = [Sampler() for _ in prompts]
     outputs: list[list[int]] = []
     for prompt, table, sampler in zip(prompts, tables, samplers, strict=True):
@@ -100,11 +105,12 @@ def test_greedy_generation_equals_transformers(smollm2, prompts, hf_outputs, ind
     assert ours == hf_outputs[index]
 
 
-def test_batched_generation_equals_transformers(smollm2, prompts, hf_outputs):
+@pytest.mark.parametrize("consecutive", [False, True], ids=["interleaved", "consecutive"])
+def test_batched_generation_equals_transformers(smollm2, prompts, hf_outputs, consecutive):
     """The three chats decoded together (different prompt lengths, sequences leaving the batch
-    at different steps) produce the same tokens as transformers."""
+    at different steps) produce the same tokens as transformers, whatever the page layout."""
     _, model = smollm2
-    assert greedy_batch(model, prompts, NEW_TOKENS) == hf_outputs
+    assert greedy_batch(model, prompts, NEW_TOKENS, consecutive) == hf_outputs
 
 
 def test_first_answer_is_sensible_and_streams_cleanly(smollm2, prompts, hf_outputs):

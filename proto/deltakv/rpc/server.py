@@ -332,6 +332,12 @@ class AioServer(_Assembly):
         for name in self._names:
             await self.health.set(name, _SERVING)
 
+    async def set_not_serving(self) -> None:
+        """Report NOT_SERVING for now (e.g. while a worker's sidecar is away); a later
+        :meth:`set_serving` reverses it, unlike :meth:`enter_graceful_shutdown`."""
+        for name in self._names:
+            await self.health.set(name, _NOT_SERVING)
+
     async def enter_graceful_shutdown(self) -> None:
         """NOT_SERVING for good: load balancers and probes stop routing here."""
         await self.health.enter_graceful_shutdown()

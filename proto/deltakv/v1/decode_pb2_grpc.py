@@ -55,7 +55,9 @@ class DecodeServiceServicer:
         INVALID_ARGUMENT for malformed input (also a body that is not a GenerateRequest) or
         sampling parameters outside their documented ranges; RESOURCE_EXHAUSTED if the request
         can never fit, or after the bounded admission wait (--admission-timeout-s); UNAVAILABLE
-        if prefill or the transfer fails, or while draining; DEADLINE_EXCEEDED past a bound.
+        if prefill or the transfer fails, a sidecar restarted under the request (retry), or
+        while draining; DEADLINE_EXCEEDED past a bound; DATA_LOSS if a transferred page does not
+        match the digest prefill sent (nothing of it was cached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

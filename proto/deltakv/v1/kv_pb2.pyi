@@ -78,7 +78,7 @@ class TransferInfo(_message.Message):
     def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_endpoint: _Optional[_Union[EndpointInfo, _Mapping]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("pages", "bytes", "runs", "batches", "duration_us", "decode_prefix_len", "prefill_cached_len", "backend")
+    __slots__ = ("pages", "bytes", "runs", "batches", "duration_us", "decode_prefix_len", "prefill_cached_len", "backend", "page_digests")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class TransferStats(_message.Message):
     DECODE_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     pages: int
     bytes: int
     runs: int
@@ -95,7 +96,8 @@ class TransferStats(_message.Message):
     decode_prefix_len: int
     prefill_cached_len: int
     backend: str
-    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., runs: _Optional[int] = ..., batches: _Optional[int] = ..., duration_us: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    page_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., runs: _Optional[int] = ..., batches: _Optional[int] = ..., duration_us: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., backend: _Optional[str] = ..., page_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos")

@@ -37,6 +37,26 @@ class DescribeResponse(_message.Message):
     pid: int
     def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("quarantine_ms",)
+    QUARANTINE_MS_FIELD_NUMBER: _ClassVar[int]
+    quarantine_ms: int
+    def __init__(self, quarantine_ms: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("describe", "released_requests", "freed_pages", "quarantined_pages", "fenced_rooms")
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FREED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FENCED_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    describe: DescribeResponse
+    released_requests: int
+    freed_pages: int
+    quarantined_pages: int
+    fenced_rooms: int
+    def __init__(self, describe: _Optional[_Union[DescribeResponse, _Mapping]] = ..., released_requests: _Optional[int] = ..., freed_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., fenced_rooms: _Optional[int] = ...) -> None: ...
+
 class ConnectPeerRequest(_message.Message):
     __slots__ = ("peer",)
     PEER_FIELD_NUMBER: _ClassVar[int]
@@ -101,15 +121,25 @@ class AdmitResponse(_message.Message):
     new_pages: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, matched_len: _Optional[int] = ..., prefix_pages: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PageDigests(_message.Message):
+    __slots__ = ("page_indices", "digests")
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "page_indices")
+    __slots__ = ("request_id", "token_ids", "page_indices", "verify")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     page_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    verify: PageDigests
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_indices: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[PageDigests, _Mapping]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("page_indices", "cached_len")
@@ -177,8 +207,28 @@ class PageChecksumsResponse(_message.Message):
     crc32: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class AuditCacheRequest(_message.Message):
+    __slots__ = ("evict",)
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    evict: bool
+    def __init__(self, evict: _Optional[bool] = ...) -> None: ...
+
+class AuditCacheResponse(_message.Message):
+    __slots__ = ("pages_checked", "corrupt_pages", "evicted_pages", "pages_unverified", "duration_us")
+    PAGES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    pages_checked: int
+    corrupt_pages: _containers.RepeatedScalarFieldContainer[int]
+    evicted_pages: int
+    pages_unverified: int
+    duration_us: int
+    def __init__(self, pages_checked: _Optional[int] = ..., corrupt_pages: _Optional[_Iterable[int]] = ..., evicted_pages: _Optional[int] = ..., pages_unverified: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
+
 class SidecarStats(_message.Message):
-    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written")
+    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written", "page_digests", "digest_mismatches")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROOMS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +236,8 @@ class SidecarStats(_message.Message):
     TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     pool: _kv_pb2.PoolStats
     live_requests: int
     rooms_in_flight: int
@@ -193,4 +245,6 @@ class SidecarStats(_message.Message):
     transfers_failed: int
     bytes_written: int
     pages_written: int
-    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ...) -> None: ...
+    page_digests: bool
+    digest_mismatches: int
+    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ..., page_digests: _Optional[bool] = ..., digest_mismatches: _Optional[int] = ...) -> None: ...

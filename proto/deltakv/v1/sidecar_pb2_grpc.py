@@ -27,7 +27,14 @@ if _version_not_supported:
 
 
 class SidecarServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Pairing (issue 11): a worker computes into its mapping of ONE pool incarnation (the
+    sidecar's endpoint_id). It pairs with `Attach` and then sends the incarnation it paired with
+    as the request metadata `deltakv-incarnation` on every call; a sidecar whose endpoint_id
+    differs (it restarted, its pool is new) refuses the call with FAILED_PRECONDITION before
+    doing anything and names its own incarnation in the trailing metadata of the same key. A
+    call without that metadata (operators, tests, benchmarks: callers that map no pool) is not
+    checked.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -39,6 +46,11 @@ class SidecarServiceStub:
                 '/deltakv.v1.SidecarService/Describe',
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.DescribeResponse.FromString,
+                _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/deltakv.v1.SidecarService/Attach',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AttachRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AttachResponse.FromString,
                 _registered_method=True)
         self.ConnectPeer = channel.unary_unary(
                 '/deltakv.v1.SidecarService/ConnectPeer',
@@ -85,6 +97,11 @@ class SidecarServiceStub:
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.FromString,
                 _registered_method=True)
+        self.AuditCache = channel.unary_unary(
+                '/deltakv.v1.SidecarService/AuditCache',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AuditCacheRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AuditCacheResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/deltakv.v1.SidecarService/GetStats',
                 request_serializer=deltakv_dot_v1_dot_kv__pb2.GetStatsRequest.SerializeToString,
@@ -93,10 +110,27 @@ class SidecarServiceStub:
 
 
 class SidecarServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Pairing (issue 11): a worker computes into its mapping of ONE pool incarnation (the
+    sidecar's endpoint_id). It pairs with `Attach` and then sends the incarnation it paired with
+    as the request metadata `deltakv-incarnation` on every call; a sidecar whose endpoint_id
+    differs (it restarted, its pool is new) refuses the call with FAILED_PRECONDITION before
+    doing anything and names its own incarnation in the trailing metadata of the same key. A
+    call without that metadata (operators, tests, benchmarks: callers that map no pool) is not
+    checked.
+    """
 
     def Describe(self, request, context):
         """Endpoint, layout and how to map the pool zero-copy (shm segment name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """A worker (re)pairs with this sidecar: everything a previous worker left behind (its
+        requests' locks and live pages; on a prefill sidecar its in-flight writes, fenced first)
+        is released, live pages quarantined for `quarantine_ms`; cached pages stay. Returns the
+        Describe of the incarnation paired with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +210,14 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuditCache(self, request, context):
+        """Re-verify every cached page against the digest it was cached with; report the pages
+        whose bytes changed and (with `evict`) drop them and the cached prefixes below them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -189,6 +231,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.DescribeRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AttachRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AttachResponse.SerializeToString,
             ),
             'ConnectPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectPeer,
@@ -235,6 +282,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.SerializeToString,
             ),
+            'AuditCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditCache,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AuditCacheRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AuditCacheResponse.SerializeToString,
+            ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=deltakv_dot_v1_dot_kv__pb2.GetStatsRequest.FromString,
@@ -249,7 +301,14 @@ def add_SidecarServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SidecarService:
-    """Missing associated documentation comment in .proto file."""
+    """Pairing (issue 11): a worker computes into its mapping of ONE pool incarnation (the
+    sidecar's endpoint_id). It pairs with `Attach` and then sends the incarnation it paired with
+    as the request metadata `deltakv-incarnation` on every call; a sidecar whose endpoint_id
+    differs (it restarted, its pool is new) refuses the call with FAILED_PRECONDITION before
+    doing anything and names its own incarnation in the trailing metadata of the same key. A
+    call without that metadata (operators, tests, benchmarks: callers that map no pool) is not
+    checked.
+    """
 
     @staticmethod
     def Describe(request,
@@ -268,6 +327,33 @@ class SidecarService:
             '/deltakv.v1.SidecarService/Describe',
             deltakv_dot_v1_dot_sidecar__pb2.DescribeRequest.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/Attach',
+            deltakv_dot_v1_dot_sidecar__pb2.AttachRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -511,6 +597,33 @@ class SidecarService:
             '/deltakv.v1.SidecarService/PageChecksums',
             deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/AuditCache',
+            deltakv_dot_v1_dot_sidecar__pb2.AuditCacheRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.AuditCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,12 @@ loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dim
   ``Transport.write`` of one run covering the block: no RPC, no planner, no peer table —
   what the backend can do without deltakv around it.
 
+Page digests (issue 11, on by default): the sidecar methods run twice, against a prefill
+sidecar with ``--page-digests on`` (every write hashes its source pages, xxh3_64, and returns
+the digests) and one with ``--page-digests off``, side by side; ``digest_cost`` is the share of
+the sidecar's contiguous write time the digests add, ``xxh3_64`` the hash's GB/s over the same
+bytes in this process.
+
 It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
 the same bytes in this process. Before every repeat (the untimed warm-up included) each
 method gets fresh random bytes in its source pages and zeros in its destination pages, both
@@ -88,18 +94,20 @@ class _Sidecar:
     benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction."""
 
     def __init__(self, role: str, backend: str, layout: Any, workdir: str,
-                 options: list[str], ready_timeout_s: float) -> None:
+                 options: list[str], ready_timeout_s: float,
+                 extra_args: tuple[str, ...] = (), name: str = "") -> None:
         from deltakv.rpc.channel import uds_address
         from deltakv.services.cluster import ManagedProcess
 
-        self.socket = os.path.join(workdir, f"{role}-{backend}.sock")
+        self.socket = os.path.join(workdir, f"{name or role}-{backend}.sock")
         self.target = uds_address(self.socket)
         cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
                "--transport", backend, "--socket", self.socket,
                "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
                "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
                "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
-               "--fingerprint", layout.model_fingerprint, "--log-level", "warning"]
+               "--fingerprint", layout.model_fingerprint, "--log-level", "warning",
+               *extra_args]
         for opt in options:
             cmd += ["--transport-option", opt]
         self.proc = ManagedProcess(f"{role} sidecar ({backend})", cmd, self.socket + ".log",
@@ -173,6 +181,18 @@ def measure_memcpy(nbytes: int, repeats: int) -> float:
     return _gbps(nbytes, seconds)
 
 
+def measure_xxh3(nbytes: int, repeats: int) -> float:
+    """GB/s of xxh3_64 over ``nbytes`` in this process (median of ``repeats``), hashed page by
+    page as the sidecar does is within a few percent of one call; one call here."""
+    import numpy as np
+    import xxhash
+
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    seconds, _ = _median_timed(repeats, lambda: None,
+                               lambda: xxhash.xxh3_64_intdigest(data), lambda: True)
+    return _gbps(nbytes, seconds)
+
+
 def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
                     options: list[str], ready_timeout_s: float,
                     model: str = DEFAULT_MODEL) -> dict[str, Any]:
@@ -199,22 +219,32 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         sidecars.append(decode)
         prefill = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s)
         sidecars.append(prefill)
+        # A second prefill sidecar with digests off: the A/B of what the digests cost.
+        plain = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s,
+                         extra_args=("--page-digests", "off"), name="prefill-nodigest")
+        sidecars.append(plain)
         dec_ch, pre_ch = grpc.insecure_channel(decode.target), grpc.insecure_channel(prefill.target)
-        closers += [dec_ch.close, pre_ch.close]
+        plain_ch = grpc.insecure_channel(plain.target)
+        closers += [dec_ch.close, pre_ch.close, plain_ch.close]
         dec_stub = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
         pre_stub = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
+        plain_stub = sidecar_pb2_grpc.SidecarServiceStub(plain_ch)
         dec_desc = dec_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         pre_desc = pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+        plain_desc = plain_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         dec_pool = SharedKVPool.attach(dec_desc.pool_shm_name,
                                        KVLayout.from_proto(dec_desc.endpoint.layout))
         closers.append(dec_pool.close)
         pre_pool = SharedKVPool.attach(pre_desc.pool_shm_name,
                                        KVLayout.from_proto(pre_desc.endpoint.layout))
         closers.append(pre_pool.close)
+        plain_pool = SharedKVPool.attach(plain_desc.pool_shm_name,
+                                         KVLayout.from_proto(plain_desc.endpoint.layout))
+        closers.append(plain_pool.close)
         src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
 
-        def sidecar_method(src: list[int], dst: list[int], seed: int
-                           ) -> tuple[float, bool, int]:
+        def sidecar_method(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
+                           digests: bool) -> tuple[float, bool, int]:
             runs: list[int] = []
 
             def action() -> None:
@@ -223,24 +253,34 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                     decode_endpoint=dec_desc.endpoint, dst_page_indices=dst,
                     decode_prefix_len=0, prompt_len=len(src) * layout.page_size,
                     lease_ms=120_000)
-                stats = pre_stub.WritePages(sidecar_pb2.WritePagesRequest(
+                stats = stub.WritePages(sidecar_pb2.WritePagesRequest(
                     transfer_info=info, src_page_indices=src), timeout=180).stats
                 if stats.bytes != len(src) * page_bytes:
                     raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
                                        f"{len(src)} pages of {page_bytes} B")
+                if len(stats.page_digests) != (len(src) if digests else 0):
+                    raise RuntimeError(f"sidecar returned {len(stats.page_digests)} page "
+                                       f"digests for {len(src)} pages (digests {digests})")
                 runs.append(stats.runs)
 
-            seconds, ok = time_page_writes(repeats, src_view, src, dst_view, dst, action,
+            seconds, ok = time_page_writes(repeats, source, src, dst_view, dst, action,
                                            seed=seed)
             return seconds, ok, runs[-1]
 
         contiguous = list(range(pages))
-        t_contig, ok_contig, runs_contig = sidecar_method(contiguous, contiguous, seed=1)
         # Source on even pages ascending, destination on odd pages descending: no two
         # neighbours are consecutive on either side, so every page is its own run.
         scat_src = [2 * i for i in range(pages)]
         scat_dst = [2 * (pages - 1 - i) + 1 for i in range(pages)]
-        t_scat, ok_scat, runs_scat = sidecar_method(scat_src, scat_dst, seed=2)
+        plain_view = plain_pool.as_bytes()
+        t_contig, ok_contig, runs_contig = sidecar_method(pre_stub, src_view, contiguous,
+                                                          contiguous, 1, True)
+        t_contig_off, ok_contig_off, _ = sidecar_method(plain_stub, plain_view, contiguous,
+                                                        contiguous, 4, False)
+        t_scat, ok_scat, runs_scat = sidecar_method(pre_stub, src_view, scat_src, scat_dst, 2,
+                                                    True)
+        t_scat_off, ok_scat_off, _ = sidecar_method(plain_stub, plain_view, scat_src, scat_dst,
+                                                    5, False)
 
         # Raw engine: this process's own transport over the same source pool, one write of
         # one run covering the block, straight to the decode sidecar's endpoint.
@@ -272,7 +312,11 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "scattered_ratio": _gbps(nbytes, t_scat) / raw,
             "contiguous_runs": runs_contig,
             "scattered_runs": runs_scat,
-            "verified": ok_contig and ok_scat and ok_raw,
+            "contiguous_nodigest_gbps": _gbps(nbytes, t_contig_off),
+            "scattered_nodigest_gbps": _gbps(nbytes, t_scat_off),
+            # Share of the contiguous write's time the digests add (negative: noise).
+            "digest_cost": (t_contig - t_contig_off) / t_contig,
+            "verified": ok_contig and ok_scat and ok_raw and ok_contig_off and ok_scat_off,
         }
     finally:
         for close in reversed(closers):
@@ -290,16 +334,20 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"bench transfer: {result['pages']} pages x {result['page_bytes']} B = "
              f"{result['pages'] * result['page_bytes'] / 2**20:.1f} MiB per write, median of "
              f"{result['repeats']}",
-             f"memcpy: {result['memcpy_gbps']:.2f} GB/s", "",
+             f"memcpy: {result['memcpy_gbps']:.2f} GB/s, xxh3_64: {result['xxh3_gbps']:.2f} GB/s "
+             f"(page digests: sidecar columns with digests on | off)", "",
              f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
-             f"{'scatter GB/s':>14}{'ratio':>8}  verified"]
+             f"{'scatter GB/s':>14}{'ratio':>8}{'contig off':>12}{'scatter off':>13}"
+             f"{'digest cost':>13}  verified"]
     for name, rec in result["backends"].items():
         if "error" in rec:
             lines.append(f"{name:<10}unavailable: {rec['error']}")
             continue
         lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
                      f"{rec['contiguous_ratio']:>8.2f}{rec['scattered_gbps']:>14.2f}"
-                     f"{rec['scattered_ratio']:>8.2f}  {rec['verified']}")
+                     f"{rec['scattered_ratio']:>8.2f}{rec['contiguous_nodigest_gbps']:>12.2f}"
+                     f"{rec['scattered_nodigest_gbps']:>13.2f}"
+                     f"{rec['digest_cost'] * 100:>12.1f}%  {rec['verified']}")
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"{name:<10}skipped: {reason}")
     return "\n".join(lines)
@@ -329,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"pages": args.pages, "page_bytes": page_bytes,
                               "repeats": args.repeats,
                               "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
+                              "xxh3_gbps": measure_xxh3(nbytes, args.repeats),
                               "backends": {},
                               "skipped": {name: reason for name, reason in availability.items()
                                           if reason is not None and name not in names}}

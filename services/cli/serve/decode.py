@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
+    parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
+                        help="after a sidecar restart: how long the sidecar may stay away and "
+                             "the old pool's requests may take to end before this worker "
+                             "exits 1 instead of re-attaching")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
@@ -115,7 +119,11 @@ async def build(args: argparse.Namespace, stack, log):
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
-    worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log)
+    # A previous decode worker's transfers may still land in the pages it left: quarantined
+    # for its lease + grace when this worker attaches.
+    worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
+                                quarantine_ms=config.lease_ms + config.quarantine_grace_ms,
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
     channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
                               interceptors=otel_grpc.aio_client_interceptors())
@@ -125,11 +133,35 @@ async def build(args: argparse.Namespace, stack, log):
                               prefill_num_pages=paired.prefill_endpoint.layout.num_pages)
     servicer.start()
     stack.push_async_callback(servicer.stop)
+    follow_sidecar_restarts(worker, servicer, channel, args.connect_timeout_s, log)
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = worker_server(
         args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
-    return Service.of_server(server, on_drain=servicer.begin_drain,
-                             prefill=args.prefill_target, tls=credentials is not None,
-                             client_certs=bool(args.tls_ca),
-                             prefill_tls=prefill_credentials is not None)
+    return worker.pairing.supervise(
+        Service.of_server(server, on_drain=servicer.begin_drain, prefill=args.prefill_target,
+                          tls=credentials is not None, client_certs=bool(args.tls_ca),
+                          prefill_tls=prefill_credentials is not None), server)
+
+
+def follow_sidecar_restarts(worker, servicer, channel, timeout_s: float, log) -> None:
+    """What decode does when its sidecar's pool incarnation is lost (services/attach.py):
+    the requests decoding in the old pool fail at once (UNAVAILABLE, retryable); once paired
+    with the new incarnation the batch computes in the new pool and prefill is handed the new
+    endpoint (a layout that no longer pairs is FAILED_PRECONDITION: the worker exits 1)."""
+    from deltakv.errors import FailedPrecondition, SidecarRestarted
+
+    def lost(reason: str) -> None:
+        servicer.scheduler.fail_all(SidecarRestarted(reason))
+
+    async def attached(attachment) -> None:
+        servicer.scheduler.runner = attachment.runner
+        try:
+            await handshake(channel, attachment.endpoint, min(timeout_s, 5.0), log)
+        except FailedPrecondition:
+            raise
+        except Exception as exc:  # noqa: BLE001 - prefill down: the first request reconnects
+            log.warning("prefill_handshake_deferred", reason=str(exc))
+
+    worker.pairing.on_lost.append(lost)
+    worker.pairing.on_attached.append(attached)

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="prefills queued for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
+    parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
+                        help="after a sidecar restart: how long the sidecar may stay away and "
+                             "the old pool's requests may take to end before this worker "
+                             "exits 1 instead of re-attaching")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
@@ -54,15 +58,21 @@ async def build(args: argparse.Namespace, stack, log):
 
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
-    worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log)
+    # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
+    worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
     servicer = PrefillServicer(worker, args.model, admission_timeout_s=args.admission_timeout_s,
                                max_waiting=args.max_waiting)
     stack.callback(servicer.close)
     stack.push_async_callback(servicer.wait_cleanups, 10.0)  # unwound first: before close
+    # A lost pool incarnation: the attempts computing in it stop at their next check.
+    worker.pairing.on_lost.append(lambda reason: servicer.abort_all(reason))
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
     server = worker_server(
         args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
-    return Service.of_server(server, on_drain=servicer.begin_drain, tls=credentials is not None,
-                             client_certs=bool(args.tls_ca))
+    return worker.pairing.supervise(
+        Service.of_server(server, on_drain=servicer.begin_drain, tls=credentials is not None,
+                          client_certs=bool(args.tls_ca)),
+        server)

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, wait this long for in-flight writes (default 10)")
     parser.add_argument("--max-lease-ms", type=int, default=600_000,
                         help="longest TransferInfo.lease_ms accepted (default 600000)")
+    parser.add_argument("--page-digests", choices=("on", "off"), default="on",
+                        help="end-to-end page digests (xxh3_64): taken by a prefill sidecar's "
+                             "writes, checked before decode commits, kept by cached pages for "
+                             "AuditCache (default on)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
                                                                 "error"))
     parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
@@ -121,7 +125,7 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
         layout=build_layout(args), host=args.host, port=args.port,
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
-        max_lease_ms=args.max_lease_ms)
+        max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on")
     server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
 
     async def start() -> None:

@@ -1,0 +1,323 @@
+"""Attention over the page-major KV pool, reading the context where it lies (DESIGN §5, §8).
+
+The pool is ``[num_pages, L, 2 (K,V), page_size, Hkv, D]``. Copying every context row of every
+layer into one tensor before attention (what the runner did first) cost 26 % of a batch-2 decode
+step at 2.3k context and a third of a 16-token prefill over a 2k prefix. Here the context is read
+in three kinds of segment, and attention over each gives a partial result:
+
+* **runs**, read in place: layer ``l``'s keys of ``r`` consecutive pages ``p0..`` are
+  ``pool[p0:p0+r, l, 0]``, a ``[r, ps, Hkv, D]`` view whose token axis has two strides (slot,
+  page). A kernel needs one stride per axis, so a run is read *slot-major*, ``[ps, Hkv, r, D]``:
+  batch entry ``j`` holds positions ``p * ps + j``. One call gives ``ps`` partial results.
+  The allocator prefers consecutive pages, so most page tables are a few runs.
+* **gathered**: keys of short runs and of the page holding the newest positions, copied row by
+  row into one buffer allocated once per forward and refilled for each layer (every key, when the
+  pool's dtype differs from the compute dtype, since the kernel needs one dtype).
+* **new** (prefill only): the positions being computed, straight from the fresh K/V tensors,
+  with a causal mask.
+
+Partial results over disjoint key sets combine exactly with their log-sum-exps (LSE):
+``lse = logsumexp_i lse_i``, ``out = sum_i exp(lse_i - lse) * out_i`` — the split-softmax
+identity of Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018), which
+FlashAttention's split-KV decoding uses too.
+
+Kernel: PyTorch's CPU flash attention, ``aten::_scaled_dot_product_flash_attention_for_cpu``,
+the kernel ``F.scaled_dot_product_attention`` runs on CPU. It is called directly because it also
+returns the LSE, which the public function drops; ``tests/unit/test_model_attention.py`` pins its
+schema and LSE meaning, so a torch upgrade that changes them fails there first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltakv.errors import InvalidArgument
+
+# A run is read in place only from this many tokens on. Measured on the 2-core EPYC, SmolLM2
+# geometry, page_size 16, one thread (the least noisy on a shared machine), per layer: a single
+# sequence read in place costs ~80 us more than gathered at 32-256 tokens (one more kernel call,
+# ps partial results to combine), ~60 us at 512, ~45 us at 1k, and breaks even at 2k, where the
+# one sequence's gathered rows still fit the cache. Batches are where copying hurts: 8 sequences
+# of 2k tokens, attention of 30 layers, 155 ms in place vs 258 ms gathered (the 25 MB buffer
+# leaves the cache); a whole decode step at 2 threads, 120 ms vs 240 ms.
+MIN_RUN_TOKENS = 512
+
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _cpu_flash_kernel() -> Kernel | None:
+    packet = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return None if packet is None else packet.default
+
+
+# Attention kernels that return (out, lse), by device type. One entry today: the model runs on CPU.
+KERNELS: dict[str, Callable[[], Kernel | None]] = {"cpu": _cpu_flash_kernel}
+
+
+def kernel_for(device: torch.device) -> Kernel:
+    """The (out, LSE) attention kernel for ``device``. Raises :class:`InvalidArgument`
+    (INVALID_ARGUMENT) when this torch build has none for it."""
+    factory = KERNELS.get(device.type)
+    kernel = factory() if factory is not None else None
+    if kernel is None:
+        raise InvalidArgument(f"no paged attention kernel for device {device.type!r} in torch "
+                              f"{torch.__version__} (have: {', '.join(KERNELS)})")
+    return kernel
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """``num_pages`` consecutive pool pages starting at ``first_page``."""
+
+    first_page: int
+    num_pages: int
+
+
+def page_runs(pages: Sequence[int]) -> list[PageRun]:
+    """Maximal runs of consecutive page indices, in table order (``[4, 5, 6, 9, 2, 3]`` ->
+    ``(4, 3), (9, 1), (2, 2)``)."""
+    runs: list[PageRun] = []
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append(PageRun(int(pages[start]), i - start))
+            start = i
+    return runs
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """How one sequence's context keys are read: ``runs`` in place, ``gather_rows`` (token rows
+    of layer 0's K in the pool's ``[rows, Hkv, D]`` view, int64 ``[n]``) through the buffer.
+    ``last_run_slots``: when the context ends on a partial page that directly follows the last
+    run, that page joins the run and only its first ``last_run_slots`` slots are keys (the
+    rest is masked); ``None`` when every page of every run is full."""
+
+    runs: tuple[PageRun, ...]
+    gather_rows: torch.Tensor
+    last_run_slots: int | None = None
+
+
+def combine(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact attention over the union of disjoint key sets from the partial results over each.
+
+    ``outs`` ``[B, n, ...]`` and ``lses`` ``[B, n, ...]`` (``outs`` with one more trailing axis,
+    the head dim): ``n`` partial results per sequence, with the natural-log sum of their
+    exponentiated scaled scores (the kernel's second output; -inf for a result over no keys).
+    Returns ``[B, ...]``, contiguous, in the dtype of ``outs``; weights are computed in float32
+    (elementwise ops only: tiny tensors stay on one thread).
+    """
+    lses = lses.float()
+    weights = (lses - lses.amax(dim=1, keepdim=True)).exp_()
+    weights /= weights.sum(dim=1, keepdim=True)
+    return (outs * weights[..., None].to(outs.dtype)).sum(1)
+
+
+class PagedKV:
+    """Addressing of one pool ``[num_pages, L, 2, ps, Hkv, D]``, plans and in-place views.
+
+    Token row: the pool viewed as ``[num_pages * L * 2 * ps, Hkv, D]``; position ``pos`` of a
+    sequence with page table ``t`` has layer ``l``'s K at row ``(t[pos // ps] * L + l) * 2 * ps +
+    pos % ps`` and V ``ps`` rows further. Holds no per-request state; the pool stays the
+    caller's.
+    """
+
+    def __init__(self, pool: torch.Tensor, compute_dtype: torch.dtype,
+                 min_run_tokens: int = MIN_RUN_TOKENS) -> None:
+        self.pool = pool
+        _, self.num_layers, _, self.page_size, self.num_kv_heads, self.head_dim = pool.shape
+        self.page_rows = self.num_layers * 2 * self.page_size  # rows from one page to the next
+        self.layer_rows = 2 * self.page_size  # rows from one layer's K to the next layer's K
+        self.rows = pool.view(-1, self.num_kv_heads, self.head_dim)
+        self.compute_dtype = compute_dtype
+        # Views are in the pool's dtype; the kernel wants the compute dtype for all of q, k, v.
+        self.in_place = pool.dtype == compute_dtype
+        self.min_run_tokens = min_run_tokens
+
+    def token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token rows (layer 0, K) of ``positions`` through page ``table`` (both int64)."""
+        return table[positions // self.page_size] * self.page_rows + positions % self.page_size
+
+    def token_row(self, table: Sequence[int], pos: int) -> int:
+        """Token row (layer 0, K) of position ``pos`` through page ``table``."""
+        return table[pos // self.page_size] * self.page_rows + pos % self.page_size
+
+    def reads_in_place(self, run_pages: int, query_rows: int) -> bool:
+        """Whether a run of ``run_pages`` full pages is read in place for ``query_rows`` query
+        rows per KV head: the run is long enough and its ``ps`` partial outputs (``ps * query
+        rows * D`` per KV head) are smaller than the K and V rows they save copying
+        (``2 * run_pages * ps * D``)."""
+        return (self.in_place and run_pages * self.page_size >= self.min_run_tokens
+                and query_rows < 2 * run_pages)
+
+    def plan(self, table: Sequence[int], num_keys: int, query_rows: int) -> ContextPlan:
+        """Plan reading keys ``[0, num_keys)`` of a sequence with page ``table`` (validated by
+        the caller) for ``query_rows`` query rows per KV head."""
+        ps = self.page_size
+        full, tail = divmod(num_keys, ps)
+        runs: list[PageRun] = []
+        gathered: list[int] = []
+        for run in page_runs(table[:full]):
+            if self.reads_in_place(run.num_pages, query_rows):
+                runs.append(run)
+            else:
+                gathered.extend(range(run.first_page, run.first_page + run.num_pages))
+        slots = torch.arange(ps)
+        rows = (torch.tensor(gathered, dtype=torch.int64)[:, None] * self.page_rows
+                + slots).flatten()
+        last_run_slots = None
+        if tail:
+            last = runs[-1] if runs else None
+            if last is not None and last.first_page + last.num_pages == table[full] \
+                    and table[full - 1] == table[full] - 1:
+                # The partial page continues the last run (which holds a full page, so every
+                # slot of the run keeps >= 1 visible key under the mask).
+                runs[-1] = PageRun(last.first_page, last.num_pages + 1)
+                last_run_slots = tail
+            else:
+                rows = torch.cat((rows, table[full] * self.page_rows + slots[:tail]))
+        return ContextPlan(tuple(runs), rows.to(self.pool.device), last_run_slots)
+
+    def run_kv(self, run: PageRun) -> torch.Tensor:
+        """K/V of ``run`` for every layer as one slot-major view ``[L, 2 (K,V), ps, Hkv, r, D]``
+        of the pool (no copy): ``[l, 0]`` is layer ``l``'s keys with batch entry ``j`` holding
+        positions ``p * ps + j`` of the run's pages."""
+        return self.pool[run.first_page:run.first_page + run.num_pages].permute(1, 2, 3, 4, 0, 5)
+
+
+class ContextReader:
+    """The attention reads of one forward over ``B`` sequences: their plans, the gather index,
+    the padding mask and the gather buffer, built once and used by every layer.
+
+    Memory: the gather buffer holds ``2 * B * W * Hkv * D`` elements of the compute dtype, ``W``
+    the most gathered keys of any sequence (plus as many of the pool's dtype when that differs);
+    it lives as long as the reader. Sequences with fewer gathered keys are padded and masked.
+    """
+
+    def __init__(self, kv: PagedKV, plans: Sequence[ContextPlan], kernel: Kernel) -> None:
+        self.kv = kv
+        self.plans = list(plans)
+        self.kernel = kernel
+        counts = [plan.gather_rows.numel() for plan in self.plans]
+        self.width = max(counts)  # gathered keys per sequence, padded to the longest
+        self.mask: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+        self._run_views = [[kv.run_kv(run) for run in plan.runs] for plan in self.plans]
+        self._empty: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._last_run_masks = [self._slot_mask(plan) for plan in self.plans]
+        b, device = len(self.plans), kv.pool.device
+        # Sequences whose keys are all in runs get no result from the gather buffer.
+        self._no_gathered = torch.tensor([n == 0 for n in counts], device=device)
+        if self.width == 0:
+            return
+        # Padding reads row 0 (inside every pool); the mask hides it.
+        rows = torch.stack([torch.cat((plan.gather_rows, plan.gather_rows.new_zeros(
+            self.width - n))) for plan, n in zip(self.plans, counts, strict=True)])  # [B, W]
+        # K rows then V rows: one index_select per layer fetches both.
+        self._index = torch.stack((rows, rows + kv.page_size)).view(-1)
+        shape = (2, b, self.width, kv.num_kv_heads, kv.head_dim)
+        self._buffer = torch.empty(shape, dtype=kv.compute_dtype, device=device)
+        self._staging = (None if kv.pool.dtype == kv.compute_dtype else
+                         torch.empty(shape, dtype=kv.pool.dtype, device=device))
+        if min(counts) < self.width:
+            visible = torch.arange(self.width, device=device)[None, :] < torch.tensor(
+                counts, device=device)[:, None]
+            self.mask = torch.zeros((b, 1, 1, self.width), dtype=kv.compute_dtype,
+                                    device=device)
+            self.mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+
+    def _slot_mask(self, plan: ContextPlan) -> torch.Tensor | None:
+        """Additive mask ``[ps, 1, 1, r]`` of a last run ending on a partial page: slot ``j`` of
+        the run's last page is a key only for ``j < last_run_slots``."""
+        if plan.last_run_slots is None:
+            return None
+        kv = self.kv
+        mask = torch.zeros((kv.page_size, 1, 1, plan.runs[-1].num_pages),
+                           dtype=kv.compute_dtype, device=kv.pool.device)
+        mask[plan.last_run_slots:, ..., -1] = float("-inf")
+        return mask
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-causal attention of ``q`` ``[N, H, T, D]`` (contiguous in H, T, D) over ``k``,
+        ``v`` ``[N, Hkv, S, D]``, in the *folded* form: the ``G = H / Hkv`` query heads sharing
+        a KV head are passed as that head's ``R = G * T`` query rows, so each K/V row is read
+        once for all of them. Returns out ``[N, Hkv, R, D]`` and LSE ``[N, Hkv, R]``."""
+        n, h, t, d = q.shape
+        hkv = k.shape[1]
+        return self.kernel(q.view(n, hkv, (h // hkv) * t, d), k, v, attn_mask=mask)
+
+    def attend(self, layer: int, q: torch.Tensor, new_k: torch.Tensor | None = None,
+               new_v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output ``[B, H, T, D]`` of every sequence at ``layer``.
+
+        ``q`` ``[B, H, T, D]`` (RoPE applied, contiguous). Context keys are read from the pool,
+        so this step's K/V must already be written there. ``new_k``/``new_v`` ``[1, Hkv, T, D]``
+        (prefill, ``B == 1``): the T new positions, attended causally on top of the context.
+        """
+        b, h, t, d = q.shape
+        outs, lses = self._partials(layer, q)
+        if new_k is not None and new_v is not None:
+            out, lse = self.kernel(q, new_k, new_v, is_causal=True)
+            if not outs:  # no context: plain causal attention
+                return out
+            hkv = new_k.shape[1]
+            outs.append(out.reshape(1, 1, hkv, (h // hkv) * t, d))
+            lses.append(lse.reshape(1, 1, hkv, (h // hkv) * t))
+        if len(outs) == 1 and outs[0].shape[1] == 1:  # one result per sequence: nothing to combine
+            return outs[0][:, 0].reshape(b, h, t, d)
+        return combine(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, t, d)
+
+    def _partials(self, layer: int, q: torch.Tensor
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Partial results over the planned context of every sequence, batched by kind: outs
+        ``[B, n, Hkv, R, D]`` and LSEs ``[B, n, Hkv, R]`` for the gather buffer (``n = 1``) and
+        for each run index ``i`` (``n = ps``: the ``i``-th run of every sequence; sequences with
+        fewer runs get a zero result with LSE -inf, which weighs nothing)."""
+        kv = self.kv
+        outs: list[torch.Tensor] = []
+        lses: list[torch.Tensor] = []
+        if self._index is not None:
+            index = self._index + layer * kv.layer_rows
+            target = self._buffer if self._staging is None else self._staging
+            torch.index_select(kv.rows, 0, index, out=target.view(-1, *kv.rows.shape[1:]))
+            if self._staging is not None:
+                self._buffer.copy_(self._staging)
+            out, lse = self._attend(q, self._buffer[0].transpose(1, 2),
+                                    self._buffer[1].transpose(1, 2), self.mask)
+            if bool(self._no_gathered.any()):  # all-padding rows: weigh nothing, carry no NaN
+                out = out.masked_fill(self._no_gathered[:, None, None, None], 0.0)
+                lse = lse.masked_fill(self._no_gathered[:, None, None], float("-inf"))
+            outs.append(out[:, None])
+            lses.append(lse[:, None])
+        for i in range(max(len(views) for views in self._run_views)):
+            results = []
+            for b, views in enumerate(self._run_views):
+                if i < len(views):
+                    kv_run = views[i][layer]
+                    mask = self._last_run_masks[b] if i == len(views) - 1 else None
+                    results.append(self._attend(q[b:b + 1].expand(kv.page_size, *q.shape[1:]),
+                                                kv_run[0], kv_run[1], mask))
+                else:
+                    results.append(self._no_result(q))
+            if len(results) == 1:
+                outs.append(results[0][0][None])
+                lses.append(results[0][1][None])
+            else:
+                outs.append(torch.stack([out for out, _ in results]))
+                lses.append(torch.stack([lse for _, lse in results]))
+        return outs, lses
+
+    def _no_result(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A partial result over no keys: out 0, LSE -inf (``[ps, Hkv, R, D]``, ``[ps, Hkv, R]``),
+        made once per reader (the shapes do not change between layers)."""
+        if self._empty is None:
+            _, h, t, d = q.shape
+            hkv, ps = self.kv.num_kv_heads, self.kv.page_size
+            rows = (h // hkv) * t
+            self._empty = (q.new_zeros(ps, hkv, rows, d),
+                           torch.full((ps, hkv, rows), float("-inf"), device=q.device))
+        return self._empty

@@ -1,0 +1,68 @@
+"""A worker whose sidecar does not come back gives up: NOT_SERVING, then exit status 1 so the
+orchestrator restarts the pod (services/attach.py, the FAILED state). Real processes: a
+``deltakv serve sidecar`` and a ``deltakv serve prefill`` on tiny-random."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import grpc
+import pytest
+
+from deltakv.services.cluster import ManagedProcess, free_port
+from tests.e2e.sidecars import NOT_SERVING, SERVING, health_of
+from tests.integration.sidecar_proc import REPO_ROOT, short_tmp_dir, start_sidecar
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def events(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def test_a_worker_whose_sidecar_stays_away_reports_not_serving_and_exits_1() -> None:
+    base = short_tmp_dir("dkv-pair-")
+    socket = os.path.join(base, "prefill.sock")
+    port = free_port()
+    sidecar = start_sidecar("prefill", socket, argv=[
+        sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "prefill",
+        "--socket", socket, "--model", "tiny-random", "--num-pages", "32"])
+    worker = ManagedProcess("prefill", [
+        sys.executable, "-m", "deltakv.services.cli.main", "serve", "prefill",
+        "--model", "tiny-random", "--sidecar-socket", socket, "--port", str(port),
+        "--sidecar-reattach-timeout-s", "2", "--log-format", "json"],
+        os.path.join(base, "prefill.log"), health_target=f"127.0.0.1:{port}", cwd=REPO_ROOT)
+    try:
+        worker.start().wait_serving(120)
+        sidecar.kill()  # and nobody starts it again
+        killed = time.monotonic()
+        samples = []
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            while worker.alive() and time.monotonic() - killed < 60:
+                samples.append((time.monotonic() - killed, health_of(channel)))
+                time.sleep(0.05)
+        assert worker.wait(30) == 1, worker.log_tail()
+        assert NOT_SERVING in {status for _, status in samples}
+        # One watcher period (0.5 s) to notice, then never SERVING again.
+        assert SERVING not in {status for t, status in samples if t > 1.0}, samples
+        log = events(worker.log_text())
+        states = [e.get("state") for e in log if e.get("event") == "sidecar_pairing"]
+        assert states[:1] == ["down"] and states[-1] == "failed", states
+        failed = [e for e in log if e.get("event") == "service_failed"]
+        assert failed and "sidecar unreachable" in failed[0]["reason"]
+    finally:
+        worker.stop()
+        sidecar.stop()
+        shutil.rmtree(base, ignore_errors=True)
