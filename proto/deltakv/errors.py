@@ -18,6 +18,12 @@ SidecarRestarted            UNAVAILABLE            a worker's sidecar restarted 
 DeadlineExceeded            DEADLINE_EXCEEDED      a bound (lease, deadline) ran out
 Aborted                     ABORTED                transfer superseded or fenced by an abort
 DataLoss                    DATA_LOSS              checksum / page digest mismatch
+Unauthenticated             UNAUTHENTICATED        a sealed message (endpoint, grant) whose seal
+                                                   is missing or does not verify with the
+                                                   cluster's pairing key
+PermissionDenied            PERMISSION_DENIED      an authentic grant that does not cover the
+                                                   write (other room, pages, prompt; expired;
+                                                   revoked by the destination's fence)
 NotFound                    NOT_FOUND              unknown lock / request / room
 Internal                    INTERNAL               a bug: never expected
 ==========================  =====================  ==========================================
@@ -26,6 +32,10 @@ A status message never echoes unbounded input: :func:`status_of` clips every mes
 :data:`~deltakv.limits.MAX_STATUS_DETAILS_BYTES` as sent (:func:`clip_details`), so a long
 bad field still reaches the client as its own code (not RESOURCE_EXHAUSTED "Stream removed");
 messages that quote a caller's value use :func:`shown`, which clips the quote itself.
+
+HTTP front ends (the decode service's OpenAI API) answer with :func:`http_status_of`, the
+HTTP status google/rpc/code.proto assigns to each gRPC code, so the one mapping above also
+decides HTTP statuses.
 """
 
 from __future__ import annotations
@@ -119,6 +129,22 @@ class DataLoss(DeltaKVError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class Unauthenticated(DeltaKVError):
+    """A message that must be sealed by a paired sidecar (an ``EndpointInfo``, a
+    ``TransferGrant``) has no seal, or its seal does not verify with this cluster's pairing
+    key. The message says which field and why, never the key."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(DeltaKVError):
+    """An authentic grant that does not allow this write: another room, endpoint, page list
+    or prompt; expired; or revoked by the destination (its fence word no longer names the
+    room)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(DeltaKVError, KeyError):
     code = grpc.StatusCode.NOT_FOUND
 
@@ -139,6 +165,8 @@ _BY_CODE: dict[grpc.StatusCode, type[DeltaKVError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.CANCELLED: Aborted,
 }
@@ -167,6 +195,34 @@ def clip_details(text: str, limit: int = MAX_STATUS_DETAILS_BYTES) -> str:
         if cost > limit - _CLIP_NOTE_BYTES:
             return f"{text[:i]}... ({len(text) - i} more characters)"
     return text  # unreachable: the loop cuts before limit + 1 characters
+
+
+#: HTTP status of each gRPC code: the "HTTP Mapping" lines of google/rpc/code.proto.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+}
+
+
+def http_status_of(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
+    """(HTTP status, gRPC code, message) for any exception, via :func:`status_of`."""
+    code, message = status_of(exc)
+    return HTTP_STATUS.get(code, 500), code, message
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -77,7 +77,7 @@ def start_cluster(model: str, transport: str, run_dir: Path, up_args: list[str],
     parser = argparse.ArgumentParser(prog="deltakv up")
     up.add_arguments(parser)
     args = parser.parse_args(["--model", model, "--transport", transport, "--run-dir",
-                              str(run_dir), "--decode-port", "0", "--prefill-port", "0",
+                              str(run_dir), "--decode-port", "0", "--prefill-port", "0", "--http-port", "0",
                               "--start-timeout-s", str(startup_timeout_s), *up_args])
     config = up.cluster_config(args)
     check_transport(config.transport)

@@ -3,25 +3,30 @@
 ``Generate`` runs five named steps, one method each:
 
 1. **parse** — tokenize and validate (INVALID_ARGUMENT), :mod:`deltakv.services.decode.request`;
-2. **admit** — RESOURCE_EXHAUSTED at once for a request that can never fit (decode's or
-   prefill's pool); then, in FIFO order behind the requests already waiting
+2. **admit** — RESOURCE_EXHAUSTED at once for a request that can never fit (decode's pool, or
+   the largest paired prefill pool); then, in FIFO order behind the requests already waiting
    (:class:`~deltakv.services.admission.AdmissionQueue`), ``Admit``: the cached prefix
    (``decode_prefix_len``; nothing when ``disable_decode_prefix_reuse``) locked and the delta +
    generation pages allocated in one step, or nothing held while it waits — up to
    ``admission_timeout_s`` from the request's start (its admission budget), then
    RESOURCE_EXHAUSTED;
-3. **prefill** — ``Prefill(TransferInfo)`` with a deadline, then ``Commit`` the prompt's full
-   pages. A RESOURCE_EXHAUSTED from prefill (its pool is full) is retried with a new room,
-   after fencing the old one, while the admission budget lasts;
+3. **prefill** — the decode sidecar grants the delta pages to a new room (``IssueGrant``: the
+   complete ``TransferInfo``, sealed grant and current endpoint included), ``Prefill`` with a
+   deadline on one backend of the prefill pool, ``CloseGrant`` once prefill reported every
+   page written, then ``Commit`` the prompt's full pages. A RESOURCE_EXHAUSTED from prefill
+   (its pool is full) is retried with a new room and a new grant while the admission budget
+   lasts, after the old grant was closed as abandoned (its fence proven);
 4. **stream** — the first token, then the continuous batch's typed stream events;
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
 
 On every exit (finish, error, client cancel, drain) the request's one teardown runs, shielded
-from cancellation (:mod:`deltakv.services.decode.teardown`): it fences an unanswered prefill
-with ``AbortTransfer(room)`` before freeing the delta pages (unconfirmed: quarantined until
-``lease_ms + grace`` after the send, DESIGN §6) and releases what the request's
-``RequestState`` says it holds — exactly once, retried until the sidecar confirms it.
+from cancellation (:mod:`deltakv.services.decode.teardown`): it asks prefill to stop an
+unanswered transfer (``AbortTransfer(room)``, bounded and advisory) and releases what the
+request's ``RequestState`` says it holds — exactly once, retried until the sidecar confirms
+it. The decode sidecar revokes the room's open grant on that ``Release`` and keeps its pages
+quarantined until its fence proves that no byte of the room can still land
+(docs/architecture.md, "Fencing"); no timer and no word of prefill's frees them.
 :meth:`DecodeServicer.begin_drain` fails every request still waiting for pages at once
 (UNAVAILABLE), so SIGTERM stops decode promptly.
 """
@@ -29,10 +34,10 @@ with ``AbortTransfer(room)`` before freeing the delta pages (unconfirmed: quaran
 from __future__ import annotations
 
 import asyncio
-import secrets
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -47,7 +52,9 @@ from deltakv.errors import (
 )
 from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.admission import AdmissionQueue
+from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import (
     ParsedRequest,
     RequestState,
@@ -61,12 +68,14 @@ from deltakv.services.decode.scheduler import (
     FinishEvent,
     TokenEvent,
 )
+from deltakv.services.decode.stop import StopStrings
 from deltakv.services.decode.teardown import Teardown
 from deltakv.services.model.sampling import should_stop
 from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from deltakv.sidecar.grants import prompt_digest
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 log = get_logger()
 
@@ -76,31 +85,27 @@ _PREFILL_RETRY_MAX_S = 1.0
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    """The public decode service over one worker (model + sidecar) and one prefill target.
+    """The public decode service over one worker (model + sidecar) and a pool of prefill
+    backends (:class:`~deltakv.services.decode.prefill_pool.PrefillPool`: each request is
+    pinned to one backend, which also receives its ``AbortTransfer``).
 
-    ``prefill_num_pages``: the prefill pool's size (from the handshake; 0 = unknown), so a
-    prompt prefill can never hold is refused at once instead of retried.
-    """
+    :meth:`generate` is the one request path: the gRPC ``Generate`` handler and the OpenAI
+    HTTP API (:mod:`deltakv.services.openai`) both run it. ``memory`` remembers the text and
+    ids of recent answers so text chat reuses the exact cached prefix
+    (:mod:`deltakv.services.decode.chat_reuse`)."""
 
-    def __init__(self, worker: Worker, prefill_channel: grpc.aio.Channel,
-                 config: DecodeConfig, prefill_num_pages: int = 0) -> None:
+    def __init__(self, worker: Worker, prefill: PrefillPool, config: DecodeConfig) -> None:
         self.worker = worker
-        self.prefill_channel = prefill_channel
-        self.prefill_service = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        self.prefill = prefill
+        self.memory = CompletionMemory()
         self.config = config
-        self.prefill_num_pages = prefill_num_pages
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
         self.admission = AdmissionQueue("decode", max_waiting=config.max_waiting)
-        self.teardown = Teardown(worker, self.prefill_service, self.scheduler, self.admission,
-                                 config)
+        self.teardown = Teardown(worker, self.scheduler, self.admission, config,
+                                 remember=self._remember_answer)
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
-
-    @property
-    def endpoint(self) -> kv_pb2.EndpointInfo:
-        """Decode's transfer endpoint: its sidecar's current pool incarnation's."""
-        return self.worker.describe.endpoint
 
     def start(self) -> None:
         self.scheduler.start()
@@ -121,17 +126,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Server-streaming generation: the five steps of the module docstring. Streams
-        ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
-        (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
+        """Server-streaming generation: :meth:`generate` bounded by the call's deadline. Closed
+        with the call, so a cancelled call's teardown runs inside it, not at GC time."""
+        async with contextlib.aclosing(self.generate(request, context.time_remaining)) as out:
+            async for message in out:
+                yield message
+
+    async def generate(self, request: decode_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None] = lambda: None
+                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """The five steps of the module docstring. Streams ``TokenChunk``s, then one
+        ``Usage``. ``time_remaining()``: seconds left for the caller (None = no deadline); it
+        bounds the admission wait and the Prefill RPC. Raises (see ``decode.proto``):
+        INVALID_ARGUMENT (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
         FAILED_PRECONDITION (prefill), DATA_LOSS (a delta page differs from prefill's digest),
-        UNAVAILABLE (this worker's sidecar is away or restarted), INTERNAL (a failed decode
-        step)."""
+        UNAVAILABLE (this worker's sidecar is away or restarted, or draining), INTERNAL (a
+        failed decode step). Closing the iterator early (or cancelling its task) cancels the
+        request: its teardown runs as for a gRPC client cancel."""
         state = self._open(request)
         try:
             parsed = self._parse(request)
-            await self._admit(state, parsed, context)
-            decode_request = await self._prefill(state, parsed, context)
+            await self._admit(state, parsed, time_remaining)
+            decode_request = await self._prefill(state, parsed, time_remaining)
             async for message in self._stream(state, parsed, decode_request):
                 yield message
             yield await self._finish(state, parsed, decode_request)
@@ -148,7 +164,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 log.info("request_cancelled")
             raise
         finally:
-            # Shielded: a cancelled handler still fences its transfer and frees its pages.
+            # Shielded: a cancelled handler still stops its transfer and frees its pages.
             await asyncio.shield(self.teardown.once(state))
 
     async def GetStats(self, request: kv_pb2.GetStatsRequest,
@@ -157,6 +173,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         stats = await self.worker.sidecar.get_stats()
         return decode_pb2.DecodeStats(pool=stats.pool, running=self.scheduler.num_running,
                                       waiting=self.admission.waiting, **self.counters)
+
+    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]:
+        """``(prompt_tokens, cached_tokens)`` of ``request`` here and now: the prompt as
+        ``generate`` would encode it, and how much of it this decode's radix index holds (the
+        ``decode_prefix_len`` it would send; a router's precise prefix score). Locks nothing
+        beyond the call. INVALID_ARGUMENT as ``generate``'s parse step."""
+        parsed = self._parse(request)
+        sidecar_id = f"match/{uuid.uuid4().hex}"
+        try:
+            cached, _ = await self.worker.sidecar.match_prefix(sidecar_id, parsed.prompt)
+        finally:
+            await asyncio.shield(self.worker.sidecar.release(sidecar_id))
+        return len(parsed.prompt), cached
 
     # -- the steps of Generate --------------------------------------------------------------
 
@@ -175,16 +204,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def _parse(self, request: decode_pb2.GenerateRequest) -> ParsedRequest:
         """Step 1: tokens and sampling, validated (INVALID_ARGUMENT)."""
-        return parse_generate(request, self.worker.model,
+        return parse_generate(request, self.worker.model, memory=self.memory,
                               default_max_new_tokens=self.config.default_max_new_tokens,
                               max_new_tokens_limit=self.config.max_new_tokens_limit)
 
     async def _admit(self, state: RequestState, parsed: ParsedRequest,
-                     context: grpc.aio.ServicerContext) -> None:
+                     time_remaining: Callable[[], float | None]) -> None:
         """Step 2: the cached prefix (locked) and freshly allocated pages for the rest of the
         prompt and the generation, in one ``Admit``. RESOURCE_EXHAUSTED at once if the
-        request exceeds decode's pool or the prompt prefill's, or after waiting (FIFO,
-        holding nothing) until the admission budget ends."""
+        request exceeds decode's pool or its prompt the largest paired prefill pool, or after
+        waiting (FIFO, holding nothing) until the admission budget ends."""
         # The pool incarnation this request uses, until its teardown ran (services/attach.py).
         state.lease = self.worker.pairing.enter()
         layout = self.worker.layout
@@ -196,12 +225,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"request needs {total_pages} pages ({prompt_len} prompt + {max_new} new "
                 f"tokens, page_size {layout.page_size}) but the decode pool has only "
                 f"{layout.num_pages}")
-        if 0 < self.prefill_num_pages < layout.pages_for(prompt_len):
+        prefill_pages = self.prefill.max_num_pages()
+        if 0 < prefill_pages < layout.pages_for(prompt_len):
             raise ResourceExhausted(
                 f"the prompt needs {layout.pages_for(prompt_len)} pages ({prompt_len} tokens) "
-                f"but the prefill pool has only {self.prefill_num_pages}")
+                f"but the largest prefill pool has only {prefill_pages}")
         budget_s = self.config.admission_timeout_s
-        remaining = context.time_remaining()
+        remaining = time_remaining()
         if remaining is not None:
             budget_s = min(budget_s, remaining)
         state.admission_deadline = state.started_at + budget_s
@@ -224,18 +254,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state.delta_pages = pages[: layout.delta_pages(prompt_len, prefix_len)]
 
     async def _prefill(self, state: RequestState, parsed: ParsedRequest,
-                       context: grpc.aio.ServicerContext) -> DecodeRequest:
-        """Step 3: prefill computes the first token and writes the delta pages into this
-        pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
-        ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
-        enter decode's radix index once the delta pages match prefill's page digests
-        (DATA_LOSS otherwise). Returns the request, ready to decode."""
+                       time_remaining: Callable[[], float | None]) -> DecodeRequest:
+        """Step 3: decode's sidecar grants the delta pages to a new room; prefill computes the
+        first token and writes them into this pool (``Prefill`` with the granted
+        ``TransferInfo`` and a deadline: the smaller of ``prefill_timeout_ms`` and the
+        client's remaining time; retried with a new room and grant while prefill's pool is
+        full); the grant is closed (its fence proven) and the prompt's full pages enter
+        decode's radix index once the delta pages match prefill's page digests (DATA_LOSS
+        otherwise). Returns the request, ready to decode."""
         # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
         with telemetry.span("decode.first_token", prompt_len=state.prompt_len,
                             decode_prefix_len=state.decode_prefix_len,
                             delta_pages=len(state.delta_pages),
                             lease_ms=self.config.lease_ms) as span:
-            response = await self._prefill_with_retries(state, parsed, context)
+            response = await self._prefill_with_retries(state, parsed, time_remaining)
+            await self.worker.sidecar.close_grant(state.room)
             # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
             # nothing cached, and the pages go through this request's normal release.
             canonical, _ = await self.worker.sidecar.commit(
@@ -269,23 +302,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_request
 
     async def _prefill_with_retries(self, state: RequestState, parsed: ParsedRequest,
-                                    context: grpc.aio.ServicerContext
+                                    time_remaining: Callable[[], float | None]
                                     ) -> prefill_pb2.PrefillResponse:
-        """``Prefill`` for a fresh room, again with a new room while prefill answers
-        RESOURCE_EXHAUSTED (its pool is full; prefill.proto: sent before the room's transfer
-        could start) and the admission budget lasts. The old room is fenced first
-        (``AbortTransfer``), so no write of it can land in the delta pages the next room
-        reuses; an unconfirmed fence ends the retries (the error goes to the client)."""
+        """``Prefill`` for a freshly granted room, again with a new room and a new grant while
+        prefill answers RESOURCE_EXHAUSTED (its pool is full; prefill.proto: sent before the
+        room's transfer could start) and the admission budget lasts. Before the delta pages
+        are granted again, prefill is asked to stop the old room (advisory) and its grant is
+        closed as abandoned: the sidecar proves its fence as for a revocation (prefill's word
+        that nothing was written is no proof). A grant that cannot be closed ends the retries
+        (prefill's error goes to the client; the Release fences the pages)."""
         backoff_s = _PREFILL_RETRY_FIRST_S
+        digest = prompt_digest(parsed.prompt)
         while True:
-            state.room = secrets.randbits(63) or 1
+            info = await self.worker.sidecar.issue_grant(
+                state.sidecar_id, kv_pb2.TransferInfo(
+                    request_id=state.request_id, dst_page_indices=state.delta_pages,
+                    decode_prefix_len=state.decode_prefix_len, prompt_len=state.prompt_len,
+                    lease_ms=self.config.lease_ms), digest)
+            state.room = info.room
             bind_request(state.request_id, state.room)
-            info = kv_pb2.TransferInfo(
-                room=state.room, request_id=state.request_id, decode_endpoint=self.endpoint,
-                dst_page_indices=state.delta_pages, decode_prefix_len=state.decode_prefix_len,
-                prompt_len=state.prompt_len, lease_ms=self.config.lease_ms)
             timeout_s = self.config.prefill_timeout_ms / 1000.0
-            remaining = context.time_remaining()
+            remaining = time_remaining()
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining)
             queue_ms = int(max(state.admission_deadline - time.monotonic(), 0.0) * 1000)
@@ -294,8 +331,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
                     queue_timeout_ms=max(queue_ms, 1)), timeout_s)
             except ResourceExhausted as exc:
-                if not await self.teardown.abort_transfer(state):
-                    raise
+                await self.teardown.abort_transfer(state)
+                try:
+                    await self.worker.sidecar.close_grant(state.room, abandoned=True)
+                except DeltaKVError as close_error:
+                    log.warning("prefill_retry_grant_not_closed", reason=str(close_error))
+                    raise exc from None
                 state.transfer_pending = False
                 if time.monotonic() + backoff_s >= state.admission_deadline:
                     raise ResourceExhausted(f"prefill has no room for the prompt: {exc}"
@@ -306,21 +347,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _call_prefill(self, state: RequestState, request: prefill_pb2.PrefillRequest,
                             timeout_s: float) -> prefill_pb2.PrefillResponse:
-        """The Prefill RPC, its failure as a typed error: DEADLINE_EXCEEDED after
-        ``timeout_s``, UNAVAILABLE naming prefill, or prefill's own typed status.
-        ``state.transfer_pending`` is True from the send until prefill answered."""
-        await self._prefill_connected()
+        """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
+        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
+        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
+        send until prefill answered."""
+        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        state.prefill = backend
         state.sent_at = time.monotonic()
         state.transfer_pending = True
         try:
-            response = await self.prefill_service.Prefill(request, timeout=timeout_s)
+            response = await backend.stub.Prefill(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
+                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
+                                         f"{timeout_s:.1f} s")
             elif isinstance(error, Unavailable):
-                error = Unavailable(f"prefill failed: {exc.details()}")
+                error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
             raise error from None
+        finally:
+            self.prefill.done(backend)
         state.transfer_pending = False
         return response
 
@@ -329,28 +375,50 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         """Step 4: the first token (TTFT is measured as it is sent), then every token the
         continuous batch produces until the request stops, then any text the detokenizer
-        still held. An ``ErrorEvent`` from the batch is raised (INTERNAL)."""
+        still held. A stop string in the text ends the request early (finish_reason "stop",
+        the text from the stop string on is not sent). An ``ErrorEvent`` from the batch is
+        raised (INTERNAL)."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
                            decode_prefix_len=state.decode_prefix_len)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=parsed.prompt)
-        first = decode_request.tokens[-1]
-        yield _chunk([first], detokenizer.push(first))
+        stops = StopStrings(parsed.stop)
+        async with contextlib.aclosing(self._tokens(state, decode_request)) as tokens:
+            async for token_id in tokens:
+                piece = detokenizer.push(token_id)
+                yield state.streamed(token_id, piece, stops.push(piece))
+                if stops.hit:
+                    await self._stop_early(state, decode_request)
+                    break
+        tail = detokenizer.flush()
+        text = stops.flush(tail)
+        if tail or text:
+            yield state.streamed(None, tail, text)
+
+    async def _tokens(self, state: RequestState, decode_request: DecodeRequest
+                      ) -> AsyncIterator[int]:
+        """The generated token ids: prefill's first one, then the continuous batch's."""
+        yield decode_request.tokens[-1]
         if decode_request.finish_reason is None:
             self.scheduler.add(decode_request)
             state.in_scheduler = True
             while True:
                 match await decode_request.events.get():
                     case TokenEvent(token_id=token_id):
-                        yield _chunk([token_id], detokenizer.push(token_id))
+                        yield token_id
                     case FinishEvent():
-                        break
+                        return
                     case ErrorEvent(error=error):
                         raise error
-        tail = detokenizer.flush()
-        if tail:
-            yield _chunk([], tail)
+
+    async def _stop_early(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """A stop string ended the request: leave the batch (once no step can still write
+        its KV) and finish as "stop"."""
+        decode_request.finish_reason = "stop"
+        if state.in_scheduler and not decode_request.detached.is_set():
+            self.scheduler.cancel(decode_request)
+            await decode_request.detached.wait()
 
     async def _finish(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest) -> decode_pb2.GenerateResponse:
@@ -388,16 +456,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         log.warning("request_failed", code=exc.code.name, reason=str(exc))
         await asyncio.shield(self.teardown.once(state))
 
-    async def _prefill_connected(self) -> None:
-        """Wait (bounded) for the prefill connection, e.g. while it reconnects after a prefill
-        restart; UNAVAILABLE if it cannot be established. Nothing was sent yet, so nothing can
-        be written into the request's pages."""
-        timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
-        try:
-            await asyncio.wait_for(self.prefill_channel.channel_ready(), timeout=timeout_s)
-        except TimeoutError:
-            raise Unavailable(f"prefill is unreachable (no connection within {timeout_s:g} s)"
-                              ) from None
+    # -- pages of a request -----------------------------------------------------------------
+
+    def _remember_answer(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """Remember the text streamed for the answer and the ids behind it, for the next turn
+        of a text chat. A final EOS is left out: the chat template writes the end of turn."""
+        ids, pieces = state.answer_ids, state.answer_pieces
+        if (ids and decode_request.finish_reason == "stop"
+                and ids[-1] in self.worker.model.eos_token_ids):
+            ids, pieces = ids[:-1], pieces[:-1]
+        self.memory.remember(ids, pieces, text="".join(state.answer_text))
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -427,6 +495,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             total_ms=(time.monotonic() - state.started_at) * 1000.0)
 
 
-def _chunk(token_ids: list[int], text: str) -> decode_pb2.GenerateResponse:
-    return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=token_ids,
-                                                                    text=text))

@@ -6,11 +6,14 @@ it, and the finish step uses it too, so nothing releases twice or not at all):
 
 1. leave the decode batch and wait until no step can still write the request's KV
    (``DecodeRequest.detached``);
-2. a Prefill that was sent and not answered is fenced with ``AbortTransfer(room)`` before the
-   delta pages are freed (DESIGN §6); unconfirmed, they are released into quarantine until
-   ``lease_ms + quarantine_grace_ms`` after the send;
+2. a Prefill that was sent and not answered: prefill is asked to stop the room
+   (``AbortTransfer(room)`` to the backend the request is pinned to, bounded and advisory);
+   the decode sidecar revokes the room's open grant on the ``Release`` below and keeps its
+   pages quarantined until its own fence proves no byte of the room can still land
+   (docs/architecture.md, "Fencing") — no timer and no word of prefill's frees them;
 3. otherwise the full pages of every token whose KV is in the pool are committed to the radix
-   index (F9: a cancelled request's valid pages stay cached);
+   index (F9: a cancelled request's valid pages stay cached) and the answer is remembered for
+   the next turn of a text chat (``remember``);
 4. ``Release`` — retried while it fails transiently (UNAVAILABLE, DEADLINE_EXCEEDED, a
    cancelled call) for up to ``release_retry_s``, because a release lost to a cancelled RPC
    was issue 12's leak; ``RequestState.holds_pages`` is cleared only once the sidecar
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -38,24 +42,25 @@ from deltakv.services.decode.request import RequestState
 from deltakv.services.decode.scheduler import DecodeRequest, DecodeScheduler
 from deltakv.services.runtime.logs import get_logger
 from deltakv.services.worker import Worker
-from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
+from deltakv.v1 import prefill_pb2
 
 log = get_logger()
 
 
 class Teardown:
     """Releases what a :class:`RequestState` holds (see the module docstring). ``worker``'s
-    sidecar owns the pages; ``prefill`` fences rooms; ``scheduler`` is the decode batch;
-    ``admission`` is woken after every release."""
+    sidecar owns the pages (and fences their rooms); ``scheduler`` is the decode batch;
+    ``admission`` is woken after every release; ``remember(state, decode_request)`` records
+    a committed answer (the servicer's completion memory)."""
 
-    def __init__(self, worker: Worker, prefill: prefill_pb2_grpc.PrefillServiceStub,
-                 scheduler: DecodeScheduler, admission: AdmissionQueue,
-                 config: DecodeConfig) -> None:
+    def __init__(self, worker: Worker, scheduler: DecodeScheduler, admission: AdmissionQueue,
+                 config: DecodeConfig,
+                 remember: Callable[[RequestState, DecodeRequest], None] | None = None) -> None:
         self.worker = worker
-        self.prefill = prefill
         self.scheduler = scheduler
         self.admission = admission
         self.config = config
+        self.remember = remember
         # Requests opened and not yet torn down, by id(state).
         self._open: dict[int, RequestState] = {}
 
@@ -100,21 +105,17 @@ class Teardown:
                 self.scheduler.cancel(decode_request)
                 await decode_request.detached.wait()  # no step may still write its KV
             if state.transfer_pending:
-                fenced = await self.abort_transfer(state)
-                await self.release(state, quarantine_ms=0 if fenced else self._hold_ms(state))
-                return
-            if decode_request is not None:
+                # The sidecar fences the room's pages on the Release below.
+                await self.abort_transfer(state)
+            elif decode_request is not None:
                 # Finished, or cancelled/failed after prefill: the KV written so far is
                 # valid; keep the full pages cached (F9) and free the rest.
                 await self.commit_kv(state, decode_request)
+                if self.remember is not None:
+                    self.remember(state, decode_request)
         except DeltaKVError as exc:
             log.error("cleanup_failed", reason=str(exc))
-        await self.release(state, quarantine_ms=0)
-
-    def _hold_ms(self, state: RequestState) -> int:
-        """Quarantine of unfenced delta pages: until lease + grace after the send."""
-        elapsed_ms = (time.monotonic() - (state.sent_at or time.monotonic())) * 1000
-        return max(1, int(self.config.lease_ms + self.config.quarantine_grace_ms - elapsed_ms))
+        await self.release(state)
 
     async def commit_kv(self, state: RequestState, decode_request: DecodeRequest) -> None:
         """Insert the full pages of every token whose KV is in the pool into the radix
@@ -126,26 +127,31 @@ class Teardown:
                                              decode_request.page_table[:full_pages])
 
     async def abort_transfer(self, state: RequestState) -> bool:
-        """Fence ``state.room`` at prefill: True once prefill confirmed no write for it is in
-        flight or can start (bounded by ``abort_timeout_ms``)."""
+        """Ask the prefill backend the request is pinned to (``state.prefill``) to stop the
+        room's work (its forward pass, its writer) at once, bounded by ``abort_timeout_ms``.
+        True if prefill answered. Advisory: decode's sidecar does not free the pages on
+        prefill's word but on its own fence's proof."""
+        if state.prefill is None:  # nothing was sent
+            return True
         try:
-            await self.prefill.AbortTransfer(
+            await state.prefill.stub.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
             log.info("transfer_aborted")
             return True
         except grpc.RpcError as exc:
-            log.warning("abort_unconfirmed_pages_quarantined",
+            log.warning("abort_unanswered_pages_wait_for_fence",
                         code=exc.code().name, reason=exc.details())
             return False
 
-    async def release(self, state: RequestState, quarantine_ms: int) -> None:
-        """``Release`` the request at its sidecar, retried while it fails transiently
+    async def release(self, state: RequestState) -> None:
+        """``Release`` the request at its sidecar (which revokes its open grants and fences
+        their pages), retried while it fails transiently
         (:func:`~deltakv.services.admission.release_retried`, bounded by
         ``release_retry_s``); then wake the admission queue. Never raises a sidecar error."""
         if not state.holds_pages:
             return
-        await release_retried(self.worker.sidecar, state.sidecar_id, quarantine_ms,
+        await release_retried(self.worker.sidecar, state.sidecar_id, 0,
                               self.config.release_retry_s, log)
         state.holds_pages = False
         self.admission.pages_freed()

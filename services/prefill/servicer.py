@@ -2,25 +2,31 @@
 
 Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
 
-1. validate the request against the pool layout and the vocabulary (INVALID_ARGUMENT) before
-   anything is allocated or computed;
+1. validate the request against the pool layout and the vocabulary (INVALID_ARGUMENT) and
+   decode's grant against the tokens received (UNAUTHENTICATED / PERMISSION_DENIED,
+   :func:`deltakv.sidecar.grants.verify_grant` — the sidecar checks it again before writing)
+   before anything is allocated or computed;
 2. ``Admit`` on prefill's own sidecar: the cached prefix (prefill-side reuse; at most
    ``prompt_len - 1`` tokens so the last position is computed and yields the first token's
    logits) locked and the rest allocated in one step — queued FIFO behind the attempts already
    waiting, holding nothing, for at most the smallest of ``admission_timeout_s``, the
    request's ``queue_timeout_ms``, its lease and its RPC deadline
    (:class:`~deltakv.services.admission.AdmissionQueue`); then RESOURCE_EXHAUSTED, before any
-   write for the room could start (decode retries with a new room);
+   write for the room could start (decode retries with a new room and a new grant);
 3. the forward pass on one dedicated thread (torch never blocks the event loop; forwards are
    serialised), then the first token is sampled;
 4. ``WritePages`` on the sidecar writes pages ``[decode_prefix_len / page_size, ...)`` into the
    decode pool and returns only when every write completed;
-5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every path,
-   exactly once (retried while it fails transiently), and only after no forward or write can
-   still touch the pages; the queue's head is then woken.
+5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every
+   path, exactly once, even when the sidecar did not answer the abort (the sidecar itself keeps
+   the pages of a write still reading them quarantined until it ends), and only after no
+   forward can still touch the pages; a Release the sidecar does not answer (stopped, or the
+   call cut) is retried until it does, bounded by ``release_retry_s``; the queue's head is
+   then woken.
 
-``AbortTransfer(room)`` fences the room in the sidecar (a later write is ABORTED) and returns
-when no write for it is in flight.
+``AbortTransfer(room)`` stops the room in the sidecar (a later write is ABORTED) and returns
+when this sidecar runs no write for it. It is advisory for decode, whose own fence proves that
+no byte of the room can land (docs/architecture.md, "Fencing").
 """
 
 from __future__ import annotations
@@ -47,13 +53,14 @@ from deltakv.errors import (
 from deltakv.layout import KVLayout
 from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.admission import (
-    DEFAULT_RELEASE_RETRY_S,
     AdmissionQueue,
     release_retried,
 )
 from deltakv.services.model.sampling import Sampler, validate_sampling
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
+from deltakv.sidecar.grants import prompt_digest, verify_grant
+from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.planner import validate_transfer
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -113,16 +120,19 @@ class _Attempt:
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """The internal prefill service over one worker (model + sidecar).
 
+    ``key``: the cluster's pairing key (grants are checked before any compute);
     ``admission_timeout_s``: the longest an attempt queues for prefill pages (a request's
     ``queue_timeout_ms`` may shorten it); ``max_waiting``: attempts queued at most (one more
-    is refused at once); ``release_retry_s``: how long a failing ``Release`` is retried.
+    is refused at once); ``release_retry_s``: how long an unanswered ``Release`` of an attempt
+    is retried (long: a stopped sidecar may come back and must get its pages back).
     """
 
-    def __init__(self, worker: Worker, model_name: str, admission_timeout_s: float = 30.0,
-                 max_waiting: int = 1024,
-                 release_retry_s: float = DEFAULT_RELEASE_RETRY_S) -> None:
+    def __init__(self, worker: Worker, model_name: str, key: PairingKey,
+                 admission_timeout_s: float = 30.0, max_waiting: int = 1024,
+                 release_retry_s: float = 600.0) -> None:
         self.worker = worker
         self.model_name = model_name
+        self.key = key
         self.admission_timeout_s = admission_timeout_s
         self.release_retry_s = release_retry_s
         self.admission = AdmissionQueue("prefill", max_waiting=max_waiting)
@@ -137,8 +147,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Handshake(self, request: prefill_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> prefill_pb2.HandshakeResponse:
-        """Pairing check: prefill's sidecar validates decode's layout and connects its engine.
-        FAILED_PRECONDITION (layout field and both values) or UNAVAILABLE."""
+        """Pairing check: prefill's sidecar verifies decode's sealed endpoint, validates its
+        layout and connects its engine; the reply carries prefill's own sealed endpoint.
+        UNAUTHENTICATED (not sealed with the cluster's key), FAILED_PRECONDITION (layout field
+        and both values; an older incarnation) or UNAVAILABLE."""
         try:
             await self.worker.sidecar.connect_peer(request.decode_endpoint)
         except DeltaKVError as exc:
@@ -150,11 +162,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         """Compute, sample the first token, write the delta; see the module docstring.
-        Errors: INVALID_ARGUMENT, ALREADY_EXISTS (room in flight here), RESOURCE_EXHAUSTED
-        (prefill pool full after the bounded queue wait, or the queue full: no write for the
-        room was started), FAILED_PRECONDITION (decode endpoint), UNAVAILABLE (transfer
-        failed, or draining), DEADLINE_EXCEEDED (lease or RPC deadline), ABORTED
-        (AbortTransfer won)."""
+        Errors: INVALID_ARGUMENT, UNAUTHENTICATED (no grant, or one or an endpoint not sealed
+        with the cluster's pairing key), PERMISSION_DENIED (a grant for another write or
+        prompt, or expired) — these before any compute —, ALREADY_EXISTS (room in flight or
+        used: a replay), RESOURCE_EXHAUSTED (prefill pool full after the bounded queue wait, or
+        the queue full: no write for the room was started), FAILED_PRECONDITION (decode
+        endpoint), UNAVAILABLE (transfer failed, or draining), DEADLINE_EXCEEDED (lease or RPC
+        deadline), ABORTED (AbortTransfer won)."""
         receipt = time.monotonic()
         info = request.transfer_info
         bind_request(info.request_id, info.room)
@@ -162,6 +176,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            prompt_len=len(request.token_ids))  # on the Prefill server span
         try:
             validate_prefill_request(request, self.worker.layout, self.worker.model.vocab_size)
+            digest = prompt_digest(request.token_ids)
+            verify_grant(info, self.key, digest)
             if info.room in self.attempts:
                 raise AlreadyExists(f"room {info.room} is already being prefilled")
         except DeltaKVError as exc:
@@ -177,7 +193,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         self.attempts[info.room] = attempt
         try:
-            response = await self._prefill(attempt, request, receipt, context)
+            response = await self._prefill(attempt, request, receipt, context, digest)
             self.counters["requests_ok"] += 1
             self.counters["bytes_written"] += response.stats.bytes
             return response
@@ -224,7 +240,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     # -- internals --------------------------------------------------------------------------
 
     async def _prefill(self, attempt: _Attempt, request: prefill_pb2.PrefillRequest,
-                       receipt: float, context: grpc.aio.ServicerContext
+                       receipt: float, context: grpc.aio.ServicerContext, digest: bytes
                        ) -> prefill_pb2.PrefillResponse:
         info = request.transfer_info
         sidecar = self.worker.sidecar
@@ -283,7 +299,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         t1 = time.monotonic()
         attempt.write_started = True
         stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=max(lease_left_ms, 1),
-                                          prefill_cached_len=cached_len, timeout_s=timeout_s)
+                                          prefill_cached_len=cached_len, timeout_s=timeout_s,
+                                          prompt_digest=digest)
         attempt.write_done = True
         transfer_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
@@ -314,8 +331,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise Aborted(f"caller went away {where}")
 
     async def _cleanup(self, attempt: _Attempt) -> None:
-        """Undo an attempt exactly once: wait for its forward, fence an unconfirmed write,
-        then release its pages and locks."""
+        """Undo an attempt exactly once: wait for its forward, stop an unfinished write, then
+        release its pages and locks — also when the abort was not answered (a timed-out abort
+        must not leave live pages behind: the sidecar keeps pages a write still reads
+        quarantined until that write ends)."""
         sidecar = self.worker.sidecar
         try:
             if attempt.forward is not None and not attempt.forward.done():
@@ -323,7 +342,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 await asyncio.wait([attempt.forward])
             if attempt.write_started and not attempt.write_done:
                 # The RPC to our sidecar may have been cut while batches were in flight.
-                await sidecar.abort_write(attempt.room)
+                try:
+                    await sidecar.abort_write(attempt.room)
+                except DeltaKVError as exc:
+                    log.warning("abort_write_unanswered", room=attempt.room, reason=str(exc))
         except DeltaKVError as exc:
             log.error("room_cleanup_failed", room=attempt.room, reason=str(exc))
         finally:
