@@ -241,7 +241,7 @@ def test_bytes_that_are_not_a_message_are_invalid_argument_everywhere(cluster) -
                             f"DecodeError: Error parsing message with type '{typ}': Wire format "
                             "was corrupt")
                 for t, ms in plan.items() for m, _, typ in ms}
-    assert len(expected) == 2 + 4 + 2 * 11 + 4
+    assert len(expected) == 2 + 4 + 2 * 16 + 4  # 16 sidecar RPCs (grants, audit, states)
     assert got == expected
     baseline(cluster)
 
