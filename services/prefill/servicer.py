@@ -263,7 +263,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                        max_match_tokens=len(tokens) - 1)
 
         attempt.holds_pages = True  # from the first Admit on, a Release is owed exactly once
-        cached_len, cached_pages, new_pages = await self.admission.admit(admit, queue_s)
+        try:
+            cached_len, cached_pages, new_pages = await self.admission.admit(admit, queue_s)
+        except Aborted as exc:
+            if context.done():
+                raise
+            # The sidecar id is "<request_id>/<room>": released means an earlier attempt of
+            # this very room ran here — a replay of a used room (prefill.proto: ALREADY_EXISTS).
+            raise AlreadyExists(f"room {attempt.room} was already prefilled here (a replay): "
+                                f"{exc}") from None
         page_table = cached_pages + new_pages
         self._check_alive(attempt, lease_end, context, "before the forward pass")
 
