@@ -15,7 +15,8 @@ it. A child
 * is stopped with SIGTERM, then SIGKILL after a bound.
 
 :class:`LocalCluster` is the 1P1D cluster of ``deltakv up`` (two sidecars, prefill, decode)
-as a Python object, used by ``up``, ``demo`` and the e2e tests.
+as a Python object, used by ``up``, ``demo``, ``bench multiturn --link`` and the e2e tests;
+with ``link`` set it is two hosts joined by a shaped link (:mod:`deltakv.services.netns`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltakv.errors import Unavailable
+from deltakv.errors import InvalidArgument, Unavailable
 from deltakv.rpc.channel import uds_address, wait_serving
+from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _KILL_WAIT_S = 10.0  # reaping a SIGKILLed child is immediate; bounded anyway
@@ -256,6 +258,8 @@ class ClusterConfig:
     metrics_port: int = 0
     # End-to-end page digests in both sidecars (--page-digests on|off).
     page_digests: bool = True
+    # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
+    link: str | None = None
 
 
 class LocalCluster:
@@ -266,7 +270,9 @@ class LocalCluster:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        for port in (config.decode_port, config.prefill_port):
+        self.link = self._plan_link(config)
+        # On a link the prefill host is a fresh namespace: every port there is free.
+        for port in (config.decode_port, 0 if self.link else config.prefill_port):
             if port:
                 check_port_free(config.host, port)
         if config.decode_port == 0:
@@ -278,7 +284,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster_id = uuid.uuid4().hex[:8]
         self.decode_address = f"{config.host}:{config.decode_port}"
-        self.prefill_address = f"{config.host}:{config.prefill_port}"
+        self.prefill_address = f"{self._host('prefill')}:{config.prefill_port}"
         self.sockets = {role: str(self.run_dir / f"{role}-sidecar.sock")
                         for role in ("prefill", "decode")}
         self.shm_names = {role: f"deltakv-{self.cluster_id}-{role}" for role in ("prefill", "decode")}
@@ -286,6 +292,28 @@ class LocalCluster:
         self._stopped = False
 
     # -- process plan ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _plan_link(config: ClusterConfig) -> TwoHostLink | None:
+        if config.link is None:
+            return None
+        if config.transport == "shm":
+            raise ClusterError("--link needs a network transport (mooncake): shm moves pages "
+                               "through shared memory, which no link shapes")
+        try:
+            link = TwoHostLink(config.link)
+            check_can_create()
+        except (InvalidArgument, LinkError) as exc:
+            raise ClusterError(str(exc)) from None
+        return link
+
+    def _host(self, side: str) -> str:
+        """Where ``side``'s engine and servers listen: the link's address of that side, or
+        ``config.host`` on one host. Decode's public port stays on ``config.host``."""
+        return self.link.host_for(side) if self.link else self.config.host
+
+    def _wrap(self, name: str) -> list[str]:
+        return self.link.wrap(name.split("-")[0]) if self.link else []
 
     @staticmethod
     def _cli(*words: str) -> list[str]:
@@ -308,7 +336,8 @@ class LocalCluster:
             argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
                              "--socket", self.sockets[role], "--model", c.model,
                              "--page-size", str(c.page_size), "--num-pages", str(pages),
-                             "--host", c.host, "--port", "0", "--shm-name", self.shm_names[role],
+                             "--host", self._host(role), "--port", "0",
+                             "--shm-name", self.shm_names[role],
                              "--log-level", c.log_level,
                              "--page-digests", "on" if c.page_digests else "off")
             for opt in c.transport_options:
@@ -317,7 +346,8 @@ class LocalCluster:
                                                else c.decode_sidecar_args)
         argvs["prefill"] = self._cli(
             "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets["prefill"],
-            "--host", c.host, "--port", str(c.prefill_port), "--log-level", c.log_level,
+            "--host", self._host("prefill"), "--port", str(c.prefill_port),
+            "--log-level", c.log_level,
             "--log-format", "json", *c.prefill_args)
         argvs["decode"] = self._cli(
             "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets["decode"],
@@ -330,7 +360,7 @@ class LocalCluster:
             argv += c.telemetry_args
             if c.metrics_port:
                 argv += ["--metrics-port", str(self.metrics_ports()[name])]
-            procs.append(ManagedProcess(name, argv, self.run_dir / f"{name}.log",
+            procs.append(ManagedProcess(name, self._wrap(name) + argv, self.run_dir / f"{name}.log",
                                         health_target=self._health_target(name, argv), env=env,
                                         stop_timeout_s=c.stop_timeout_s))
         return procs
@@ -366,6 +396,8 @@ class LocalCluster:
         start-up)."""
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
+            if self.link is not None:
+                self.link.create()
             for group in START_GROUPS:
                 for name in group:
                     self.proc(name).start()
@@ -373,7 +405,7 @@ class LocalCluster:
                     if progress:
                         progress(f"waiting for {name}")
                     self.proc(name).wait_serving(deadline - time.monotonic(), interrupted)
-        except ProcessError as exc:
+        except (ProcessError, LinkError) as exc:
             self.stop()
             raise ClusterError(str(exc)) from None
         except BaseException:
@@ -403,6 +435,8 @@ class LocalCluster:
             self._stopped = True
             for name in STOP_ORDER:
                 self.stop_proc(name)
+            if self.link is not None:
+                self.link.destroy()  # after its processes: nothing left inside
             for shm in self.shm_names.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{shm}")
