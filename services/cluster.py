@@ -14,9 +14,13 @@ it. A child
   bounded, ended early by the child's death or the caller's interruption);
 * is stopped with SIGTERM, then SIGKILL after a bound.
 
-:class:`LocalCluster` is the 1P1D cluster of ``deltakv up`` (two sidecars, prefill, decode)
-as a Python object, used by ``up``, ``demo``, ``bench multiturn --link`` and the e2e tests;
-with ``link`` set it is two hosts joined by a shaped link (:mod:`deltakv.services.netns`).
+:class:`LocalCluster` is the cluster of ``deltakv up`` as a Python object, used by ``up``,
+``demo``, ``bench multiturn --link`` and the e2e tests: 1P1D by default (two sidecars, prefill
+and decode); with ``decode_replicas``/``prefill_replicas`` an MxN shape where every decode uses
+every prefill (its prefill pool) and an affinity router (``deltakv serve router``) in front of
+the decode replicas takes the public ports; with ``link`` two hosts joined by a shaped link
+(:mod:`deltakv.services.netns`): every prefill and prefill sidecar on one, the rest on the
+other.
 """
 
 from __future__ import annotations
@@ -185,11 +189,12 @@ class ManagedProcess:
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_PREFILL_PORT = 50061
-# Distinct scrape ports for the four processes of `deltakv up --metrics-port P`.
+# Distinct scrape ports for the four processes of `deltakv up --metrics-port P`; further
+# replicas and the router take the next ports, in start order.
 METRICS_PORT_OFFSETS = {"decode": 0, "prefill": 1, "decode-sidecar": 2, "prefill-sidecar": 3}
-# Start order, one group at a time; stop order is decode first, sidecars last.
-START_GROUPS = (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",))
-STOP_ORDER = ("decode", "prefill", "decode-sidecar", "prefill-sidecar")
+# Start order by kind, one group at a time (every replica of a kind together); stop order is
+# the reverse: router, decodes, prefills, sidecars.
+START_GROUPS = (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",), ("router",))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -241,6 +246,10 @@ class ClusterConfig:
     prefill_num_pages: int = 0  # 0 = same as num_pages
     decode_port: int = DEFAULT_DECODE_PORT
     prefill_port: int = DEFAULT_PREFILL_PORT
+    # OpenAI HTTP API of decode (or of the router in front of several); None = off.
+    http_port: int | None = None
+    decode_replicas: int = 1
+    prefill_replicas: int = 1
     host: str = "127.0.0.1"
     run_dir: str | None = None
     start_timeout_s: float = 300.0
@@ -262,32 +271,63 @@ class ClusterConfig:
     link: str | None = None
 
 
+def replica_name(kind: str, index: int) -> str:
+    """Process name of replica ``index`` of ``kind`` (``decode``, ``prefill-sidecar``, ...):
+    replica 0 keeps the plain name, the others get ``-<index>``."""
+    return kind if index == 0 else f"{kind}-{index}"
+
+
 class LocalCluster:
-    """The four processes of a 1P1D cluster, each a ``deltakv serve ...`` command (what the
-    Helm chart runs). Ports are checked (ClusterError) at construction; ``start()`` returns
-    once all are healthy; ``stop()`` is idempotent and always leaves no process and no pool
-    segment behind."""
+    """The processes of a local cluster, each a ``deltakv serve ...`` command (what the Helm
+    chart runs). Ports are checked (ClusterError) at construction; ``start()`` returns once
+    all are healthy; ``stop()`` is idempotent and always leaves no process and no pool
+    segment behind. ``decode_address`` / ``http_address`` are the public ones (the router's
+    with several decode replicas); ``prefill_addresses`` every prefill's."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
+        if config.decode_replicas < 1 or config.prefill_replicas < 1:
+            raise ClusterError(f"replicas must be >= 1, got decode {config.decode_replicas}, "
+                               f"prefill {config.prefill_replicas}")
         self.link = self._plan_link(config)
         # On a link the prefill host is a fresh namespace: every port there is free.
-        for port in (config.decode_port, 0 if self.link else config.prefill_port):
+        for port in (config.decode_port, 0 if self.link else config.prefill_port,
+                     config.http_port):
             if port:
                 check_port_free(config.host, port)
         if config.decode_port == 0:
             config.decode_port = free_port(config.host)
         if config.prefill_port == 0:
             config.prefill_port = free_port(config.host)
+        if config.http_port == 0:
+            config.http_port = free_port(config.host)
         self.own_run_dir = config.run_dir is None
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="deltakv-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster_id = uuid.uuid4().hex[:8]
-        self.decode_address = f"{config.host}:{config.decode_port}"
-        self.prefill_address = f"{self._host('prefill')}:{config.prefill_port}"
-        self.sockets = {role: str(self.run_dir / f"{role}-sidecar.sock")
-                        for role in ("prefill", "decode")}
-        self.shm_names = {role: f"deltakv-{self.cluster_id}-{role}" for role in ("prefill", "decode")}
+        host = config.host
+        self.decode_address = f"{host}:{config.decode_port}"
+        self.http_address = f"{host}:{config.http_port}" if config.http_port else None
+        # free_port() probes this namespace; on a link the prefill host's ports are all free,
+        # so the probe only serves to pick distinct numbers.
+        self.prefill_addresses = [f"{self._host('prefill')}:{config.prefill_port}"] + [
+            f"{self._host('prefill')}:{free_port(host)}" for _ in range(1, config.prefill_replicas)]
+        self.prefill_address = self.prefill_addresses[0]
+        routed = config.decode_replicas > 1
+        # (gRPC, HTTP) of each decode replica; without a router replica 0 has the public ports.
+        self.decode_replicas = [
+            (f"{host}:{free_port(host)}" if routed else self.decode_address,
+             (f"{host}:{free_port(host)}" if routed else self.http_address)
+             if config.http_port else None)
+            for _ in range(config.decode_replicas)]
+        self.sockets: dict[str, str] = {}
+        self.shm_names: dict[str, str] = {}
+        for role, count in (("decode", config.decode_replicas),
+                            ("prefill", config.prefill_replicas)):
+            for i in range(count):
+                name = replica_name(role, i)
+                self.sockets[name] = str(self.run_dir / f"{name}-sidecar.sock")
+                self.shm_names[name] = f"deltakv-{self.cluster_id}-{name}"
         self.procs = self._plan()
         self._stopped = False
 
@@ -313,7 +353,11 @@ class LocalCluster:
         return self.link.host_for(side) if self.link else self.config.host
 
     def _wrap(self, name: str) -> list[str]:
-        return self.link.wrap(name.split("-")[0]) if self.link else []
+        """Command prefix that runs process ``name`` on its host (prefills and their sidecars
+        on the prefill side of the link, everything else here)."""
+        if self.link is None:
+            return []
+        return self.link.wrap("prefill" if self.kind(name).startswith("prefill") else "decode")
 
     @staticmethod
     def _cli(*words: str) -> list[str]:
@@ -321,65 +365,100 @@ class LocalCluster:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        # Four processes cannot share one service name: each names itself
+        # Several processes cannot share one service name: each names itself
         # (deltakv-decode, deltakv-prefill, deltakv-sidecar) unless config.env says otherwise.
         env.pop("OTEL_SERVICE_NAME", None)
         env.setdefault("OTEL_EXPORTER_PROMETHEUS_HOST", self.config.host)
         env.update(self.config.env)
         return env
 
-    def _plan(self) -> list[ManagedProcess]:
+    def _argvs(self) -> dict[str, list[str]]:
+        """Each process's command line, in start order."""
         c = self.config
         argvs: dict[str, list[str]] = {}
-        for role in ("decode", "prefill"):
+        for role, count in (("decode", c.decode_replicas), ("prefill", c.prefill_replicas)):
             pages = c.num_pages if role == "decode" or not c.prefill_num_pages else c.prefill_num_pages
-            argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
-                             "--socket", self.sockets[role], "--model", c.model,
-                             "--page-size", str(c.page_size), "--num-pages", str(pages),
-                             "--host", self._host(role), "--port", "0",
-                             "--shm-name", self.shm_names[role],
-                             "--log-level", c.log_level,
-                             "--page-digests", "on" if c.page_digests else "off")
-            for opt in c.transport_options:
-                argv += ["--transport-option", opt]
-            argvs[f"{role}-sidecar"] = argv + (c.prefill_sidecar_args if role == "prefill"
-                                               else c.decode_sidecar_args)
-        argvs["prefill"] = self._cli(
-            "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets["prefill"],
-            "--host", self._host("prefill"), "--port", str(c.prefill_port),
-            "--log-level", c.log_level,
-            "--log-format", "json", *c.prefill_args)
-        argvs["decode"] = self._cli(
-            "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets["decode"],
-            "--prefill-target", self.prefill_address, "--host", c.host,
-            "--port", str(c.decode_port), "--log-level", c.log_level, "--log-format", "json",
-            *c.decode_args)
+            for i in range(count):
+                name = replica_name(role, i)
+                argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
+                                 "--socket", self.sockets[name], "--model", c.model,
+                                 "--page-size", str(c.page_size), "--num-pages", str(pages),
+                                 "--host", self._host(role), "--port", "0", "--shm-name",
+                                 self.shm_names[name], "--log-level", c.log_level,
+                                 "--page-digests", "on" if c.page_digests else "off")
+                for opt in c.transport_options:
+                    argv += ["--transport-option", opt]
+                argvs[replica_name(f"{role}-sidecar", i)] = argv + (
+                    c.prefill_sidecar_args if role == "prefill" else c.decode_sidecar_args)
+        for i, address in enumerate(self.prefill_addresses):
+            name = replica_name("prefill", i)
+            argvs[name] = self._cli(
+                "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
+                "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
+                "--log-level", c.log_level, "--log-format", "json", *c.prefill_args)
+        for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
+            name = replica_name("decode", i)
+            http = ["--http-port", http_address.rpartition(":")[2]] if http_address else []
+            argvs[name] = self._cli(
+                "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets[name],
+                "--prefill-target", ",".join(self.prefill_addresses), "--host", c.host,
+                "--port", grpc_address.rpartition(":")[2], *http, "--log-level", c.log_level,
+                "--log-format", "json", *c.decode_args)
+        if c.decode_replicas > 1:
+            argv = self._cli("serve", "router", "--host", c.host, "--port", str(c.decode_port),
+                             "--log-level", c.log_level, "--log-format", "json")
+            if self.http_address:
+                argv += ["--http-port", str(c.http_port)]
+            for grpc_address, http_address in self.decode_replicas:
+                argv += ["--decode", grpc_address + (f"={http_address}" if http_address else "")]
+            argvs["router"] = argv
+        return argvs
+
+    def _plan(self) -> list[ManagedProcess]:
+        c = self.config
         env = self._env()
         procs = []
+        argvs = self._argvs()
+        ports = self.metrics_ports(list(argvs))
         for name, argv in argvs.items():
             argv += c.telemetry_args
             if c.metrics_port:
-                argv += ["--metrics-port", str(self.metrics_ports()[name])]
-            procs.append(ManagedProcess(name, self._wrap(name) + argv, self.run_dir / f"{name}.log",
+                argv += ["--metrics-port", str(ports[name])]
+            procs.append(ManagedProcess(name, self._wrap(name) + argv,
+                                        self.run_dir / f"{name}.log",
                                         health_target=self._health_target(name, argv), env=env,
                                         stop_timeout_s=c.stop_timeout_s))
         return procs
 
+    @staticmethod
+    def kind(name: str) -> str:
+        """``decode``, ``prefill``, ``decode-sidecar``, ``prefill-sidecar`` or ``router``."""
+        head, _, tail = name.rpartition("-")
+        return head if tail.isdigit() else name
+
     def _health_target(self, name: str, argv: list[str]) -> str:
-        if name.endswith("sidecar"):
-            return uds_address(self.sockets[name.split("-")[0]])
+        if self.kind(name).endswith("sidecar"):
+            return uds_address(self.sockets[name.replace("-sidecar", "")])
         # A worker given --health-port (e.g. by tests running it with TLS through
         # prefill_args/decode_args) mirrors its status there in plain text.
         if "--health-port" in argv[:-1]:
             port = argv[argv.index("--health-port") + 1]
             if port != "0":
                 return f"{self.config.host}:{port}"
-        return self.prefill_address if name == "prefill" else self.decode_address
+        port = argv[argv.index("--port") + 1]
+        return f"{self.config.host}:{port}"
 
-    def metrics_ports(self) -> dict[str, int]:
-        """Prometheus scrape port of each process ({} when ``metrics_port`` is 0)."""
+    def metrics_ports(self, names: list[str] | None = None) -> dict[str, int]:
+        """Prometheus scrape port of each process ({} when ``metrics_port`` is 0): the four
+        1P1D processes at fixed offsets, further replicas and the router after them."""
         base = self.config.metrics_port
-        return {name: base + off for name, off in METRICS_PORT_OFFSETS.items()} if base else {}
+        if not base:
+            return {}
+        names = names if names is not None else [p.name for p in self.procs]
+        ports = {n: base + off for n, off in METRICS_PORT_OFFSETS.items() if n in names}
+        extra = (n for n in names if n not in METRICS_PORT_OFFSETS)
+        ports.update({n: base + len(METRICS_PORT_OFFSETS) + k for k, n in enumerate(extra)})
+        return ports
 
     def proc(self, name: str) -> ManagedProcess:
         """The process named ``name`` (``decode``, ``prefill``, ``decode-sidecar``,
@@ -398,13 +477,14 @@ class LocalCluster:
         try:
             if self.link is not None:
                 self.link.create()
-            for group in START_GROUPS:
-                for name in group:
-                    self.proc(name).start()
-                for name in group:
+            for kinds in START_GROUPS:
+                group = [p for p in self.procs if self.kind(p.name) in kinds]
+                for proc in group:
+                    proc.start()
+                for proc in group:
                     if progress:
-                        progress(f"waiting for {name}")
-                    self.proc(name).wait_serving(deadline - time.monotonic(), interrupted)
+                        progress(f"waiting for {proc.name}")
+                    proc.wait_serving(deadline - time.monotonic(), interrupted)
         except (ProcessError, LinkError) as exc:
             self.stop()
             raise ClusterError(str(exc)) from None
@@ -433,8 +513,8 @@ class LocalCluster:
         process's exit status (None: never started)."""
         if not self._stopped:
             self._stopped = True
-            for name in STOP_ORDER:
-                self.stop_proc(name)
+            for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
+                proc.stop()
             if self.link is not None:
                 self.link.destroy()  # after its processes: nothing left inside
             for shm in self.shm_names.values():

@@ -47,6 +47,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 DECODE_SERVICE_NAME = "deltakv.v1.DecodeService"
+#: Metadata key (HTTP header) of a conversation: routers keep one key on one decode replica.
+SESSION_HEADER = "x-deltakv-session"
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -326,23 +328,28 @@ class DecodeClient:
         await wait_serving_async(self._channel, timeout_s, service=DECODE_SERVICE_NAME,
                                  what=f"decode service at {self.target}")
 
-    def stream(self, *, timeout_s: float | None = None, **request: object) -> GenerateStream:
+    def stream(self, *, timeout_s: float | None = None, session: str | None = None,
+               **request: object) -> GenerateStream:
         """Start a ``Generate`` call and return its :class:`GenerateStream` (not yet awaited).
 
         ``request``: keyword arguments of :func:`build_request` (exactly one of ``text``,
         ``chat``, ``token_ids``, plus sampling options). ``timeout_s`` overrides the client's
-        deadline for this call. Raises :class:`InvalidArgument` at once for bad input; RPC
-        errors surface while iterating.
+        deadline for this call. ``session``: the conversation's affinity key, sent as
+        ``x-deltakv-session`` metadata (a router in front of several decode replicas keeps
+        one key on one replica, where its prefix is cached). Raises :class:`InvalidArgument`
+        at once for bad input; RPC errors surface while iterating.
         """
         req = build_request(**request)  # type: ignore[arg-type]
         deadline = self.timeout_s if timeout_s is None else timeout_s
         if not deadline > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {deadline}")
         t0 = time.perf_counter()
-        call = self._get_stub().Generate(req, timeout=deadline)
+        metadata = (((SESSION_HEADER, session),) if session else ()) + (
+            ("x-request-id", req.request_id),)
+        call = self._get_stub().Generate(req, timeout=deadline, metadata=metadata)
         return GenerateStream(_call=call, request_id=req.request_id, _t0=t0)
 
-    async def generate(self, *, timeout_s: float | None = None,
+    async def generate(self, *, timeout_s: float | None = None, session: str | None = None,
                        **request: object) -> GenerateResult:
         """Run one generation to the end and return its :class:`GenerateResult`.
 
@@ -350,7 +357,7 @@ class DecodeClient:
         :class:`~deltakv.errors.ResourceExhausted` for RESOURCE_EXHAUSTED,
         :class:`Unavailable` for UNAVAILABLE, :class:`DeadlineExceeded` past the deadline).
         """
-        async with self.stream(timeout_s=timeout_s, **request) as s:
+        async with self.stream(timeout_s=timeout_s, session=session, **request) as s:
             return await s.result()
 
     async def get_stats(self, timeout_s: float = 10.0) -> decode_pb2.DecodeStats:
@@ -376,6 +383,7 @@ __all__ = [
     "DeltaKVError",
     "GenerateResult",
     "GenerateStream",
+    "SESSION_HEADER",
     "TLSFiles",
     "Usage",
     "build_request",

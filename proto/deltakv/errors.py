@@ -21,6 +21,10 @@ DataLoss                    DATA_LOSS              checksum / page digest mismat
 NotFound                    NOT_FOUND              unknown lock / request / room
 Internal                    INTERNAL               a bug: never expected
 ==========================  =====================  ==========================================
+
+HTTP front ends (the decode service's OpenAI API) answer with :func:`http_status_of`, the
+HTTP status google/rpc/code.proto assigns to each gRPC code, so the one mapping above also
+decides HTTP statuses.
 """
 
 from __future__ import annotations
@@ -132,6 +136,34 @@ _BY_CODE: dict[grpc.StatusCode, type[DeltaKVError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.CANCELLED: Aborted,
 }
+
+
+#: HTTP status of each gRPC code: the "HTTP Mapping" lines of google/rpc/code.proto.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+}
+
+
+def http_status_of(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
+    """(HTTP status, gRPC code, message) for any exception, via :func:`status_of`."""
+    code, message = status_of(exc)
+    return HTTP_STATUS.get(code, 500), code, message
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -72,7 +72,7 @@ def start_cluster(model: str, transport: str, run_dir: Path, up_args: list[str],
 
     return up.start_cluster(["--model", model, "--transport", transport, "--run-dir",
                              str(run_dir), "--decode-port", "0", "--prefill-port", "0",
-                             *up_args], startup_timeout_s, progress)
+                             "--http-port", "0", *up_args], startup_timeout_s, progress)
 
 
 def _chat_turn_record(question: str, result: GenerateResult) -> dict:

@@ -29,6 +29,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("serve", "sidecar"), "deltakv.services.cli.serve.sidecar", "run one KV-transfer sidecar (UDS gRPC)"),
     (("serve", "prefill"), "deltakv.services.cli.serve.prefill", "run the prefill service"),
     (("serve", "decode"), "deltakv.services.cli.serve.decode", "run the decode service"),
+    (("serve", "router"), "deltakv.services.cli.serve.router",
+     "run the affinity router in front of several decode replicas"),
     (("up",), "deltakv.services.cli.up", "start a local 1P1D cluster (2 sidecars, prefill, decode)"),
     (("generate",), "deltakv.services.cli.generate", "one generation, locally (--local) or on a cluster"),
     (("chat",), "deltakv.services.cli.chat", "interactive multi-turn chat against a cluster"),

@@ -1,6 +1,12 @@
-"""``deltakv up``: a local 1P1D cluster — two sidecars, prefill and decode — on this machine.
+"""``deltakv up``: a local cluster — sidecars, prefill and decode — on this machine.
 
-Starts the four processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
+1P1D by default; ``--decode-replicas N --prefill-replicas M`` starts N decode and M prefill
+workers (each with its sidecar), every decode balancing over every prefill, and an affinity
+router (``deltakv serve router``) on the public ports that keeps each ``x-deltakv-session`` on
+one decode replica (consistent hashing). ``--http-port`` (default 8000) serves the
+OpenAI-compatible API next to gRPC.
+
+Starts the processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
 runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check, prints
 **one** line with the decode address and then only errors (lines logged at level error by any
 process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
@@ -22,6 +28,8 @@ import sys
 import threading
 
 from deltakv.services.cli.argtypes import port_number
+
+DEFAULT_HTTP_PORT = 8000
 
 
 class _ErrorFollower(threading.Thread):
@@ -70,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pages per KV pool (each sidecar)")
     parser.add_argument("--decode-port", type=port_number, default=c.decode_port, help="0 = free port")
     parser.add_argument("--prefill-port", type=port_number, default=c.prefill_port, help="0 = free port")
+    parser.add_argument("--http-port", type=port_number, default=DEFAULT_HTTP_PORT,
+                        help="OpenAI-compatible HTTP API (0 = free port)")
+    parser.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
+    parser.add_argument("--decode-replicas", type=int, default=c.decode_replicas,
+                        help="decode workers; more than 1 puts the affinity router in front")
+    parser.add_argument("--prefill-replicas", type=int, default=c.prefill_replicas,
+                        help="prefill workers; every decode balances over all of them")
     parser.add_argument("--run-dir", default=None,
                         help="sockets and logs (default: a temporary dir, removed on exit)")
     parser.add_argument("--start-timeout-s", type=float, default=c.start_timeout_s,
@@ -133,6 +148,9 @@ def cluster_config(args: argparse.Namespace):
     return ClusterConfig(model=args.model, transport=args.transport, page_size=args.page_size,
                          num_pages=args.num_pages, decode_port=args.decode_port,
                          prefill_port=args.prefill_port, run_dir=args.run_dir,
+                         http_port=None if args.no_http else args.http_port,
+                         decode_replicas=args.decode_replicas,
+                         prefill_replicas=args.prefill_replicas,
                          start_timeout_s=args.start_timeout_s,
                          transport_options=args.transport_option, log_level=args.log_level,
                          telemetry_args=otel.forwarded_args(args),
@@ -194,9 +212,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     follower = _ErrorFollower(cluster, stop)
     follower.start()
+    http = f" http://{cluster.http_address}/v1" if cluster.http_address else ""
+    shape = (f" decode_replicas={config.decode_replicas} prefill_replicas="
+             f"{config.prefill_replicas}" if cluster.config.decode_replicas > 1
+             or config.prefill_replicas > 1 else "")
     link = f" {cluster.link.describe()}" if cluster.link else ""
-    print(f"deltakv ready at {cluster.decode_address} (model={config.model} "
-          f"transport={config.transport} page_size={config.page_size}{link} "
+    print(f"deltakv ready at {cluster.decode_address}{http} (model={config.model} "
+          f"transport={config.transport} page_size={config.page_size}{shape}{link} "
           f"logs={cluster.run_dir})", flush=True)
     code = 0
     while not stop.wait(0.5):

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltakv.errors import InvalidArgument
+from deltakv.services.decode.chat_reuse import CompletionMemory, encode_chat_reusing
 from deltakv.services.decode.scheduler import DecodeRequest
+from deltakv.services.decode.stop import check_stop_strings
 from deltakv.services.model.sampling import Sampler
-from deltakv.services.model.tokenizer import encode_chat, encode_text
+from deltakv.services.model.tokenizer import encode_text
 from deltakv.v1 import decode_pb2, kv_pb2, prefill_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -32,15 +34,19 @@ class ParsedRequest:
     sampling: kv_pb2.SamplingParams
     reuse_prefix: bool
     echo_prompt: bool
+    stop: tuple[str, ...] = ()
 
 
 def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
-                   default_max_new_tokens: int, max_new_tokens_limit: int) -> ParsedRequest:
+                   default_max_new_tokens: int, max_new_tokens_limit: int,
+                   memory: CompletionMemory | None = None) -> ParsedRequest:
     """Tokenize (text, chat template, or token ids) and validate ``request`` for ``model``
     (a loaded model: ``tokenizer``, ``vocab_size``, ``config.max_position_embeddings``).
+    A chat's earlier assistant messages get the ids decode generated for them from ``memory``
+    (:func:`~deltakv.services.decode.chat_reuse.encode_chat_reusing`).
 
     Raises InvalidArgument (INVALID_ARGUMENT) for: no input, an empty prompt or chat, an unknown
-    chat role, a token id outside the vocabulary, ``max_new_tokens`` over
+    chat role, bad stop strings (more than 4, empty, over 256 characters), a token id outside the vocabulary, ``max_new_tokens`` over
     ``max_new_tokens_limit``, a negative temperature, ``top_p`` outside [0, 1], or prompt +
     ``max_new_tokens`` beyond the model's context. Pure: touches no page and no peer.
     """
@@ -54,7 +60,7 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
         for message in messages:
             if message["role"] not in CHAT_ROLES:
                 raise InvalidArgument(f"unknown chat role {message['role']!r}")
-        prompt = encode_chat(model.tokenizer, messages)
+        prompt, _ = encode_chat_reusing(model.tokenizer, messages, memory)
     elif kind == "token_ids":
         prompt = list(request.token_ids.ids)
         vocab = model.vocab_size
@@ -83,7 +89,8 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
             f"exceeds the model's context of {positions} positions")
     return ParsedRequest(prompt=prompt, sampling=sampling,
                          reuse_prefix=not request.disable_decode_prefix_reuse,
-                         echo_prompt=request.echo_prompt_token_ids)
+                         echo_prompt=request.echo_prompt_token_ids,
+                         stop=tuple(check_stop_strings(request.stop)))
 
 
 def sampler_for_decode(sampling: kv_pb2.SamplingParams) -> Sampler:
@@ -108,7 +115,10 @@ class RequestState:
     (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
     ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
-    Times are ``time.monotonic()`` seconds; ``ttft_ms`` in ms.
+    ``prefill``: the prefill backend the request is pinned to (its AbortTransfer goes there).
+    ``answer_ids`` / ``answer_pieces``: the generated ids streamed so far and the text streamed
+    for each (what the completion memory remembers). Times are ``time.monotonic()`` seconds;
+    ``ttft_ms`` in ms.
     """
 
     request_id: str
@@ -128,3 +138,22 @@ class RequestState:
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
     lease: Any = None
+    prefill: Any = None
+    answer_ids: list[int] = field(default_factory=list)
+    answer_pieces: list[str] = field(default_factory=list)
+    answer_text: list[str] = field(default_factory=list)
+
+    def streamed(self, token_id: int | None, piece: str, text: str
+                 ) -> decode_pb2.GenerateResponse:
+        """The stream message for one generated token, recorded as part of the answer:
+        ``piece`` is the token's own text (detokenizer), ``text`` what is sent for it (stop
+        strings may hold text back or cut it). ``token_id`` None: the text held back until
+        the end of the stream."""
+        if token_id is not None:
+            self.answer_ids.append(token_id)
+            self.answer_pieces.append(piece)
+        elif self.answer_pieces:
+            self.answer_pieces[-1] += piece
+        self.answer_text.append(text)
+        ids = [] if token_id is None else [token_id]
+        return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=ids, text=text))

@@ -25,7 +25,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -38,7 +38,9 @@ from deltakv.errors import (
     Unavailable,
     from_rpc_error,
 )
+from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import (
     ParsedRequest,
     RequestState,
@@ -52,23 +54,30 @@ from deltakv.services.decode.scheduler import (
     FinishEvent,
     TokenEvent,
 )
+from deltakv.services.decode.stop import StopStrings
 from deltakv.services.model.sampling import should_stop
 from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 log = get_logger()
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    """The public decode service over one worker (model + sidecar) and one prefill target."""
+    """The public decode service over one worker (model + sidecar) and a pool of prefill
+    backends (:class:`~deltakv.services.decode.prefill_pool.PrefillPool`: each request is
+    pinned to one backend, which also receives its ``AbortTransfer``).
 
-    def __init__(self, worker: Worker, prefill_channel: grpc.aio.Channel,
-                 config: DecodeConfig) -> None:
+    :meth:`generate` is the one request path: the gRPC ``Generate`` handler and the OpenAI
+    HTTP API (:mod:`deltakv.services.openai`) both run it. ``memory`` remembers the text and
+    ids of recent answers so text chat reuses the exact cached prefix
+    (:mod:`deltakv.services.decode.chat_reuse`)."""
+
+    def __init__(self, worker: Worker, prefill: PrefillPool, config: DecodeConfig) -> None:
         self.worker = worker
-        self.prefill_channel = prefill_channel
-        self.prefill_service = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        self.prefill = prefill
+        self.memory = CompletionMemory()
         self.config = config
         self.scheduler = DecodeScheduler(worker.runner, config.max_batch_size)
         self.tokenizer = worker.model.tokenizer
@@ -93,17 +102,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Server-streaming generation: the five steps of the module docstring. Streams
-        ``TokenChunk``s, then one ``Usage``. Errors (see ``decode.proto``): INVALID_ARGUMENT
-        (parse), RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED /
-        FAILED_PRECONDITION (prefill), DATA_LOSS (a delta page differs from prefill's digest),
-        UNAVAILABLE (this worker's sidecar is away or restarted), INTERNAL (a failed decode
-        step)."""
+        """Server-streaming generation: :meth:`generate` bounded by the call's deadline. Closed
+        with the call, so a cancelled call's cleanup runs inside it, not at GC time."""
+        async with contextlib.aclosing(self.generate(request, context.time_remaining)) as out:
+            async for message in out:
+                yield message
+
+    async def generate(self, request: decode_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None] = lambda: None
+                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """The five steps of the module docstring. Streams ``TokenChunk``s, then one
+        ``Usage``. ``time_remaining()``: seconds left for the caller (None = no deadline), it
+        bounds the Prefill RPC. Raises (see ``decode.proto``): INVALID_ARGUMENT (parse),
+        RESOURCE_EXHAUSTED (admit), UNAVAILABLE / DEADLINE_EXCEEDED / FAILED_PRECONDITION
+        (prefill), DATA_LOSS (a delta page differs from prefill's digest), UNAVAILABLE (this
+        worker's sidecar is away or restarted), INTERNAL (a failed decode step). Closing the iterator early (or cancelling
+        its task) cancels the request: its cleanup runs as for a gRPC client cancel."""
         state = self._open(request)
         try:
             parsed = self._parse(request)
             await self._admit(state, parsed)
-            decode_request = await self._prefill(state, parsed, context)
+            decode_request = await self._prefill(state, parsed, time_remaining)
             async for message in self._stream(state, parsed, decode_request):
                 yield message
             yield await self._finish(state, parsed, decode_request)
@@ -126,6 +145,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.DecodeStats(pool=stats.pool, running=self.scheduler.num_running,
                                       waiting=self.waiting, **self.counters)
 
+    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]:
+        """``(prompt_tokens, cached_tokens)`` of ``request`` here and now: the prompt as
+        ``generate`` would encode it, and how much of it this decode's radix index holds (the
+        ``decode_prefix_len`` it would send; a router's precise prefix score). Locks nothing
+        beyond the call. INVALID_ARGUMENT as ``generate``'s parse step."""
+        parsed = self._parse(request)
+        sidecar_id = f"match/{uuid.uuid4().hex}"
+        try:
+            cached, _ = await self.worker.sidecar.match_prefix(sidecar_id, parsed.prompt)
+        finally:
+            await asyncio.shield(self.worker.sidecar.release(sidecar_id))
+        return len(parsed.prompt), cached
+
     # -- the steps of Generate --------------------------------------------------------------
 
     def _open(self, request: decode_pb2.GenerateRequest) -> RequestState:
@@ -140,7 +172,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def _parse(self, request: decode_pb2.GenerateRequest) -> ParsedRequest:
         """Step 1: tokens and sampling, validated (INVALID_ARGUMENT)."""
-        return parse_generate(request, self.worker.model,
+        return parse_generate(request, self.worker.model, memory=self.memory,
                               default_max_new_tokens=self.config.default_max_new_tokens,
                               max_new_tokens_limit=self.config.max_new_tokens_limit)
 
@@ -179,7 +211,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state.delta_pages = pages[: layout.delta_pages(prompt_len, state.decode_prefix_len)]
 
     async def _prefill(self, state: RequestState, parsed: ParsedRequest,
-                       context: grpc.aio.ServicerContext) -> DecodeRequest:
+                       time_remaining: Callable[[], float | None]) -> DecodeRequest:
         """Step 3: prefill computes the first token and writes the delta pages into this
         pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
         ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
@@ -192,7 +224,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             dst_page_indices=state.delta_pages, decode_prefix_len=state.decode_prefix_len,
             prompt_len=state.prompt_len, lease_ms=self.config.lease_ms)
         timeout_s = self.config.prefill_timeout_ms / 1000.0
-        remaining = context.time_remaining()
+        remaining = time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
         # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
@@ -236,21 +268,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _call_prefill(self, state: RequestState, request: prefill_pb2.PrefillRequest,
                             timeout_s: float) -> prefill_pb2.PrefillResponse:
-        """The Prefill RPC, its failure as a typed error: DEADLINE_EXCEEDED after
-        ``timeout_s``, UNAVAILABLE naming prefill, or prefill's own typed status.
-        ``state.transfer_pending`` is True from the send until prefill answered."""
-        await self._prefill_connected()
+        """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
+        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
+        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
+        send until prefill answered."""
+        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        state.prefill = backend
         state.sent_at = time.monotonic()
         state.transfer_pending = True
         try:
-            response = await self.prefill_service.Prefill(request, timeout=timeout_s)
+            response = await backend.stub.Prefill(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = DeadlineExceeded(f"prefill did not answer within {timeout_s:.1f} s")
+                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
+                                         f"{timeout_s:.1f} s")
             elif isinstance(error, Unavailable):
-                error = Unavailable(f"prefill failed: {exc.details()}")
+                error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
             raise error from None
+        finally:
+            self.prefill.done(backend)
         state.transfer_pending = False
         return response
 
@@ -259,28 +296,50 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         """Step 4: the first token (TTFT is measured as it is sent), then every token the
         continuous batch produces until the request stops, then any text the detokenizer
-        still held. An ``ErrorEvent`` from the batch is raised (INTERNAL)."""
+        still held. A stop string in the text ends the request early (finish_reason "stop",
+        the text from the stop string on is not sent). An ``ErrorEvent`` from the batch is
+        raised (INTERNAL)."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
                            decode_prefix_len=state.decode_prefix_len)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=parsed.prompt)
-        first = decode_request.tokens[-1]
-        yield _chunk([first], detokenizer.push(first))
+        stops = StopStrings(parsed.stop)
+        async with contextlib.aclosing(self._tokens(state, decode_request)) as tokens:
+            async for token_id in tokens:
+                piece = detokenizer.push(token_id)
+                yield state.streamed(token_id, piece, stops.push(piece))
+                if stops.hit:
+                    await self._stop_early(state, decode_request)
+                    break
+        tail = detokenizer.flush()
+        text = stops.flush(tail)
+        if tail or text:
+            yield state.streamed(None, tail, text)
+
+    async def _tokens(self, state: RequestState, decode_request: DecodeRequest
+                      ) -> AsyncIterator[int]:
+        """The generated token ids: prefill's first one, then the continuous batch's."""
+        yield decode_request.tokens[-1]
         if decode_request.finish_reason is None:
             self.scheduler.add(decode_request)
             state.in_scheduler = True
             while True:
                 match await decode_request.events.get():
                     case TokenEvent(token_id=token_id):
-                        yield _chunk([token_id], detokenizer.push(token_id))
+                        yield token_id
                     case FinishEvent():
-                        break
+                        return
                     case ErrorEvent(error=error):
                         raise error
-        tail = detokenizer.flush()
-        if tail:
-            yield _chunk([], tail)
+
+    async def _stop_early(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """A stop string ended the request: leave the batch (once no step can still write
+        its KV) and finish as "stop"."""
+        decode_request.finish_reason = "stop"
+        if state.in_scheduler and not decode_request.detached.is_set():
+            self.scheduler.cancel(decode_request)
+            await decode_request.detached.wait()
 
     async def _finish(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest) -> decode_pb2.GenerateResponse:
@@ -289,6 +348,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         with telemetry.span("decode.finish", completion_tokens=len(decode_request.generated),
                             finish_reason=decode_request.finish_reason or "stop") as span:
             await self._commit_kv(state, decode_request)
+            self._remember_answer(state, decode_request)
             await self._release(state, quarantine_ms=0)
             usage = self._usage(state, decode_request)
             if parsed.echo_prompt:
@@ -317,17 +377,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         await asyncio.shield(self._cleanup_once(state))
 
     # -- pages of a request -----------------------------------------------------------------
-
-    async def _prefill_connected(self) -> None:
-        """Wait (bounded) for the prefill connection, e.g. while it reconnects after a prefill
-        restart; UNAVAILABLE if it cannot be established. Nothing was sent yet, so nothing can
-        be written into the request's pages."""
-        timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
-        try:
-            await asyncio.wait_for(self.prefill_channel.channel_ready(), timeout=timeout_s)
-        except TimeoutError:
-            raise Unavailable(f"prefill is unreachable (no connection within {timeout_s:g} s)"
-                              ) from None
 
     async def _allocate(self, state: RequestState, num_pages: int) -> list[int]:
         """Allocate, waiting up to ``admission_timeout_s`` for pages held by other requests."""
@@ -358,6 +407,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await self.worker.sidecar.commit(state.sidecar_id, kv_tokens,
                                              decode_request.page_table[:full_pages])
 
+    def _remember_answer(self, state: RequestState, decode_request: DecodeRequest) -> None:
+        """Remember the text streamed for the answer and the ids behind it, for the next turn
+        of a text chat. A final EOS is left out: the chat template writes the end of turn."""
+        ids, pieces = state.answer_ids, state.answer_pieces
+        if (ids and decode_request.finish_reason == "stop"
+                and ids[-1] in self.worker.model.eos_token_ids):
+            ids, pieces = ids[:-1], pieces[:-1]
+        self.memory.remember(ids, pieces, text="".join(state.answer_text))
+
     def _cleanup_once(self, state: RequestState) -> asyncio.Future:
         """The request's one cleanup task (every exit path awaits the same one)."""
         if state.cleanup is None:
@@ -387,6 +445,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 # Cancelled or failed after prefill: the KV written so far is valid; keep the
                 # full pages cached (F9) and free the rest.
                 await self._commit_kv(state, decode_request)
+                self._remember_answer(state, decode_request)
             await self._release(state, quarantine_ms=0)
         except DeltaKVError as exc:
             log.error("cleanup_failed", reason=str(exc))
@@ -394,9 +453,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await self._release(state, quarantine_ms=0)
 
     async def _abort_transfer(self, state: RequestState) -> bool:
-        """True once prefill confirmed no write for the room is in flight or can start."""
+        """True once the prefill that got the room confirmed no write for it is in flight or
+        can start (the pool pins a request to one backend: another one knows nothing of it)."""
         try:
-            await self.prefill_service.AbortTransfer(
+            await state.prefill.stub.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
             log.info("transfer_aborted")
@@ -444,6 +504,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             total_ms=(time.monotonic() - state.started_at) * 1000.0)
 
 
-def _chunk(token_ids: list[int], text: str) -> decode_pb2.GenerateResponse:
-    return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=token_ids,
-                                                                    text=text))

@@ -69,7 +69,7 @@ DEFAULT_SAMPLER = "parentbased_always_on"
 DEFAULT_PROMETHEUS_PORT = 9464  # the OTel spec's default for OTEL_EXPORTER_PROMETHEUS_PORT
 # Scrapers reach pods from outside; `deltakv up` narrows it to its own host.
 DEFAULT_PROMETHEUS_HOST = "0.0.0.0"
-ROLES = ("decode", "prefill")
+ROLES = ("decode", "prefill", "router")
 PROCESSES = ("worker", "sidecar")
 # Bounded flush on shutdown so an unreachable collector cannot hold a stopping process.
 SHUTDOWN_TIMEOUT_MS = 3_000

@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import helm_python
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from deltakv.layout import KVLayout
+from tests.support.crd_schemas import SCHEMAS as CRD_SCHEMAS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "deltakv"
@@ -135,6 +137,10 @@ def test_every_manifest_validates_strictly(case, rendered):
     _, objects = rendered[case]
     assert objects, "the chart rendered nothing"
     for obj in objects:
+        crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+        if crd is not None:  # a custom resource: its documented schema, strictly
+            jsonschema.validate(obj, crd)
+            continue
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -224,8 +230,16 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
                for role in ("prefill", "decode")}
     for role, worker in workers.items():
         service = named(objects, "Service", f"{RELEASE}-deltakv-{role}")
-        (port,) = service["spec"]["ports"]
+        port = service["spec"]["ports"][0]
         assert port["targetPort"] == "grpc"
+        # decode's second port is the OpenAI HTTP API, the container port it is told to use.
+        http = service["spec"]["ports"][1:]
+        if role == "decode" and values["decode"]["httpPort"]:
+            assert [p["targetPort"] for p in http] == ["http"]
+            assert ports_by_name(worker)["http"] == int(flag_value(worker["args"],
+                                                                   "--http-port"))
+        else:
+            assert not http and "--http-port" not in worker["args"]
         assert ports_by_name(worker)["grpc"] == int(flag_value(worker["args"], "--port"))
         assert flag_value(worker["args"], "--host") == "0.0.0.0"
         selector = service["spec"]["selector"]
@@ -238,7 +252,8 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
         flag_value(workers["prefill"]["args"], "--port"))
     # decode dials the headless Service's DNS name on its port.
     target = flag_value(workers["decode"]["args"], "--prefill-target")
-    assert target == (f"{RELEASE}-deltakv-prefill.{NAMESPACE}.svc.{values['clusterDomain']}:"
+    assert target == (f"dns:///{RELEASE}-deltakv-prefill.{NAMESPACE}.svc."
+                      f"{values['clusterDomain']}:"
                       f"{prefill_svc['spec']['ports'][0]['port']}")
     decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
     assert decode_svc["spec"].get("clusterIP") != "None"

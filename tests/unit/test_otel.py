@@ -131,7 +131,7 @@ def test_bad_settings_are_invalid_argument(kwargs, env, message) -> None:
 
 def test_unknown_role_or_process_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgument, match="role"):
-        otel.resolve_config("router", "worker", environ={})
+        otel.resolve_config("gateway", "worker", environ={})
     with pytest.raises(InvalidArgument, match="process"):
         otel.resolve_config("decode", "gpu", environ={})
 

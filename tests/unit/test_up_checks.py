@@ -84,3 +84,53 @@ def test_transport_is_checked_up_front() -> None:
 def test_values_the_protocol_cannot_carry_are_invalid_arguments(kw) -> None:
     with pytest.raises(InvalidArgument):
         build_request(token_ids=[1, 2], **kw)
+
+
+def _up_cluster(run_dir, *flags: str):
+    from deltakv.services.cli import up
+    from deltakv.services.cluster import LocalCluster
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-random", "--decode-port", "0", "--prefill-port",
+                              "0", "--run-dir", str(run_dir), *flags])
+    return LocalCluster(up.cluster_config(args))
+
+
+def _flag(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+def test_up_replicas_plan_every_decode_on_every_prefill_behind_the_router(tmp_path) -> None:
+    """`deltakv up --decode-replicas 2 --prefill-replicas 3 --http-port 0`: the commands it
+    would start (nothing is started)."""
+    cluster = _up_cluster(tmp_path, "--decode-replicas", "2", "--prefill-replicas", "3",
+                          "--http-port", "0")
+    names = [p.name for p in cluster.procs]
+    assert names == ["decode-sidecar", "decode-sidecar-1", "prefill-sidecar", "prefill-sidecar-1",
+                     "prefill-sidecar-2", "prefill", "prefill-1", "prefill-2", "decode",
+                     "decode-1", "router"]
+    argv = {p.name: p.argv for p in cluster.procs}
+    prefills = [f"127.0.0.1:{_flag(argv[n], '--port')[0]}" for n in ("prefill", "prefill-1",
+                                                                      "prefill-2")]
+    assert prefills == cluster.prefill_addresses and len(set(prefills)) == 3
+    for name in ("decode", "decode-1"):
+        assert _flag(argv[name], "--prefill-target") == [",".join(prefills)]
+        assert _flag(argv[name], "--http-port")  # each replica serves the API on its own port
+    router = argv["router"]
+    assert cluster.decode_address == f"127.0.0.1:{_flag(router, '--port')[0]}"
+    assert cluster.http_address == f"127.0.0.1:{_flag(router, '--http-port')[0]}"
+    assert _flag(router, "--decode") == [f"{g}={h}" for g, h in cluster.decode_replicas]
+    sockets = {_flag(argv[n], "--socket")[0] for n in names if n.endswith(("sidecar", "-1",
+                                                                              "-2"))
+               if "sidecar" in n}
+    assert len(sockets) == 5  # one pool per worker
+
+
+def test_up_single_replica_has_no_router_and_http_on_decode(tmp_path) -> None:
+    cluster = _up_cluster(tmp_path, "--http-port", "0")
+    assert [p.name for p in cluster.procs] == ["decode-sidecar", "prefill-sidecar", "prefill",
+                                               "decode"]
+    decode = cluster.proc("decode").argv
+    assert cluster.http_address.endswith(":" + _flag(decode, "--http-port")[0])
+    assert "--http-port" not in _up_cluster(tmp_path, "--no-http").proc("decode").argv

@@ -122,9 +122,16 @@ Argument: dict "root" $ "pool" <pool values>.
 {{- end }}
 {{- end }}
 
-{{/* In-cluster DNS name:port of the prefill headless Service (decode's --prefill-target). */}}
+{{/* Decode's --prefill-target: dns:///<prefill headless Service>:port, so decode keeps one
+     backend per prefill pod address (re-resolved), pins each request to one and sends its
+     AbortTransfer to the same pod. */}}
 {{- define "deltakv.prefillTarget" -}}
-{{- printf "%s.%s.svc.%s:%d" (include "deltakv.poolName" (dict "root" . "role" "prefill")) .Release.Namespace .Values.clusterDomain (int64 .Values.prefill.port) }}
+{{- printf "dns:///%s.%s.svc.%s:%d" (include "deltakv.poolName" (dict "root" . "role" "prefill")) .Release.Namespace .Values.clusterDomain (int64 .Values.prefill.port) }}
+{{- end }}
+
+{{/* Headless Service of the decode pods (the affinity router resolves every pod from it). */}}
+{{- define "deltakv.decodeHeadless" -}}
+{{- printf "%s-headless" (include "deltakv.poolName" (dict "root" . "role" "decode")) }}
 {{- end }}
 
 {{- define "deltakv.decodeTarget" -}}
@@ -158,6 +165,18 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- if ne $v.accelerator.type "cpu" }}
 {{- fail (printf "transport.backend=shm moves host-memory pools; with accelerator.type=%s choose mooncake or mori" $v.accelerator.type) }}
 {{- end }}
+{{- end }}
+{{- if and $v.inferencePool.enabled (eq (int64 $v.decode.httpPort) 0) }}
+{{- fail "inferencePool.enabled=true needs decode.httpPort (the OpenAI API the gateway routes to); it is 0" }}
+{{- end }}
+{{- if and $v.inferencePool.enabled $v.inferencePool.httpRoute.enabled (not $v.inferencePool.httpRoute.gatewayName) }}
+{{- fail "inferencePool.httpRoute.enabled=true needs inferencePool.httpRoute.gatewayName (the Gateway to attach to)" }}
+{{- end }}
+{{- if and $v.affinityRouter.enabled $v.tls.enabled }}
+{{- fail "affinityRouter.enabled=true with tls.enabled=true is not supported: the rendered Envoy speaks plain text to decode; terminate TLS at your own gateway" }}
+{{- end }}
+{{- if and $v.affinityRouter.enabled (eq (int64 $v.decode.httpPort) 0) }}
+{{- fail "affinityRouter.enabled=true routes gRPC and HTTP; it needs decode.httpPort (0 here)" }}
 {{- end }}
 {{- if and $v.tls.enabled (not $v.tls.secretName) }}
 {{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt" }}

@@ -199,6 +199,9 @@ spec:
         {{- $wargs = concat $wargs (list "--prefill-target" (include "deltakv.prefillTarget" $root)) }}
         {{- end }}
         {{- $wargs = concat $wargs (list "--host" "0.0.0.0" "--port" (toString (int64 $pool.port))) }}
+        {{- if and (eq $role "decode") (gt (int64 $pool.httpPort) 0) }}
+        {{- $wargs = concat $wargs (list "--http-port" (toString (int64 $pool.httpPort))) }}
+        {{- end }}
         {{- if eq $role "decode" }}
         {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs))) }}
         {{- end }}
@@ -232,6 +235,11 @@ spec:
             - name: grpc
               containerPort: {{ int64 $pool.port }}
               protocol: TCP
+            {{- if and (eq $role "decode") (gt (int64 $pool.httpPort) 0) }}
+            - name: http
+              containerPort: {{ int64 $pool.httpPort }}
+              protocol: TCP
+            {{- end }}
             {{- if $v.tls.enabled }}
             - name: grpc-health
               containerPort: {{ $workerHealthPort }}

@@ -14,25 +14,33 @@ page_size) - cached_tokens / page_size) * page_bytes`` (DESIGN.md §5); a mismat
 
 ``--compare`` runs two sets of conversations in one invocation: ``full`` (every request sets
 ``disable_decode_prefix_reuse``, so decode sends ``decode_prefix_len = 0``) and ``incremental``
-(decode prefix reuse on). The modes are **interleaved per round** — round r of one mode, then
-round r of the other, the order alternating from round to round and run to run — so a machine
-whose speed drifts (other tenants, thermal) shifts both modes alike instead of one. ``--runs N``
-repeats the whole workload on fresh conversations and reports each round's per-run
-incremental/full TTFT ratio with its median and range.
+(decode prefix reuse on), and reports per round both modes and the improvement. Over gRPC the
+modes are **interleaved per round**: round r of one mode, then round r of the other, the order
+reversed every other round and run, so a machine whose speed drifts (other tenants) shifts both
+modes alike. ``--runs N`` repeats the workload on fresh conversations and reports each round's
+per-run incremental/full TTFT ratio with its median and range.
+``--affinity-compare`` adds ``no-affinity``: reuse on, but no ``x-deltakv-session`` key, so a
+router in front of several decode replicas spreads the turns (``incremental`` sends the key).
 
 ``--link RATE`` (root) starts its own cluster as two hosts joined by a link of that rate
 (``deltakv up --link``, :mod:`deltakv.services.netns`: prefill and its sidecar in a fresh
 network namespace, Mooncake over a veth pair shaped by ``tc tbf``) and stops it afterwards,
 namespace included, whatever happens (errors, Ctrl-C, SIGTERM).
 
+``--api openai`` runs the same conversations as OpenAI **text chat** against the HTTP API
+(``--target`` is then ``HOST:PORT`` of it; :mod:`deltakv.services.cli.bench.multiturn_openai`):
+prompts are random words, answers come back as text, and the table shows how much of what was
+reusable decode reused (``reuse_ratio``, 1.0 = every full page of the previous turn), the same
+figure as over token ids.
+
 Output: a table on stdout and, with ``--json PATH``, ``{"page_size", "page_bytes", "config",
-"environment", "rounds": [{"round", "incremental": {...}, "full": {...}, "improvement":
-{...}}], "totals", "defects", "errors"}`` where each mode has ``prompt_tokens`` and
-``cached_tokens`` (means, tokens), ``transferred_bytes`` and ``min_bytes`` (sums over the
-round, bytes), ``ttft_ms_p50`` and ``ttft_ms_mean`` (client-measured TTFT, ms),
-``requests`` (completed), ``errors`` (failed) and ``bytes_defects``; the improvement has the
-pooled ratios and, per run, ``ttft_p50_ratio_runs`` with median/min/max; ``environment`` has the date, the load averages
-before and after, and the link. Records and maths: :mod:`.multiturn_report`.
+"rounds": [{"round", "incremental": {...}, "full": {...}, "improvement": {...}}], "totals",
+"defects"}`` where each mode (figures: :mod:`deltakv.services.cli.bench.multiturn_report`) has ``prompt_tokens`` and ``cached_tokens`` (means, tokens),
+``transferred_bytes`` and ``min_bytes`` (sums over the round, bytes), ``ttft_ms_p50`` and
+``ttft_ms_mean`` (client-measured TTFT, ms), ``requests`` (completed), ``errors`` (failed) and
+``bytes_defects`` (completed requests with ``transferred_bytes != min_bytes``); with
+``--compare`` the improvement also has, per run, ``ttft_p50_ratio_runs`` with median/min/max;
+``environment`` has the date, the load averages before and after, and the link.
 """
 
 from __future__ import annotations
@@ -45,129 +53,42 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltakv.client import DEFAULT_TARGET, DecodeClient
-from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.errors import DeltaKVError
 from deltakv.rpc import tls as tls_files
 from deltakv.rpc.tls import TLSFiles
-from deltakv.services.cli.bench.multiturn_report import (
+from deltakv.services.cli.bench.multiturn_report import (  # noqa: F401 (re-exported)
     FULL,
     INCREMENTAL,
+    MODES,
+    NO_AFFINITY,
     RequestRecord,
     build_report,
     format_table,
+    improvement,
     min_bytes,
+    percentile,
     report_ok,
+    reusable_tokens,
     summarize,
 )
-
-# Normal-text ids of SmolLM2 (vocab 49,152) and of Llama-style 32k vocabularies: far from the
-# special tokens at the bottom and inside every common vocabulary. The bench never sees the
-# tokenizer, so the range is a flag.
-DEFAULT_VOCAB_LOW = 1000
-DEFAULT_VOCAB_HIGH = 30000
-
-
-@dataclass(frozen=True)
-class MultiturnConfig:
-    """Shape of one multi-turn run.
-
-    ``clients``: conversations (>= 1). ``rounds``: turns per conversation (>= 1).
-    ``request_length``: round-0 prompt (tokens, >= 1). ``sub_question_length``: new question per
-    later round (tokens, >= 0). ``output_length``: generated tokens per request (>= 1).
-    ``max_parallel``: requests in flight at once (0 = ``clients``). ``compare``: run both modes.
-    ``runs``: repetitions of the whole workload on fresh conversations (>= 1).
-    ``seed``: workload seed. ``vocab_low``/``vocab_high``: random ids are drawn from
-    ``[vocab_low, vocab_high)``. ``timeout_s``: deadline per request (s).
-    ``connect_timeout_s``: bound on reaching the service (s).
-
-    Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for any value out of range.
-    """
-
-    clients: int = 4
-    rounds: int = 4
-    request_length: int = 256
-    sub_question_length: int = 64
-    output_length: int = 32
-    max_parallel: int = 0
-    compare: bool = False
-    runs: int = 1
-    seed: int = 0
-    vocab_low: int = DEFAULT_VOCAB_LOW
-    vocab_high: int = DEFAULT_VOCAB_HIGH
-    timeout_s: float = 300.0
-    connect_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("clients", self.clients >= 1), ("rounds", self.rounds >= 1),
-            ("request_length", self.request_length >= 1),
-            ("sub_question_length", self.sub_question_length >= 0),
-            ("output_length", self.output_length >= 1), ("max_parallel", self.max_parallel >= 0),
-            ("runs", self.runs >= 1), ("seed", self.seed >= 0),
-            ("vocab_low", self.vocab_low >= 0), ("vocab_high", self.vocab_high > self.vocab_low),
-            ("timeout_s", self.timeout_s > 0), ("connect_timeout_s", self.connect_timeout_s > 0),
-        ]
-        for name, ok in checks:
-            if not ok:
-                raise InvalidArgument(f"multiturn config: bad {name}={getattr(self, name)!r}")
-
-    @property
-    def parallel(self) -> int:
-        """Requests in flight at once."""
-        return self.max_parallel or self.clients
-
-    def modes(self) -> tuple[str, ...]:
-        """The modes of this run (the report's keys)."""
-        return (FULL, INCREMENTAL) if self.compare else (INCREMENTAL,)
-
-    def round_order(self, run: int, rnd: int) -> tuple[str, ...]:
-        """The order in which the modes run round ``rnd`` of run ``run``: alternating, so
-        neither mode always runs first (on caches or a machine state the other left)."""
-        modes = self.modes()
-        return modes if (run + rnd) % 2 == 0 else modes[::-1]
-
-
-# --------------------------------------------------------------------------- workload
-
-
-def client_rng(seed: int, mode: str, client: int, run: int = 0) -> random.Random:
-    """The random source of one client's prompts in one mode (and run).
-
-    The two modes of ``--compare`` (and every run) draw *different* prompts (mode and run are
-    part of the key), so neither decode's nor prefill's radix index can carry a prefix from one
-    mode's conversations into the other's: each starts on caches that hold nothing of it
-    ("fresh caches" without restarting the cluster). Lengths, and so the byte counts, are
-    identical.
-    """
-    suffix = f":run{run}" if run else ""
-    return random.Random(f"deltakv-multiturn:{seed}:{mode}:{client}{suffix}")
-
-
-def random_tokens(rng: random.Random, length: int, vocab_low: int, vocab_high: int) -> list[int]:
-    """``length`` token ids drawn uniformly from ``[vocab_low, vocab_high)``."""
-    return [rng.randrange(vocab_low, vocab_high) for _ in range(length)]
-
-
-def first_prompt(rng: random.Random, config: MultiturnConfig) -> list[int]:
-    """A client's round-0 prompt: ``request_length`` random ids."""
-    return random_tokens(rng, config.request_length, config.vocab_low, config.vocab_high)
-
-
-def next_prompt(prompt: Sequence[int], generated: Sequence[int], question: Sequence[int]
-                ) -> list[int]:
-    """The next round's prompt: previous prompt + the generated token ids + the new question."""
-    return [*prompt, *generated, *question]
-
-
-def expected_prompt_lengths(config: MultiturnConfig) -> list[int]:
-    """Prompt length (tokens) of every round when each request generates ``output_length``."""
-    return [config.request_length + r * (config.output_length + config.sub_question_length)
-            for r in range(config.rounds)]
-
+from deltakv.services.cli.bench.multiturn_workload import (  # noqa: F401 (re-exported)
+    APIS,
+    DEFAULT_VOCAB_HIGH,
+    DEFAULT_VOCAB_LOW,
+    MultiturnConfig,
+    client_rng,
+    expected_prompt_lengths,
+    fill_record,
+    first_prompt,
+    next_prompt,
+    random_tokens,
+    session_key,
+)
 
 # --------------------------------------------------------------------------- running
 
@@ -179,42 +100,27 @@ class _Conversation:
     prompt: list[int]
     alive: bool = True
     records: list[RequestRecord] = field(default_factory=list)
-
-
-def _record(rec: RequestRecord, res) -> None:
-    """Fill ``rec`` from a GenerateResult."""
-    u = res.usage
-    rec.prompt_tokens, rec.cached_tokens = u.prompt_tokens, u.cached_tokens
-    rec.completion_tokens, rec.transferred_pages = u.completion_tokens, u.transferred_pages
-    rec.transferred_bytes, rec.page_size, rec.page_bytes = (
-        u.transferred_bytes, u.page_size, u.page_bytes)
-    rec.ttft_ms, rec.server_ttft_ms, rec.transfer_ms = res.client_ttft_ms, u.ttft_ms, u.transfer_ms
-    rec.prefill_ms, rec.prefill_cached_tokens = u.prefill_ms, u.prefill_cached_tokens
-    try:
-        rec.min_bytes = min_bytes(u.prompt_tokens, u.cached_tokens, u.page_size, u.page_bytes)
-    except InvalidArgument as exc:
-        # e.g. cached > prompt or page_size 0: the usage itself is wrong, so no byte count can
-        # match; -1 makes the request a byte defect and the note says why.
-        rec.min_bytes = -1
-        rec.usage_problem = str(exc)
+    previous_tokens: int = 0  # prompt + answer of the previous turn (tokens)
 
 
 async def _one_request(client: DecodeClient, conv: _Conversation, config: MultiturnConfig,
                        mode: str, rnd: int, run: int, sem: asyncio.Semaphore) -> RequestRecord:
+    run_tag = f"-u{run}" if run else ""
     rec = RequestRecord(mode=mode, round=rnd, client=conv.client, run=run,
-                        request_id=f"mt-{mode[:4]}-s{config.seed}{f'-u{run}' if run else ''}"
-                                   f"-c{conv.client}-r{rnd}")
+                        request_id=f"mt-{mode[:4]}-s{config.seed}{run_tag}-c{conv.client}-r{rnd}")
     async with sem:
         try:
             res = await client.generate(
                 token_ids=conv.prompt, max_new_tokens=config.output_length, temperature=0.0,
                 ignore_eos=True, disable_decode_prefix_reuse=(mode == FULL),
-                request_id=rec.request_id, timeout_s=config.timeout_s)
+                request_id=rec.request_id, timeout_s=config.timeout_s,
+                session=session_key(config, mode, conv.client))
         except DeltaKVError as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
             conv.alive = False  # its history is broken; later rounds would not be multi-turn
             return rec
-    _record(rec, res)
+    fill_record(rec, res.usage, res.client_ttft_ms, conv.previous_tokens)
+    conv.previous_tokens = res.usage.prompt_tokens + res.usage.completion_tokens
     question = random_tokens(conv.rng, config.sub_question_length, config.vocab_low,
                              config.vocab_high)
     conv.prompt = next_prompt(conv.prompt, res.token_ids, question)
@@ -250,19 +156,22 @@ async def run_workload(client: DecodeClient, config: MultiturnConfig, run: int =
                 progress(f"[run {run} {mode}] round {rnd}: {s['requests']} ok, "
                          f"{s['errors']} failed, mean prompt {s['prompt_tokens']:.0f} tok, "
                          f"cached {s['cached_tokens']:.0f} tok, {s['transferred_bytes']:,} B "
-                         f"moved, TTFT p50 "
-                         f"{s['ttft_ms_p50']:.1f} ms")
+                         f"moved, TTFT p50 {s['ttft_ms_p50']:.1f} ms")
     return records
 
 
 async def run_multiturn(target: str, config: MultiturnConfig,
                         progress: Callable[[str], None] | None = None,
                         tls: TLSFiles | None = None) -> dict:
-    """Run the benchmark (``config.runs`` times) against the decode service at ``target`` and
-    return the report dict (see :func:`~.multiturn_report.build_report`). Waits at most
-    ``config.connect_timeout_s`` for the service (raises :class:`~deltakv.errors.Unavailable`
-    after); request failures are counted in the report, not raised. ``tls``: dial with TLS
-    (see :class:`~deltakv.client.DecodeClient`; bad files raise InvalidArgument)."""
+    """Run the benchmark (``config.runs`` times over gRPC) against the decode service at
+    ``target`` and return the report dict (see :func:`build_report`). Waits at most ``config.connect_timeout_s`` for the service
+    (raises :class:`~deltakv.errors.Unavailable` after); request failures are counted
+    in the report, not raised. ``tls``: dial with TLS (see
+    :class:`~deltakv.client.DecodeClient`; bad files raise InvalidArgument)."""
+    if config.api == "openai":
+        from deltakv.services.cli.bench.multiturn_openai import run_openai
+
+        return build_report(config, await run_openai(target, config, progress))
     async with DecodeClient(target, timeout_s=config.timeout_s, tls=tls) as client:
         await client.wait_ready(config.connect_timeout_s)
         records: list[RequestRecord] = []
@@ -305,8 +214,11 @@ def config_from_args(args: argparse.Namespace, compare: bool) -> MultiturnConfig
         clients=args.clients, rounds=args.rounds, request_length=args.request_length,
         sub_question_length=args.sub_question_length, output_length=args.output_length,
         max_parallel=args.max_parallel, compare=compare, runs=getattr(args, "runs", 1),
-        seed=args.seed, vocab_low=args.vocab_low, vocab_high=args.vocab_high,
-        timeout_s=args.timeout, connect_timeout_s=getattr(args, "connect_timeout", 60.0))
+        seed=args.seed,
+        vocab_low=args.vocab_low, vocab_high=args.vocab_high, timeout_s=args.timeout,
+        connect_timeout_s=getattr(args, "connect_timeout", 60.0),
+        affinity_compare=getattr(args, "affinity_compare", False),
+        api=getattr(args, "api", "grpc"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -316,6 +228,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, MultiturnConfig())
     parser.add_argument("--compare", action="store_true",
                         help="full transfer and incremental transfer, interleaved per round")
+    parser.add_argument("--affinity-compare", action="store_true",
+                        help="also run without the x-deltakv-session key (no router affinity)")
+    parser.add_argument("--api", choices=APIS, default="grpc",
+                        help="grpc: token ids over DecodeService; openai: text chat over the "
+                             "OpenAI HTTP API (--target HOST:PORT of it)")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="bound on reaching the service (s)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -356,7 +273,8 @@ def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
 
     up_args = ["--model", args.model, "--transport", args.transport, "--link", args.link,
                "--num-pages", str(args.num_pages), "--decode-port", "0", "--prefill-port", "0",
-               *(["--run-dir", args.run_dir] if args.run_dir else []), *args.up_arg]
+               "--no-http", *(["--run-dir", args.run_dir] if args.run_dir else []),
+               *args.up_arg]
     progress(f"starting a two-host cluster: deltakv up {' '.join(up_args)}")
     cluster = up.start_cluster(up_args, args.startup_timeout, progress)
     try:

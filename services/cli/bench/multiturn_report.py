@@ -1,12 +1,16 @@
-"""The records, maths, JSON report and table of ``deltakv bench multiturn``.
+"""Records, figures and the report of ``deltakv bench multiturn`` (see that module).
 
-One :class:`RequestRecord` per request; :func:`build_report` turns a run's records into the
-report (shape in :mod:`deltakv.services.cli.bench.multiturn`); :func:`format_table` prints it.
-Pure functions: no service, no clock.
+Modes: ``full`` (decode prefix reuse off: the A/B baseline), ``incremental`` (reuse on, each
+conversation sends its ``x-deltakv-session`` key, so a router keeps it on one replica) and
+``no-affinity`` (reuse on, no session key: behind a router the turns spread over the replicas
+as behind a plain Service). Besides bytes and TTFT, every completed request of round >= 1
+reports ``reusable_tokens``: the full pages of the previous turn's prompt + answer, the most
+decode can hold of this prompt (tokens); ``reuse_ratio`` = cached / reusable over a set of
+requests (1.0: every reusable page was reused).
 
-With ``--runs N`` every figure of a round pools the N runs' requests, and the improvement
-also gives the incremental/full TTFT p50 ratio of each run with its median, min and max: the
-spread a noisy machine leaves, which a single pooled ratio would hide.
+With ``--runs N`` every figure of a round pools the N runs' requests, and the improvement also
+gives the incremental/full TTFT p50 ratio of each run with its median, min and max: the spread
+a noisy machine leaves, which a single pooled ratio would hide.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from deltakv.errors import InvalidArgument
 
 INCREMENTAL = "incremental"
 FULL = "full"
-MODES = (INCREMENTAL, FULL)
+NO_AFFINITY = "no-affinity"
+MODES = (INCREMENTAL, FULL, NO_AFFINITY)
 
 
 @dataclass
 class RequestRecord:
     """Outcome of one request. Tokens in tokens, bytes in bytes, times in ms; ``error`` is the
     typed error's ``Class: message`` for a failed request (its other numbers are then 0).
-    ``run``: which repetition of the workload (``--runs``) it belongs to."""
+    ``run``: the repetition of the workload (``--runs``) it belongs to."""
 
     mode: str
     round: int
@@ -51,6 +56,7 @@ class RequestRecord:
     prefill_cached_tokens: int = 0
     error: str | None = None
     usage_problem: str | None = None
+    reusable_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -84,29 +90,41 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, float | int]:
-    """One mode's numbers for one round (keys as in the multiturn module docstring)."""
+    """One mode's numbers for one round (keys as in the module docstring)."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_ms for r in ok]
-
-    def mean(values: Any) -> float:
-        values = list(values)
-        return statistics.fmean(values) if values else 0.0
-
     return {
-        "prompt_tokens": mean(r.prompt_tokens for r in ok),
-        "cached_tokens": mean(r.cached_tokens for r in ok),
+        "prompt_tokens": statistics.fmean(r.prompt_tokens for r in ok) if ok else 0.0,
+        "cached_tokens": statistics.fmean(r.cached_tokens for r in ok) if ok else 0.0,
         "transferred_bytes": sum(r.transferred_bytes for r in ok),
         "min_bytes": sum(r.min_bytes for r in ok),
         "ttft_ms_p50": percentile(ttfts, 50),
-        "ttft_ms_mean": mean(ttfts),
-        "server_ttft_ms_mean": mean(r.server_ttft_ms for r in ok),
+        "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else 0.0,
+        "server_ttft_ms_mean": statistics.fmean(r.server_ttft_ms for r in ok) if ok else 0.0,
         # The TTFT split: prefill's forward pass vs its sidecar's delta write (ms, means).
-        "prefill_ms_mean": mean(r.prefill_ms for r in ok),
-        "transfer_ms_mean": mean(r.transfer_ms for r in ok),
+        "prefill_ms_mean": statistics.fmean(r.prefill_ms for r in ok) if ok else 0.0,
+        "transfer_ms_mean": statistics.fmean(r.transfer_ms for r in ok) if ok else 0.0,
         "requests": len(ok),
         "errors": len(records) - len(ok),
         "bytes_defects": sum(r.bytes_defect for r in ok),
+        "reusable_tokens": statistics.fmean(r.reusable_tokens for r in ok) if ok else 0.0,
+        "reuse_ratio": reuse_ratio(ok),
     }
+
+
+def reusable_tokens(previous_tokens: int, prompt_tokens: int, page_size: int) -> int:
+    """Most prompt tokens decode can hold of a turn (tokens): the full pages of the previous
+    turn's ``previous_tokens`` (prompt + answer; the last answer token's KV is never
+    written), within this prompt's full pages. 0 without a previous turn."""
+    if previous_tokens <= 0 or page_size <= 0:
+        return 0
+    return min((previous_tokens - 1) // page_size, prompt_tokens // page_size) * page_size
+
+
+def reuse_ratio(records: Sequence[RequestRecord]) -> float | None:
+    """cached / reusable tokens over ``records`` (None when nothing was reusable)."""
+    reusable = sum(r.reusable_tokens for r in records if r.ok)
+    return _ratio(sum(r.cached_tokens for r in records if r.ok and r.reusable_tokens), reusable)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -141,8 +159,7 @@ def run_ratios(records: Sequence[RequestRecord], rnd: int, runs: int) -> dict[st
 
 
 def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
-    """The JSON report of a run (shape in the multiturn module docstring) from every request's
-    record; ``config`` is its :class:`~deltakv.services.cli.bench.multiturn.MultiturnConfig`.
+    """The JSON report of a run (shape in the module docstring) from every request's record.
 
     ``page_size``/``page_bytes`` come from the usages (0 if no request completed). Raises
     :class:`InvalidArgument` if completed requests disagree on them (one cluster, one layout).
@@ -160,7 +177,7 @@ def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
             entry[mode] = summarize([r for r in records if r.mode == mode and r.round == rnd])
         if config.compare:
             entry["improvement"] = {**improvement(entry[INCREMENTAL], entry[FULL]),
-                                    **run_ratios(records, rnd, config.runs)}
+                                    **run_ratios(records, rnd, getattr(config, "runs", 1))}
         rounds.append(entry)
     totals: dict = {}
     for mode in modes:
@@ -169,6 +186,7 @@ def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
         totals[mode] = {
             **summarize(mine),
             "transferred_bytes_rounds_ge1": sum(r.transferred_bytes for r in later if r.ok),
+            "reuse_ratio_rounds_ge1": reuse_ratio(later),
         }
     if config.compare:
         totals["bytes_ratio_rounds_ge1"] = _ratio(
@@ -183,11 +201,6 @@ def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
         "defects": [asdict(r) for r in records if r.bytes_defect],
         "errors": [asdict(r) for r in records if not r.ok],
     }
-
-
-def report_ok(report: dict) -> bool:
-    """True when every request completed and moved exactly its delta pages' bytes."""
-    return not report["defects"] and not report["errors"]
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -206,8 +219,9 @@ def _runs_line(imp: dict) -> str:
 def format_table(report: dict) -> str:
     """A fixed-width text table of a report: one row per round and mode, then the improvement
     (with ``--compare``) and the defect count."""
-    modes = [m for m in (INCREMENTAL, FULL) if report["rounds"] and m in report["rounds"][0]]
+    modes = [m for m in MODES if report["rounds"] and m in report["rounds"][0]]
     head = (f"{'round':>5} {'mode':<11} {'ok':>4} {'err':>4} {'prompt':>8} {'cached':>8} "
+            f"{'reusable':>8} "
             f"{'KV bytes':>14} {'min bytes':>14} {'TTFT p50':>10} {'TTFT mean':>10} "
             f"{'prefill':>9} {'transfer':>9}")
     lines = [f"page_size={report['page_size']} tokens, page_bytes={report['page_bytes']:,} B",
@@ -218,6 +232,7 @@ def format_table(report: dict) -> str:
             lines.append(
                 f"{entry['round']:>5} {mode:<11} {s['requests']:>4} {s['errors']:>4} "
                 f"{s['prompt_tokens']:>8.1f} {s['cached_tokens']:>8.1f} "
+                f"{s['reusable_tokens']:>8.1f} "
                 f"{s['transferred_bytes']:>14,} {s['min_bytes']:>14,} "
                 f"{s['ttft_ms_p50']:>7.1f} ms {s['ttft_ms_mean']:>7.1f} ms "
                 f"{s['prefill_ms_mean']:>6.1f} ms {s['transfer_ms_mean']:>6.1f} ms")
@@ -230,6 +245,11 @@ def format_table(report: dict) -> str:
     if "bytes_ratio_rounds_ge1" in totals:
         lines.append(f"rounds >= 1: incremental moved "
                      f"{_fmt_ratio(totals['bytes_ratio_rounds_ge1'])} of the full-transfer bytes")
+    reuse = [f"{m} {_fmt_ratio(totals[m]['reuse_ratio_rounds_ge1'])}" for m in modes
+             if m != FULL and totals[m].get("reuse_ratio_rounds_ge1") is not None]
+    if reuse:
+        lines.append("rounds >= 1: cached / reusable tokens (full pages of the previous turn): "
+                     + ", ".join(reuse))
     lines.append(f"byte defects (transferred != delta pages * page_bytes): "
                  f"{len(report['defects'])}; failed requests: {len(report['errors'])}")
     env = report.get("environment")
@@ -237,3 +257,10 @@ def format_table(report: dict) -> str:
         lines.append(f"measured {env.get('date', '?')}, load average {env.get('load_before')} "
                      f"before / {env.get('load_after')} after, link {env.get('link') or 'none'}")
     return "\n".join(lines)
+
+
+def report_ok(report: dict) -> bool:
+    """True when every request completed and moved exactly its delta pages' bytes."""
+    return not report["defects"] and not report["errors"]
+
+

@@ -17,10 +17,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role decode)")
-    parser.add_argument("--prefill-target", required=True,
-                        help="prefill service address, HOST:PORT or a gRPC target (dns:///...)")
+    parser.add_argument("--prefill-target", required=True, action="append",
+                        help="a prefill backend, HOST:PORT, or dns:///NAME:PORT for every "
+                             "address NAME resolves to (a headless Service); repeatable or "
+                             "comma-separated: requests are balanced over the paired, "
+                             "connected backends (round robin) and each is pinned to one")
+    parser.add_argument("--prefill-resolve-interval-s", type=float, default=10.0,
+                        help="how often dns:/// prefill targets are re-resolved")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
+    parser.add_argument("--http-port", type=port_number, default=None,
+                        help="serve the OpenAI-compatible HTTP API on this port too (0 = a "
+                             "free port; default: off)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name of the OpenAI API (default: --model)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
                         help="sequences per decode step (continuous batching)")
     parser.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
@@ -60,44 +70,15 @@ def run(args: argparse.Namespace) -> int:
     return lifecycle.run(args, build, role="decode", process="worker")
 
 
-async def handshake(channel, endpoint, timeout_s: float, log) -> None:
-    """Pair with prefill: retry while it is unreachable (bounded by ``timeout_s``); a layout
-    mismatch (FAILED_PRECONDITION) is final and raised at once."""
-    import asyncio
-    import time
-
-    import grpc
-
-    from deltakv.errors import Unavailable, from_rpc_error
-    from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
-
-    stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            reply = await stub.Handshake(prefill_pb2.HandshakeRequest(decode_endpoint=endpoint),
-                                         timeout=max(0.5, min(left, 10.0)), wait_for_ready=True)
-            log.info("paired_with_prefill", prefill_endpoint=reply.prefill_endpoint.endpoint_id,
-                     model=reply.model)
-            return
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise err from None
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"prefill not reachable within {timeout_s:.0f} s: "
-                                  f"{exc.details()}") from None
-            await asyncio.sleep(0.2)
-
-
 async def build(args: argparse.Namespace, stack, log):
-    """Sidecar, model, prefill pairing, servicer and server of one decode worker; each part's
-    close goes onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model
-    load; a prefill with another layout is refused (FAILED_PRECONDITION) before serving."""
+    """Sidecar, model, prefill pool (paired), servicer, gRPC server and (``--http-port``) the
+    OpenAI HTTP API of one decode worker; each part's close goes onto ``stack``. Bad TLS files
+    fail first, before the sidecar wait and the model load; a prefill with another layout is
+    refused (FAILED_PRECONDITION) before serving; a taken HTTP port is UNAVAILABLE."""
     from deltakv.rpc import tls
     from deltakv.rpc.channel import options
     from deltakv.services.decode.config import DecodeConfig
+    from deltakv.services.decode.prefill_pool import PrefillPool, parse_targets
     from deltakv.services.decode.servicer import DecodeServicer
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
@@ -111,6 +92,7 @@ async def build(args: argparse.Namespace, stack, log):
         quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
+    targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
@@ -120,42 +102,74 @@ async def build(args: argparse.Namespace, stack, log):
                                 quarantine_ms=config.lease_ms + config.quarantine_grace_ms,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
-    channel = tls.aio_channel(args.prefill_target, prefill_credentials, options=options("peer"),
-                              interceptors=otel_grpc.aio_client_interceptors())
-    stack.push_async_callback(channel.close)
-    await handshake(channel, worker.describe.endpoint, args.connect_timeout_s, log)
-    servicer = DecodeServicer(worker, channel, config)
+
+    def prefill_channel(target: str, server_name: str | None):
+        return tls.aio_channel(target, prefill_credentials, options=options("peer"),
+                               interceptors=otel_grpc.aio_client_interceptors(),
+                               server_name=server_name)
+
+    pool = PrefillPool(targets, prefill_channel, worker.describe.endpoint,
+                       resolve_interval_s=args.prefill_resolve_interval_s)
+    stack.push_async_callback(pool.close)
+    await pool.start(args.connect_timeout_s)
+    servicer = DecodeServicer(worker, pool, config)
     servicer.start()
     stack.push_async_callback(servicer.stop)
-    follow_sidecar_restarts(worker, servicer, channel, args.connect_timeout_s, log)
+    follow_sidecar_restarts(worker, servicer, pool, args.connect_timeout_s, log)
     name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     server = worker_server(
         args, name, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
-    return worker.pairing.supervise(
-        Service.of_server(server, prefill=args.prefill_target, tls=credentials is not None,
-                          client_certs=bool(args.tls_ca),
-                          prefill_tls=prefill_credentials is not None), server)
+    fields = dict(prefill=",".join(targets), tls=credentials is not None,
+                  client_certs=bool(args.tls_ca), prefill_tls=prefill_credentials is not None)
+    service = (Service.of_server(server, **fields) if args.http_port is None
+               else _with_http(server, servicer, args, fields))
+    return worker.pairing.supervise(service, server)
 
 
-def follow_sidecar_restarts(worker, servicer, channel, timeout_s: float, log) -> None:
+def follow_sidecar_restarts(worker, servicer, pool, timeout_s: float, log) -> None:
     """What decode does when its sidecar's pool incarnation is lost (services/attach.py):
     the requests decoding in the old pool fail at once (UNAVAILABLE, retryable); once paired
-    with the new incarnation the batch computes in the new pool and prefill is handed the new
-    endpoint (a layout that no longer pairs is FAILED_PRECONDITION: the worker exits 1)."""
-    from deltakv.errors import FailedPrecondition, SidecarRestarted
+    with the new incarnation the batch computes in the new pool and every prefill backend is
+    handed the new endpoint (a layout that no longer pairs is FAILED_PRECONDITION: the worker
+    exits 1)."""
+    from deltakv.errors import SidecarRestarted
 
     def lost(reason: str) -> None:
         servicer.scheduler.fail_all(SidecarRestarted(reason))
 
     async def attached(attachment) -> None:
         servicer.scheduler.runner = attachment.runner
-        try:
-            await handshake(channel, attachment.endpoint, min(timeout_s, 5.0), log)
-        except FailedPrecondition:
-            raise
-        except Exception as exc:  # noqa: BLE001 - prefill down: the first request reconnects
-            log.warning("prefill_handshake_deferred", reason=str(exc))
+        await pool.repair(attachment.endpoint, min(timeout_s, 5.0))
 
     worker.pairing.on_lost.append(lost)
     worker.pairing.on_attached.append(attached)
+
+
+def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
+    """The gRPC server and the OpenAI HTTP API as one :class:`Service`: both start before
+    SERVING; a drain turns both health endpoints unhealthy first, then drains both."""
+    import asyncio
+
+    from deltakv.services.openai.app import create_app
+    from deltakv.services.openai.server import HttpServer
+    from deltakv.services.runtime.lifecycle import Service
+
+    serving = {"on": False}
+    app = create_app(servicer, args.served_model_name or args.model,
+                     serving=lambda: serving["on"])
+    http = HttpServer(app, args.host, args.http_port)
+
+    async def start() -> None:
+        await http.start()
+        await server.start()
+        await server.set_serving()
+        serving["on"] = True
+
+    async def drain(grace_s: float) -> None:
+        serving["on"] = False
+        await server.enter_graceful_shutdown()
+        await asyncio.gather(http.drain(grace_s), server.stop(grace_s))
+
+    return Service(start, drain, {"address": server.address, "http_address": http.address,
+                                  "health_address": server.health_address, **fields})

@@ -1,0 +1,103 @@
+"""``deltakv serve router``: the local affinity router in front of several decode replicas.
+
+One process, two ports: gRPC (``DecodeService``, forwarded by
+:class:`~deltakv.services.router.grpc_proxy.DecodeProxy`, plus its own health and reflection)
+and HTTP (the OpenAI API, :mod:`deltakv.services.router.http`). Both hash the
+``x-deltakv-session`` key onto the same ring of replicas (consistent hashing, Karger et al.
+1997), so a conversation's turns land on the replica that caches its prefix whichever API
+they use. It is what ``deltakv up --decode-replicas N`` starts; on Kubernetes the same key
+drives Envoy's ring-hash routing or the inference gateway (docs/routing.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from deltakv.services.cli.argtypes import port_number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``deltakv serve router``."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=port_number, default=50051,
+                        help="gRPC port (DecodeService)")
+    parser.add_argument("--http-port", type=port_number, default=None,
+                        help="HTTP port (OpenAI API; default: off)")
+    parser.add_argument("--decode", action="append", required=True, metavar="GRPC[=HTTP]",
+                        help="one decode replica: its gRPC HOST:PORT and, for the HTTP side, "
+                             "=HOST:PORT of its OpenAI API (repeatable, one per replica)")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    from deltakv.services.runtime import otel
+
+    otel.add_arguments(parser)
+
+
+def parse_replicas(values: list[str]) -> list[tuple[str, str | None]]:
+    """``--decode`` values as (gRPC address, HTTP address or None); InvalidArgument for a
+    repeated or empty address."""
+    from deltakv.errors import InvalidArgument
+
+    out = []
+    for value in values:
+        grpc_address, _, http_address = value.partition("=")
+        if not grpc_address:
+            raise InvalidArgument(f"--decode {value!r}: expected GRPC_HOST:PORT[=HTTP_HOST:PORT]")
+        out.append((grpc_address, http_address or None))
+    if len({g for g, _ in out}) != len(out):
+        raise InvalidArgument(f"--decode lists a replica twice: {values}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (the lifecycle of :mod:`deltakv.services.runtime.lifecycle`)."""
+    from deltakv.services.runtime import lifecycle
+
+    return lifecycle.run(args, build, role="router", process="worker")
+
+
+async def build(args: argparse.Namespace, stack, log):
+    """Channels to the replicas, the gRPC proxy server and (``--http-port``) the HTTP proxy."""
+    import asyncio
+
+    import grpc
+
+    from deltakv.errors import InvalidArgument
+    from deltakv.rpc.channel import options
+    from deltakv.rpc.server import AioServer
+    from deltakv.services.openai.server import HttpServer
+    from deltakv.services.router import http as http_router
+    from deltakv.services.router.grpc_proxy import SERVICE, DecodeProxy
+    from deltakv.services.runtime.lifecycle import Service
+
+    replicas = parse_replicas(args.decode)
+    channels = {g: grpc.aio.insecure_channel(g, options=options("peer")) for g, _ in replicas}
+    for channel in channels.values():
+        stack.push_async_callback(channel.close)
+    proxy = DecodeProxy(channels)
+    server = AioServer(f"{args.host}:{args.port}", [SERVICE.full_name],
+                       lambda s: s.add_generic_rpc_handlers((proxy,)))
+    http = None
+    if args.http_port is not None:
+        backends = [h for _, h in replicas if h]
+        if len(backends) != len(replicas):
+            raise InvalidArgument("--http-port needs every --decode to name its HTTP address")
+        app = http_router.create_app(backends)
+        stack.push_async_callback(app.state.client.aclose)
+        http = HttpServer(app, args.host, args.http_port)
+
+    async def start() -> None:
+        if http is not None:
+            await http.start()
+        await server.start()
+        await server.set_serving()
+
+    async def drain(grace_s: float) -> None:
+        await server.enter_graceful_shutdown()
+        await asyncio.gather(server.stop(grace_s),
+                             *([http.drain(grace_s)] if http is not None else []))
+
+    log.info("router_replicas", replicas=[f"{g}={h or ''}" for g, h in replicas])
+    return Service(start, drain, {"address": server.address,
+                                  "http_address": http.address if http else None})

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP API of the decode service (FastAPI).
+
+Routes (docs/openai.md has the curl examples):
+
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` — streaming (SSE, ``data: {...}``
+  lines ending with ``data: [DONE]``) and not. Each request becomes one ``GenerateRequest`` run
+  by :meth:`DecodeServicer.generate`, the request path of the gRPC ``Generate``.
+* ``GET /v1/models`` — the one served model; ``GET /health`` — 200 while serving, 503 draining.
+* ``POST /v1/cache/match`` — a router's precise prefix score: how many of this request's prompt
+  tokens this replica's radix index holds now (body: a chat or completions request).
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
+status of the typed error's gRPC code (:func:`deltakv.errors.http_status_of`); a malformed body
+is 400. An error after a stream started is sent as one ``data: {"error": ...}`` event before
+the stream ends. A client that disconnects mid-stream cancels its request (pages released,
+full pages cached) exactly as a cancelled gRPC call does.
+
+Headers: ``x-request-id`` names the request (logs, traces, ``usage.deltakv.request_id``);
+``x-deltakv-session`` is only read by routers (docs/routing.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deltakv.errors import DeltaKVError, NotFound, http_status_of
+from deltakv.services.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Kind,
+    choice,
+    envelope,
+    usage_dict,
+)
+from deltakv.v1 import decode_pb2
+
+#: OpenAI's error ``type`` by HTTP status (anything else: ``server_error``).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+               429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
+
+
+class Engine(Protocol):
+    """What the API needs of the decode service (:class:`DecodeServicer` is one)."""
+
+    def generate(self, request: decode_pb2.GenerateRequest
+                 ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        """Chunks, then one Usage; typed errors (DeltaKVError) as gRPC ``Generate``."""
+
+    async def cached_prefix(self, request: decode_pb2.GenerateRequest) -> tuple[int, int]:
+        """(prompt tokens, tokens of it cached here now)."""
+
+
+def error_response(exc: BaseException, param: str | None = None) -> JSONResponse:
+    """OpenAI's error body and HTTP status for ``exc`` (typed errors by their gRPC code,
+    anything else 500)."""
+    status, code, message = http_status_of(exc)
+    body = {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param, "code": code.name.lower()}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) -> FastAPI:
+    """The API over ``engine`` serving ``model_name``; ``serving()`` says whether ``/health``
+    answers 200 (False while draining)."""
+    app = FastAPI(title="deltakv decode service", docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                       "param": where or None, "code": "invalid_argument"}},
+                            status_code=400)
+
+    @app.exception_handler(DeltaKVError)
+    async def typed_error(request: Request, exc: DeltaKVError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)  # INTERNAL -> 500, in OpenAI's shape
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while serving, 503 while draining (load balancers stop routing here)."""
+        return Response(status_code=200 if serving() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The one served model, in OpenAI's list shape."""
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                             "created": created, "owned_by": "deltakv"}]}
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise NotFound(f"The model `{name}` does not exist; this server serves "
+                           f"`{model_name}`")
+
+    async def run(kind: Kind, body: ChatCompletionRequest | CompletionRequest,
+                  request: Request) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            check_model(body.model)
+            generate = body.to_generate(request_id)
+            stream = engine.generate(generate)
+            first = await anext(stream)  # prefill errors arrive here, before any byte is sent
+        except DeltaKVError as exc:
+            return error_response(exc, param="model" if isinstance(exc, NotFound) else None)
+        if body.stream:
+            return StreamingResponse(
+                _stream_events(kind, request_id, model_name, first, stream, body.include_usage),
+                media_type="text/event-stream", headers={"x-request-id": request_id})
+        try:
+            text, usage = await _collect(first, stream)
+        except DeltaKVError as exc:
+            return error_response(exc)
+        return JSONResponse(envelope(kind, request_id, int(time.time()), model_name,
+                                     chunk=False, usage=usage_dict(usage),
+                                     choices=[choice(kind, text, usage.finish_reason,
+                                                     delta=False)]),
+                            headers={"x-request-id": request_id})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completion (``stream`` for SSE); see the module docstring."""
+        return await run("chat", body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completion (text or token-id prompt; ``stream`` for SSE)."""
+        return await run("text", body, request)
+
+    @app.post("/v1/cache/match")
+    async def cache_match(request: Request) -> Response:
+        """``{"model", "prompt_tokens", "cached_tokens"}`` for a chat or completions body:
+        a router's precise prefix score for this replica (400 for a bad body)."""
+        raw = await request.json()
+        try:
+            kind = ChatCompletionRequest if "messages" in raw else CompletionRequest
+            body = kind.model_validate(raw)
+            prompt, cached = await engine.cached_prefix(body.to_generate("match"))
+        except DeltaKVError as exc:
+            return error_response(exc)
+        except ValueError as exc:  # pydantic's ValidationError
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
+                                           "param": None, "code": "invalid_argument"}},
+                                status_code=400)
+        return JSONResponse({"model": model_name, "prompt_tokens": prompt,
+                             "cached_tokens": cached})
+
+    return app
+
+
+async def _collect(first: decode_pb2.GenerateResponse,
+                   stream: AsyncIterator[decode_pb2.GenerateResponse]
+                   ) -> tuple[str, decode_pb2.Usage]:
+    parts: list[str] = []
+    message = first
+    try:
+        while True:
+            if message.WhichOneof("kind") == "usage":
+                return "".join(parts), message.usage
+            parts.append(message.chunk.text)
+            message = await anext(stream)
+    finally:
+        await stream.aclose()
+
+
+async def _stream_events(kind: Kind, request_id: str, model: str,
+                         first: decode_pb2.GenerateResponse,
+                         stream: AsyncIterator[decode_pb2.GenerateResponse],
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events of one streamed completion: a chunk per piece of text, one with the
+    finish_reason, the usage chunk when asked (``stream_options.include_usage``), [DONE]."""
+    created = int(time.time())
+    opened = kind != "chat"
+    message = first
+    try:
+        while True:
+            if message.WhichOneof("kind") == "usage":
+                usage = message.usage
+                yield _sse(envelope(kind, request_id, created, model, chunk=True, choices=[
+                    choice(kind, "", usage.finish_reason, delta=True)]))
+                if include_usage:
+                    yield _sse(envelope(kind, request_id, created, model, chunk=True,
+                                        choices=[], usage=usage_dict(usage)))
+                break
+            text = message.chunk.text
+            if text or not opened:
+                yield _sse(envelope(kind, request_id, created, model, chunk=True, choices=[
+                    choice(kind, text, None, delta=True, first=not opened)]))
+                opened = True
+            message = await anext(stream)
+    except DeltaKVError as exc:
+        status, code, text = http_status_of(exc)
+        yield _sse({"error": {"message": text, "type": ERROR_TYPES.get(status, "server_error"),
+                              "param": None, "code": code.name.lower()}})
+    finally:
+        await stream.aclose()
+    yield _sse("[DONE]")
