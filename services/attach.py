@@ -90,8 +90,17 @@ class Attachment:
 
     @property
     def endpoint(self) -> kv_pb2.EndpointInfo:
-        """The sidecar's transfer endpoint of this incarnation."""
+        """The sidecar's transfer endpoint when this incarnation was paired with (decode
+        sends the current one, from its grants, in every TransferInfo)."""
         return self.describe.endpoint
+
+
+def pool_incarnation(describe: sidecar_pb2.DescribeResponse) -> str:
+    """The pool incarnation a worker pairs with: ``describe.incarnation``, fixed for the life
+    of a sidecar process (its transfer endpoint may be replaced meanwhile to fence revoked
+    rooms, docs/architecture.md "Fencing"); a sidecar that does not report it names its pool
+    by its endpoint id."""
+    return describe.incarnation or describe.endpoint.endpoint_id
 
 
 class PairingFailed(Unavailable):
@@ -124,7 +133,7 @@ class SidecarPairing:
         root: an unbound client of the sidecar (owned: closed by :meth:`close`).
         model: the loaded model; every incarnation's pool must fit it.
         quarantine_ms: what ``Attach`` quarantines of a previous worker's live pages (decode:
-            its lease + grace, a transfer may still land; prefill: 0).
+            0: a transfer into them is fenced by the sidecar, not a timer; prefill: 0).
         reattach_timeout_s: how long the sidecar may stay away, and the old incarnation's
             requests may take to end, before the worker gives up (FAILED).
         poll_interval_s: watcher period; probe_timeout_s: bound of each Describe.
@@ -212,7 +221,7 @@ class SidecarPairing:
             raise FailedPrecondition(f"model {self.model.name!r} does not match the sidecar's "
                                      f"KV pool: {exc}") from exc
         pool = self.root.map_pool(describe)
-        incarnation = describe.endpoint.endpoint_id
+        incarnation = pool_incarnation(describe)
         attachment = Attachment(
             incarnation=incarnation, describe=describe, layout=layout, pool=pool,
             runner=ModelRunner(self.model, pool.tensor),
@@ -285,7 +294,7 @@ class SidecarPairing:
                                      f"s: {exc}")
                     return
                 continue
-            incarnation = describe.endpoint.endpoint_id
+            incarnation = pool_incarnation(describe)
             if incarnation == self.current.incarnation and not needs_pairing:
                 down_since = None
                 await self._set_state(PairingState.ATTACHED)

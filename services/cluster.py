@@ -21,6 +21,8 @@ every prefill (its prefill pool) and an affinity router (``deltakv serve router`
 the decode replicas takes the public ports; with ``link`` two hosts joined by a shaped link
 (:mod:`deltakv.services.netns`): every prefill and prefill sidecar on one, the rest on the
 other.
+It generates the cluster's pairing key (``pairing.key``, mode 0600, in the run directory)
+and passes ``--pairing-key-file`` to every sidecar and worker.
 """
 
 from __future__ import annotations
@@ -265,6 +267,8 @@ class ClusterConfig:
     # process gets base + METRICS_PORT_OFFSETS[name] (0 = no --metrics-port passed).
     telemetry_args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    # Per-process command prefix, e.g. {"prefill-sidecar": ["ip", "netns", "exec", "ns1"]}.
+    wrap: dict[str, list[str]] = field(default_factory=dict)
     # End-to-end page digests in both sidecars (--page-digests on|off).
     page_digests: bool = True
     # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
@@ -328,6 +332,11 @@ class LocalCluster:
                 name = replica_name(role, i)
                 self.sockets[name] = str(self.run_dir / f"{name}-sidecar.sock")
                 self.shm_names[name] = f"deltakv-{self.cluster_id}-{name}"
+        self.key_file = self.run_dir / "pairing.key"
+        if not self.key_file.exists():
+            from deltakv.sidecar.pairing import generate_key_file
+
+            generate_key_file(self.key_file)
         self.procs = self._plan()
         self._stopped = False
 
@@ -421,7 +430,10 @@ class LocalCluster:
         argvs = self._argvs()
         ports = self.metrics_ports(list(argvs))
         for name, argv in argvs.items():
-            argv += c.telemetry_args
+            if self.kind(name) != "router":  # the router holds no pages and grants nothing
+                argv += ["--pairing-key-file", str(self.key_file)]
+            argv += list(c.telemetry_args)
+            argv = [*c.wrap.get(name, []), *argv]
             if c.metrics_port:
                 argv += ["--metrics-port", str(ports[name])]
             procs.append(ManagedProcess(name, self._wrap(name) + argv,
@@ -517,12 +529,22 @@ class LocalCluster:
                 proc.stop()
             if self.link is not None:
                 self.link.destroy()  # after its processes: nothing left inside
-            for shm in self.shm_names.values():
+            for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/dev/shm/{shm}")
+                    os.unlink(path)
             if self.own_run_dir and not self.dead_with_error():
                 shutil.rmtree(self.run_dir, ignore_errors=True)
         return {p.name: p.returncode for p in self.procs}
+
+    def segments(self) -> list[str]:
+        """Paths under /dev/shm of this cluster's segments that exist now (pools of every
+        sidecar incarnation, ``<base>-<token>``, and their fence segments)."""
+        prefixes = tuple(f"{base}-" for base in self.shm_names.values())
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return []
+        return sorted(f"/dev/shm/{n}" for n in names if n.startswith(prefixes))
 
     def dead_with_error(self) -> bool:
         """True if a process exited other than cleanly (0) or by our SIGTERM."""

@@ -159,7 +159,9 @@ class SidecarClient:
         return list(resp.page_indices), resp.cached_len
 
     async def release(self, request_id: str, quarantine_ms: int = 0) -> tuple[int, int]:
-        """Unlock and free (or quarantine for ``quarantine_ms``): (freed, quarantined)."""
+        """Unlock and free (or quarantine for ``quarantine_ms``): (freed, quarantined). On a
+        decode sidecar the request's open grants are revoked first; their pages stay
+        quarantined until the fence is proven."""
         resp = await self._call("Release", sidecar_pb2.ReleaseRequest(
             request_id=request_id, quarantine_ms=quarantine_ms))
         return resp.freed, resp.quarantined
@@ -170,6 +172,10 @@ class SidecarClient:
                                 sidecar_pb2.PageChecksumsRequest(page_indices=pages))
         return list(resp.crc32)
 
+    async def page_states(self, pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(PageState enum values, CRC32s) of ``pages``, taken in one snapshot."""
+        resp = await self._call("PageStates", sidecar_pb2.PageStatesRequest(page_indices=pages))
+        return list(resp.states), list(resp.crc32)
     async def audit_cache(self, evict: bool = False,
                           timeout_s: float | None = None) -> sidecar_pb2.AuditCacheResponse:
         """Re-verify every cached page against its digest (``evict``: drop corrupt ones)."""
@@ -180,14 +186,33 @@ class SidecarClient:
         """Pool accounting and transfer / digest counters."""
         return await self._call("GetStats", kv_pb2.GetStatsRequest())
 
+    # -- grants (decode) ------------------------------------------------------------------
+
+    async def issue_grant(self, owner_request_id: str, template: kv_pb2.TransferInfo,
+                          prompt_digest: bytes) -> kv_pb2.TransferInfo:
+        """Grant a new room the delta pages ``template.dst_page_indices`` of
+        ``owner_request_id``; returns the complete TransferInfo (room, sealed endpoint,
+        sealed grant). InvalidArgument / NotFound / FailedPrecondition as the sidecar says."""
+        resp = await self._call("IssueGrant", sidecar_pb2.IssueGrantRequest(
+            owner_request_id=owner_request_id, transfer_info=template,
+            prompt_digest=prompt_digest))
+        return resp.transfer_info
+
+    async def close_grant(self, room: int) -> None:
+        """Close the grant of a completed transfer (its fence proven); NotFound,
+        FailedPrecondition (revoked before) or Unavailable (proof not in time)."""
+        await self._call("CloseGrant", sidecar_pb2.CloseGrantRequest(room=room))
+
     # -- transfers ------------------------------------------------------------------------
 
     async def write_pages(self, info: kv_pb2.TransferInfo, src_page_indices: Sequence[int],
                           lease_remaining_ms: int = 0, prefill_cached_len: int = 0,
-                          timeout_s: float | None = None) -> kv_pb2.TransferStats:
+                          timeout_s: float | None = None,
+                          prompt_digest: bytes = b"") -> kv_pb2.TransferStats:
         """Write the delta of ``info`` from the prompt's page table ``src_page_indices`` and
-        wait for completion. Default deadline: the lease (``lease_remaining_ms`` or
-        ``info.lease_ms``) plus the client timeout, so the sidecar's own lease check fires
+        wait for completion. ``prompt_digest``: SHA-256 of the token ids whose KV the pages
+        hold (it must match the grant). Default deadline: the lease (``lease_remaining_ms``
+        or ``info.lease_ms``) plus the client timeout, so the sidecar's own lease check fires
         first. Raises the typed error of the sidecar's status (see SidecarService.WritePages).
         """
         if timeout_s is None:
@@ -195,13 +220,15 @@ class SidecarClient:
             timeout_s = lease_ms / 1e3 + self.timeout_s
         resp = await self._call("WritePages", sidecar_pb2.WritePagesRequest(
             transfer_info=info, src_page_indices=src_page_indices,
-            lease_remaining_ms=lease_remaining_ms, prefill_cached_len=prefill_cached_len),
-            timeout_s=timeout_s)
+            lease_remaining_ms=lease_remaining_ms, prefill_cached_len=prefill_cached_len,
+            prompt_digest=prompt_digest), timeout_s=timeout_s)
         return resp.stats
 
     async def abort_write(self, room: int, timeout_s: float | None = None) -> bool:
-        """Fence ``room``; returns once no write for it is in flight or can start. True if the
-        room was known. DeadlineExceeded if a write is still in flight when the wait ends."""
+        """Stop ``room``'s writer; returns once this sidecar runs no batch of it and starts
+        none (not proof that nothing can land at the destination: decode's fence is). True if
+        the room was known. DeadlineExceeded if a write is still in flight when the wait
+        ends."""
         resp = await self._call("AbortWrite", sidecar_pb2.AbortWriteRequest(room=room),
                                 timeout_s=timeout_s)
         return resp.known

@@ -7,8 +7,11 @@ Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
   possibly locked by requests reading it; never the destination of a write (I4): a cached page
   is never handed out by :meth:`PageManager.allocate`, and a locked one is never evicted;
 * **live** — owned by one request (allocated delta / decode pages not yet in the index);
-* **quarantined** — released by a request while a write into it might still land (a transfer
-  that could not be confirmed fenced); freed only when its deadline passes.
+* **quarantined** — released while a write into it (or, on prefill, out of it) might still be
+  running: a page under a *hold* (:meth:`PageManager.hold`) that its owner released waits for
+  the hold to be lifted — on decode, the proof of the room's fence (docs/architecture.md,
+  "Fencing"), never a timer; on prefill, the end of the write reading it. A ``Release`` may
+  also ask for a timed quarantine (``quarantine_ms``), freed when its deadline passes.
 
 ``free + cached + live + quarantined == num_pages`` always; :meth:`PageManager.stats`
 exposes the counts and :meth:`PageManager.check_invariants` verifies them from scratch.
@@ -24,11 +27,12 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
+from deltakv.sidecar.page_holds import PageHolds
 from deltakv.sidecar.radix import RadixIndex, RadixNode
 
 _MAX_REQUEST_ID_LEN = 256
@@ -85,6 +89,7 @@ class PageManager:
         self._quarantine: list[tuple[float, int, list[int]]] = []
         self._quarantined_total = 0
         self._seq = itertools.count()
+        self._holds = PageHolds(num_pages)
 
     # ------------------------------------------------------------------ validation
 
@@ -172,8 +177,17 @@ class PageManager:
                         f"{evictable} evictable, {self._index.num_locked_pages} locked, "
                         f"{self._live_total} live, {self._quarantined_total} quarantined",
                         needed=num_pages, free=free, evictable=evictable)
-                evicted = self._index.evict(num_pages - free)
-                self._alloc.free(evicted)
+                # A held page that eviction reclaims waits for its hold instead of being
+                # freed; evict on until enough pages are free (bounded by what is evictable).
+                while self._alloc.num_free < num_pages:
+                    evicted = self._index.evict(num_pages - self._alloc.num_free)
+                    if not evicted:
+                        raise ResourceExhausted(
+                            f"request {request_id!r} needs {num_pages} pages: "
+                            f"{self._alloc.num_free} free after evicting every unlocked page "
+                            f"({len(self._holds.parked)} wait for a transfer)",
+                            needed=num_pages, free=self._alloc.num_free, evictable=0)
+                    self._free_pages(evicted)
             pages = self._alloc.alloc(num_pages)
             req = self._requests.setdefault(request_id, _Request())
             for p in pages:
@@ -235,7 +249,7 @@ class PageManager:
             for p in duplicates:
                 del req.live[p]
             self._live_total -= len(new_nodes) + len(duplicates)
-            self._alloc.free(duplicates)
+            self._free_pages(duplicates)
             path = self._index.path(tokens[:n_full * self.page_size])
             if len(path) != n_full:
                 raise Internal(f"index path has {len(path)} pages after inserting {n_full}")
@@ -250,9 +264,11 @@ class PageManager:
         or, with ``quarantine_ms > 0``, hold them until ``now + quarantine_ms`` (a write
         might still land in them), after which :meth:`reap` frees them.
 
-        Returns ``(freed, quarantined)`` page counts. Raises :class:`NotFound` (NOT_FOUND)
-        for an unknown request (including a second release) and :class:`InvalidArgument`
-        (INVALID_ARGUMENT) for a negative ``quarantine_ms``; nothing changes then.
+        Pages under a hold (:meth:`hold`) are quarantined until their last hold is lifted,
+        whatever ``quarantine_ms`` says. Returns ``(freed, quarantined)`` page counts.
+        Raises :class:`NotFound` (NOT_FOUND) for an unknown request (including a second
+        release) and :class:`InvalidArgument` (INVALID_ARGUMENT) for a negative
+        ``quarantine_ms``; nothing changes then.
         """
         self._check_request_id(request_id)
         self._check_count("quarantine_ms", quarantine_ms)
@@ -263,15 +279,50 @@ class PageManager:
             del self._requests[request_id]
             pages = list(req.live)
             self._live_total -= len(pages)
+            held = len(pages)
+            pages = self._holds.park(pages)
+            held -= len(pages)
+            self._quarantined_total += held
             if not pages:
-                return 0, 0
+                return 0, held
             if quarantine_ms > 0:
                 deadline = self._clock() + quarantine_ms / 1000.0
                 heapq.heappush(self._quarantine, (deadline, next(self._seq), pages))
                 self._quarantined_total += len(pages)
-                return 0, len(pages)
+                return 0, len(pages) + held
             self._alloc.free(pages)
-            return len(pages), 0
+            return len(pages), held
+
+    # ------------------------------------------------------------------ holds
+
+    def hold(self, token: Hashable, pages: Sequence[int]) -> None:
+        """Keep ``pages`` from being freed while ``token`` is held (:mod:`.page_holds`): a held
+        page its owner releases, or eviction reclaims, is quarantined until :meth:`unhold` of
+        its last hold. Decode holds a grant's destination pages until its fence is proven;
+        prefill a room's source pages until its write ends. Holding changes no page's state.
+        InvalidArgument for a token already held or a page out of range."""
+        with self._lock:
+            self._holds.add(token, pages)
+
+    def unhold(self, token: Hashable) -> int:
+        """Lift the hold ``token``; its parked pages held by nothing else are freed now.
+        Returns how many; 0 for an unknown token (idempotent)."""
+        with self._lock:
+            freed = self._holds.remove(token)
+            self._quarantined_total -= len(freed)
+            self._alloc.free(freed)
+            return len(freed)
+
+    def held(self, pages: Sequence[int]) -> list[int]:
+        """The pages of ``pages`` under at least one hold."""
+        with self._lock:
+            return self._holds.held(pages)
+
+    def _free_pages(self, pages: Sequence[int]) -> None:
+        """Free pages no hold covers, park the others (called with the lock held)."""
+        free = self._holds.park(pages)
+        self._quarantined_total += len(pages) - len(free)
+        self._alloc.free(free)
 
     def reap(self) -> int:
         """Free quarantined pages whose deadline has passed; returns how many. Also run by
@@ -347,7 +398,7 @@ class PageManager:
                     kept.append(page)
                     continue
                 removed = self._index.remove_subtree(node)
-                self._alloc.free(removed)
+                self._free_pages(removed)  # a page a transfer still reads waits for it
                 evicted.extend(removed)
             return evicted, kept
 
@@ -391,64 +442,33 @@ class PageManager:
                 return "cached"
             if any(page in req.live for req in self._requests.values()):
                 return "live"
-            if any(page in pages for _, _, pages in self._quarantine):
+            if page in self._holds.parked or any(page in pages
+                                                 for _, _, pages in self._quarantine):
                 return "quarantined"
             raise Internal(f"page {page} is in no state (accounting bug)")
 
-    def check_invariants(self) -> None:
-        """Verify I1 and the lock accounting from scratch: every page in exactly one state,
-        ``free + cached + live + quarantined == num_pages``, lock counts >= 0 and equal to the
-        locks requests hold, counters equal to recomputed values. Raises :class:`Internal`
-        (INTERNAL) listing every discrepancy. O(num_pages + cached pages)."""
+    def states(self) -> list[str]:
+        """The state of every page (index = page), taken in one pass under the lock:
+        ``"free"``, ``"cached"``, ``"live"`` or ``"quarantined"``. O(num_pages)."""
         with self._lock:
-            problems = list(self._index.check_invariants())
-            owner: dict[int, str] = {}
-
-            def claim(page: int, state: str) -> None:
-                if not 0 <= page < self.num_pages:
-                    problems.append(f"{state} page {page} out of range")
-                elif page in owner:
-                    problems.append(f"page {page} is both {owner[page]} and {state}")
-                else:
-                    owner[page] = state
-
+            out = ["quarantined"] * self.num_pages
+            for p in self._index.cached_pages():
+                out[p] = "cached"
+            for req in self._requests.values():
+                for p in req.live:
+                    out[p] = "live"
             for p in range(self.num_pages):
                 if self._alloc.is_free(p):
-                    claim(p, "free")
-            for p in self._index.cached_pages():
-                claim(p, "cached")
-            live = 0
-            expected_locks: dict[int, int] = {}
-            nodes_by_id: dict[int, RadixNode] = {}
-            for rid, req in self._requests.items():
-                for p in req.live:
-                    claim(p, f"live({rid})")
-                live += len(req.live)
-                for group in req.locks:
-                    for node in group:
-                        expected_locks[node.id] = expected_locks.get(node.id, 0) + 1
-                        nodes_by_id[node.id] = node
-            quarantined = 0
-            for _, _, pages in self._quarantine:
-                for p in pages:
-                    claim(p, "quarantined")
-                quarantined += len(pages)
-            if len(owner) != self.num_pages:
-                problems.append(f"{self.num_pages - len(owner)} pages are in no state")
-            if live != self._live_total:
-                problems.append(f"live counter {self._live_total} != {live}")
-            if quarantined != self._quarantined_total:
-                problems.append(f"quarantine counter {self._quarantined_total} != {quarantined}")
-            if self._alloc.num_free + self._index.num_cached_pages + live + quarantined \
-                    != self.num_pages:
-                problems.append("free + cached + live + quarantined != num_pages")
-            for node in self._index.iter_nodes():
-                want = expected_locks.pop(node.id, 0)
-                if node.lock_ref != want:
-                    problems.append(f"{node!r} has {node.lock_ref} locks, requests hold {want}")
-            for node_id in expected_locks:
-                problems.append(f"a request holds a lock on evicted node "
-                                f"{nodes_by_id[node_id]!r}")
-            if problems:
-                raise Internal("page manager invariants violated: " + "; ".join(problems),
-                               problems=problems)
+                    out[p] = "free"
+            return out
+
+    def check_invariants(self) -> None:
+        """Verify I1 and the lock accounting from scratch (:func:`.page_invariants.check`):
+        every page in exactly one state, ``free + cached + live + quarantined == num_pages``,
+        lock counts >= 0 and equal to the locks requests hold, counters equal to recomputed
+        values. Raises :class:`Internal` (INTERNAL) listing every discrepancy.
+        O(num_pages + cached pages)."""
+        from deltakv.sidecar.page_invariants import check
+
+        with self._lock:
+            check(self)

@@ -3,16 +3,21 @@
 One table per sidecar, in front of its transport (DESIGN §6, "never write into reused
 memory"). It is the only place that
 
-* checks a peer's ``EndpointInfo`` before an engine sees it: an endpoint id, a layout that
-  pairs with the local pool (LayoutMismatch names the field and both values), the same
-  backend as this sidecar;
+* checks a peer's ``EndpointInfo`` before an engine sees it: sealed by a sidecar holding the
+  cluster's pairing key (Unauthenticated otherwise, :mod:`deltakv.sidecar.pairing`), an
+  endpoint id, a layout that pairs with the local pool (LayoutMismatch names the field and
+  both values), the same backend as this sidecar;
 * caches one engine handle per live ``endpoint_id`` (``Transport.connect`` runs once per
   endpoint, also when many writes for a new peer arrive at the same moment);
 * fences incarnations: a sidecar that restarts keeps its transfer address but gets a new
-  ``endpoint_id``. Once the new id has connected at an address, every older id seen there is
-  dead: a ``TransferInfo`` naming it is rejected with UnknownEndpoint (FAILED_PRECONDITION)
-  and its cached engine handle is disconnected, so no write can reach the old incarnation's
-  memory registration. Dead ids are remembered up to a bound (oldest forgotten first).
+  ``endpoint_id`` and a later (sealed) ``incarnation``. Once the newer one has connected at an
+  address, every older id seen there is dead: a ``TransferInfo`` naming it is rejected with
+  UnknownEndpoint (FAILED_PRECONDITION) and its cached engine handle is disconnected, so no
+  write can reach the old incarnation's memory registration. Only a sealed endpoint with a
+  strictly later incarnation replaces one: a caller cannot evict a live incarnation by
+  claiming its address (unsealed: Unauthenticated), nor bring back an older one by replaying
+  its sealed endpoint (UnknownEndpoint). Dead ids are remembered up to a bound (oldest
+  forgotten first).
 
 Transports keep only engine work (``connect`` returns a fresh handle, ``disconnect`` releases
 one); this module never touches an engine itself.
@@ -32,6 +37,7 @@ import structlog
 
 from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable, UnknownEndpoint
 from deltakv.layout import KVLayout
+from deltakv.sidecar import pairing
 from deltakv.sidecar.transport.base import PeerHandle, Transport
 from deltakv.v1 import kv_pb2
 
@@ -47,6 +53,7 @@ class PeerTable:
     Args:
         transport: the sidecar's backend (its ``name`` is the backend peers must use).
         layout: the local pool's layout; a peer's layout must pair with it.
+        key: the cluster's pairing key; every peer endpoint must be sealed with it.
         max_dead: how many dead endpoint ids to remember.
         logger: structlog logger to report restarts on (default: this module's).
 
@@ -54,17 +61,19 @@ class PeerTable:
     through the transport. Call :meth:`close` before ``transport.close()``.
     """
 
-    def __init__(self, transport: Transport, layout: KVLayout, *,
+    def __init__(self, transport: Transport, layout: KVLayout, key: pairing.PairingKey, *,
                  max_dead: int = MAX_DEAD_ENDPOINTS, logger: Any = None) -> None:
         if max_dead <= 0:
             raise InvalidArgument(f"max_dead must be > 0, got {max_dead}")
         self.transport = transport
         self.layout = layout
+        self.key = key
         self.max_dead = max_dead
         self.log = logger if logger is not None else log
         self._lock = threading.Lock()
         self._handles: dict[str, PeerHandle] = {}
-        self._newest_at: dict[str, str] = {}        # transfer address -> newest endpoint id
+        # transfer address -> (newest endpoint id, its incarnation)
+        self._newest_at: dict[str, tuple[str, int]] = {}
         self._dead: OrderedDict[str, str] = OrderedDict()  # dead id -> id that replaced it
         self._connecting: dict[str, threading.Lock] = {}   # endpoint id -> connect gate
         self._closed = False
@@ -73,14 +82,16 @@ class PeerTable:
         """Check ``peer`` without connecting; returns its layout.
 
         Raises InvalidArgument (INVALID_ARGUMENT) if ``peer``, its ``endpoint_id`` or its
-        layout is missing or malformed; LayoutMismatch (FAILED_PRECONDITION) if its layout
+        layout is missing or malformed; Unauthenticated (UNAUTHENTICATED) if it is not
+        sealed with the pairing key; LayoutMismatch (FAILED_PRECONDITION) if its layout
         does not pair with the local one; FailedPrecondition for another backend;
-        UnknownEndpoint (FAILED_PRECONDITION) for a dead incarnation.
+        UnknownEndpoint (FAILED_PRECONDITION) for a dead or superseded incarnation.
         """
         if peer is None:
             raise InvalidArgument("peer endpoint is missing")
         if not peer.endpoint_id:
             raise InvalidArgument("peer endpoint_id is empty")
+        pairing.verify_endpoint(peer, self.key)
         if not peer.HasField("layout"):
             raise InvalidArgument(f"peer endpoint {peer.endpoint_id} has no layout")
         remote = KVLayout.from_proto(peer.layout)
@@ -91,6 +102,7 @@ class PeerTable:
                 f"uses {self.transport.name!r}")
         with self._lock:
             self._check_not_dead(peer)
+            self._check_not_superseded(peer)
         return remote
 
     def connect(self, peer: kv_pb2.EndpointInfo | None) -> PeerHandle:
@@ -146,12 +158,18 @@ class PeerTable:
                 refused = Unavailable("the peer table is closed (sidecar shutting down)")
             elif peer.endpoint_id in self._dead:
                 refused = self._dead_error(peer)
+            else:
+                try:
+                    self._check_not_superseded(peer)
+                except UnknownEndpoint as exc:
+                    refused = exc
             if refused is not None:
                 stale.append(handle)
             else:
                 self._handles[peer.endpoint_id] = handle
-                previous = self._newest_at.get(peer.address)
-                self._newest_at[peer.address] = peer.endpoint_id
+                newest = self._newest_at.get(peer.address)
+                previous = newest[0] if newest is not None else None
+                self._newest_at[peer.address] = (peer.endpoint_id, peer.incarnation)
                 if previous is not None and previous != peer.endpoint_id:
                     self._mark_dead(previous, peer.endpoint_id)
                     old = self._handles.pop(previous, None)
@@ -201,6 +219,15 @@ class PeerTable:
     def _check_not_dead(self, peer: kv_pb2.EndpointInfo) -> None:
         if peer.endpoint_id in self._dead:
             raise self._dead_error(peer)
+
+    def _check_not_superseded(self, peer: kv_pb2.EndpointInfo) -> None:
+        newest = self._newest_at.get(peer.address)
+        if newest is not None and newest[0] != peer.endpoint_id and \
+                peer.incarnation <= newest[1]:
+            raise UnknownEndpoint(
+                f"endpoint {peer.endpoint_id} at {peer.address!r} is not newer than the "
+                f"incarnation connected there ({newest[0]}); an older or equal incarnation "
+                f"never replaces a live one")
 
     def _dead_error(self, peer: kv_pb2.EndpointInfo) -> UnknownEndpoint:
         return UnknownEndpoint(

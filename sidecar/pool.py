@@ -12,9 +12,15 @@ registers the segment with its ``resource_tracker``, which unlinks it when that 
 ever unlinks, and only the segment it created (checked by inode, so a stale owner cannot unlink
 its restarted successor's segment of the same name).
 
+Names: a sidecar names its pool ``<base>-<token>`` (:func:`incarnation_name`), ``<base>``
+stable for the sidecar's slot (its socket path or ``--shm-name``) and ``<token>`` 128 random
+bits new for each start, so nobody can guess or squat the name of a pool before its owner
+publishes it (sealed) to its peers.
+
 Cleanup: the owner unlinks on :meth:`SharedKVPool.close` (the sidecar does so on every
-shutdown path). A segment left behind by a SIGKILLed sidecar is reclaimed when the restarted
-sidecar calls ``create`` with the same name, or by :func:`reclaim_stale_segments`.
+shutdown path). Segments left behind by a SIGKILLed sidecar are reclaimed when the restarted
+sidecar starts (:func:`reclaim_incarnations` of its base), or by
+:func:`reclaim_stale_segments`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import errno
 import mmap
 import os
 import re
+import secrets
+import stat
 import sys
 import threading
 import uuid
@@ -55,6 +63,34 @@ def _check_name(name: object) -> str:
 
 def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
+
+
+#: The unguessable part of an incarnation's segment name: ``-`` and 32 hex digits.
+TOKEN_RE = re.compile(r"-[0-9a-f]{32}$")
+
+
+def incarnation_name(base: str) -> str:
+    """``<base>-<32 random hex digits>``: the pool name of one sidecar incarnation.
+    InvalidArgument if ``base`` is not a valid segment name (or too long for the token)."""
+    _check_name(base)
+    return _check_name(f"{base}-{secrets.token_hex(16)}")
+
+
+def reclaim_incarnations(base: str) -> list[str]:
+    """Unlink every segment named ``<base>-<token>...`` (pools and their companions such as
+    ``.fence`` of earlier incarnations of the sidecar slot ``base``: a sidecar that starts
+    owns its slot, so whatever an earlier one left is garbage — a process still mapping it
+    keeps its memory until it unmaps). Returns the names removed."""
+    _check_name(base)
+    prefix = base + "-"
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        rest = name[len(prefix):] if name.startswith(prefix) else ""
+        if len(rest) >= 32 and all(c in "0123456789abcdef" for c in rest[:32]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_path(name))
+                removed.append(name)
+    return removed
 
 
 class SharedKVPool:
@@ -141,30 +177,43 @@ class SharedKVPool:
         return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino))
 
     @classmethod
-    def attach(cls, name: str, layout: KVLayout) -> SharedKVPool:
+    def attach(cls, name: str, layout: KVLayout,
+               identity: tuple[int, int] | None = None) -> SharedKVPool:
         """Map an existing segment (non-owner: a worker or an shm transport peer).
 
-        Never unlinks it, whatever happens to this process. Raises :class:`UnknownEndpoint`
-        (FAILED_PRECONDITION) if no segment has that name, :class:`InvalidArgument`
-        (INVALID_ARGUMENT) if the name is malformed or the segment's size differs from
+        Never unlinks it, whatever happens to this process. With ``identity`` (the
+        ``(st_dev, st_ino)`` its owner published, sealed), the segment must be exactly that
+        file: a regular file (no symlink followed), owned by this user, closed to group and
+        others, of ``layout.pool_bytes`` bytes — anything else is UnknownEndpoint. Errors
+        never state the size of a file the caller named (it may not be the caller's to see).
+
+        Raises :class:`UnknownEndpoint` (FAILED_PRECONDITION) if no such segment exists or
+        it is not the published one, :class:`InvalidArgument` (INVALID_ARGUMENT) if the name
+        is malformed or (without ``identity``) the segment's size differs from
         ``layout.pool_bytes`` (a different geometry).
         """
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
         path = _path(_check_name(name))
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_NOFOLLOW if identity is not None else 0)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+            fd = os.open(path, flags)
+        except OSError:
             raise UnknownEndpoint(f"shared-memory KV pool {name!r} does not exist "
                                   f"(sidecar not started, or restarted under a new name)",
                                   name=name) from None
         try:
             st = os.fstat(fd)
+            if identity is not None and (
+                    not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != tuple(identity)
+                    or st.st_uid != os.geteuid() or st.st_mode & 0o077
+                    or st.st_size != layout.pool_bytes):
+                raise UnknownEndpoint(f"shared-memory segment {name!r} is not the pool its "
+                                      f"owner published", name=name)
             if st.st_size != layout.pool_bytes:
                 raise InvalidArgument(
-                    f"shared-memory KV pool {name!r} has {st.st_size} bytes, layout expects "
-                    f"{layout.pool_bytes} ({layout.num_pages} pages x {layout.page_bytes} B)",
-                    name=name, size=st.st_size, expected=layout.pool_bytes)
+                    f"shared-memory KV pool {name!r} does not have the size its layout "
+                    f"implies ({layout.num_pages} pages x {layout.page_bytes} B)", name=name)
             mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -172,6 +221,11 @@ class SharedKVPool:
         return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino))
 
     # ------------------------------------------------------------------ access
+
+    @property
+    def inode(self) -> tuple[int, int]:
+        """``(st_dev, st_ino)`` of the segment: its identity (a name can be reused)."""
+        return self._inode
 
     @property
     def closed(self) -> bool:

@@ -1,14 +1,19 @@
 """One sidecar process, assembled: ``SidecarConfig`` and ``SidecarServer`` (DESIGN §2, §6).
 
-:class:`SidecarServer` creates (or reclaims) the pool, builds the page manager, the transport
-(any name the registry resolves, ``module:Class`` included), the peer table in front of it and
-the :class:`~deltakv.sidecar.servicer.SidecarService`, registers the pool with the engine,
-serves the UDS gRPC server with health and reflection (plus an optional TCP health-only port
-for Kubernetes probes), and shuts down gracefully. The RPC handlers live in
-:mod:`deltakv.sidecar.servicer`.
+:class:`SidecarServer` loads the cluster's pairing key, creates the pool (a new
+``<base>-<token>`` segment; leftovers of earlier incarnations of the same slot are reclaimed),
+builds the page manager, the transport (any name the registry resolves, ``module:Class``
+included) inside an :class:`~deltakv.sidecar.fence.EngineSet` that publishes its sealed
+endpoint, the peer table in front of it and the :class:`~deltakv.sidecar.servicer.SidecarService`
+— on a decode sidecar also the :class:`~deltakv.sidecar.grants.GrantAuthority` and its
+:class:`~deltakv.sidecar.fence.Fencer` — serves the UDS gRPC server with health and reflection
+(plus an optional TCP health-only port for Kubernetes probes), and shuts down gracefully. The
+RPC handlers live in :mod:`deltakv.sidecar.servicer`.
 
-Memory ownership: the sidecar creates the pool segment and is the only process that unlinks
-it (on :meth:`SidecarServer.stop`); workers map it by the name ``Describe`` returns.
+Memory ownership: the sidecar creates the pool segment (0600) and is the only process that
+unlinks it (on :meth:`SidecarServer.stop`); workers map it by the name ``Describe`` returns
+over the sidecar's own socket (the pool's name is published to peers only inside the sealed
+endpoint).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
 from deltakv.rpc.server import SyncServer
+from deltakv.sidecar import pairing
 from deltakv.sidecar.digests import PageDigester
+from deltakv.sidecar.fence import EngineSet, Fencer, fence_for
+from deltakv.sidecar.grants import GrantAuthority
 from deltakv.sidecar.incarnation import IncarnationGuard
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.rooms import RoomRegistry
 from deltakv.sidecar.servicer import ROLES, SERVICE_NAME, SidecarService
-from deltakv.sidecar.transport.base import Transport
 from deltakv.v1 import sidecar_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -45,9 +52,12 @@ class SidecarConfig:
     ``layout``: pool geometry (``num_pages`` = pool size); ``socket_path``: the UDS path;
     ``host``/``port``: the transfer engine's advertised address (port 0 = free);
     ``transport``: a registry name or an out-of-tree ``module:Class``;
-    ``transport_extra``: backend options; ``shm_name``: pool segment name (None: derived from
-    the socket path, so a restart reclaims the leftover); ``health_port``: TCP health-only
-    port (0 = off); ``drain_timeout_s``: bounded wait for in-flight writes on shutdown;
+    ``transport_extra``: backend options; ``shm_name``: base of the pool segment name (None:
+    derived from the socket path, so a restart reclaims the leftovers; the segment is
+    ``<base>-<token>``); ``health_port``: TCP health-only port (0 = off);
+    ``drain_timeout_s``: bounded wait for in-flight writes on shutdown; ``pairing_key``: the
+    cluster's pairing key (:func:`deltakv.sidecar.pairing.key_from_args`);
+    ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof;
     ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
     checked or kept).
     """
@@ -56,6 +66,7 @@ class SidecarConfig:
     transport: str
     socket_path: str
     layout: KVLayout
+    pairing_key: pairing.PairingKey
     host: str = "127.0.0.1"
     port: int = 0
     transport_extra: dict[str, Any] = field(default_factory=dict)
@@ -65,12 +76,13 @@ class SidecarConfig:
     max_workers: int = 64
     max_lease_ms: int = 600_000
     abort_grace_s: float = 5.0
+    close_grant_timeout_s: float = 2.0
     page_digests: bool = True
 
 
 def default_shm_name(socket_path: str) -> str:
-    """Pool segment name derived from the (absolute) socket path: stable across restarts of
-    the same sidecar, distinct between sidecars."""
+    """Base of the pool segment name derived from the (absolute) socket path: stable across
+    restarts of the same sidecar, distinct between sidecars."""
     import hashlib
 
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:16]
@@ -99,8 +111,9 @@ class SidecarServer:
         self.endpoint_id = uuid.uuid4().hex
         self.log = log.bind(role=f"{config.role}-sidecar")
         self.pool: Any = None
-        self.transport: Transport | None = None
+        self.engines: EngineSet | None = None
         self.peers: PeerTable | None = None
+        self.fencer: Fencer | None = None
         self.service: SidecarService | None = None
         self.server: SyncServer | None = None
         self.rooms = RoomRegistry(tombstone_ttl_s=max(600.0, config.max_lease_ms / 1e3))
@@ -117,7 +130,7 @@ class SidecarServer:
     def start(self) -> None:
         """Build and serve (see class docstring)."""
         from deltakv.sidecar.page_manager import PageManager
-        from deltakv.sidecar.pool import SharedKVPool
+        from deltakv.sidecar.pool import SharedKVPool, incarnation_name, reclaim_incarnations
         from deltakv.sidecar.transport.base import TransportOptions
         from deltakv.sidecar.transport.registry import create_transport
 
@@ -125,20 +138,45 @@ class SidecarServer:
         address = self.address  # validates the path length before anything is built
         claim_uds_path(cfg.socket_path)
         try:
-            self.pool = SharedKVPool.create(cfg.layout,
-                                            name=cfg.shm_name or default_shm_name(cfg.socket_path))
+            base = cfg.shm_name or default_shm_name(cfg.socket_path)
+            reclaimed = reclaim_incarnations(base)
+            if reclaimed:
+                self.log.info("reclaimed_segments", segments=reclaimed)
+            self.pool = SharedKVPool.create(cfg.layout, name=incarnation_name(base))
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
-            self.transport = create_transport(cfg.transport, TransportOptions(
-                host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra)))
-            self.transport.register_pool(self.pool)
-            endpoint = self.transport.describe(self.endpoint_id, cfg.layout)
-            self.peers = PeerTable(self.transport, cfg.layout, logger=self.log)
+
+            def make(port: int = 0):
+                # A recycled incarnation binds a free port: the retiring one still holds its.
+                return create_transport(cfg.transport, TransportOptions(
+                    host=cfg.host, port=port, extra=dict(cfg.transport_extra)))
+
+            first = make(cfg.port)
+            try:
+                first.register_pool(self.pool)
+                self.engines = EngineSet(first, make, self.pool, cfg.layout, cfg.pairing_key,
+                                         self.endpoint_id)
+            except BaseException:
+                first.close()
+                raise
+            self.peers = PeerTable(first, cfg.layout, cfg.pairing_key, logger=self.log)
+            authority = None
+            if cfg.role == "decode":
+                authority = GrantAuthority(
+                    key=cfg.pairing_key, layout=cfg.layout, page_manager=page_manager,
+                    fencer=None, endpoint=lambda: self.engines.endpoint,
+                    max_lease_ms=cfg.max_lease_ms, close_timeout_s=cfg.close_grant_timeout_s)
+                authority.log = self.log
+                self.fencer = Fencer(fence_for(self.engines), authority.proven,
+                                     busy_epochs=authority.open_epochs, expire=authority.expire)
+                authority.fencer = self.fencer
+                self.fencer.start()
             self.service = SidecarService(
                 role=cfg.role, layout=cfg.layout, pool=self.pool, page_manager=page_manager,
-                transport=self.transport, endpoint=endpoint, peers=self.peers,
-                rooms=self.rooms, max_lease_ms=cfg.max_lease_ms,
-                abort_grace_s=cfg.abort_grace_s,
-                digester=PageDigester(self.pool, enabled=cfg.page_digests))
+                engines=self.engines, peers=self.peers, rooms=self.rooms,
+                key=cfg.pairing_key, authority=authority, fencer=self.fencer,
+                max_lease_ms=cfg.max_lease_ms, abort_grace_s=cfg.abort_grace_s,
+                digester=PageDigester(self.pool, enabled=cfg.page_digests),
+                incarnation=self.endpoint_id)
             self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             service = self.service
@@ -154,10 +192,12 @@ class SidecarServer:
             self._release_resources()
             raise
         self.server.set_serving()
+        endpoint = self.engines.endpoint
         self.log.info("sidecar_serving", socket=cfg.socket_path, endpoint_id=self.endpoint_id,
                       page_digests=cfg.page_digests,
                       transport=cfg.transport, backend=endpoint.backend,
                       address=endpoint.address, pool_shm_name=self.pool.name,
+                      pairing_key_id=cfg.pairing_key.key_id,
                       num_pages=cfg.layout.num_pages, page_bytes=cfg.layout.page_bytes,
                       health_address=self.server.health_address)
 
@@ -200,15 +240,15 @@ class SidecarServer:
         if self.server is not None:
             self.server.stop(grace_s=1.0)
             self.server = None
+        if self.fencer is not None:
+            self.fencer.stop()  # pending proofs stay pending: their pages are never freed
+            self.fencer = None
         if self.peers is not None:
             self.peers.close()  # engine handles go before the engine itself
             self.peers = None
-        if self.transport is not None:
-            try:
-                self.transport.close()
-            except Exception:  # noqa: BLE001 - shutdown must go on to free the pool
-                self.log.exception("transport_close_failed")
-            self.transport = None
+        if self.engines is not None:
+            self.engines.close()
+            self.engines = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -8,12 +8,15 @@ the server's error-mapping interceptor (:mod:`deltakv.rpc.server`) turns them in
 place, and anything unexpected into INTERNAL.
 
 ``WritePages`` is the sidecar's part of the one write path: the peer table checks the decode
-endpoint, :func:`~deltakv.sidecar.planner.plan_delta` checks the ``TransferInfo`` and plans,
-the room registry admits the room, and the transport moves each planned batch. This module
-re-checks nothing those steps own. Page digests (taken by ``WritePages``, checked by
-``Commit``, kept by cached pages, re-checked by ``AuditCache``) are
-:mod:`deltakv.sidecar.digests`; incarnation checks happen before any handler
-(:mod:`deltakv.sidecar.incarnation`). Process assembly (pool, transport, servers) is
+endpoint (its seal included), :func:`~deltakv.sidecar.grants.verify_grant` checks decode's grant
+for exactly this write, :func:`~deltakv.sidecar.planner.plan_delta` checks the ``TransferInfo``
+and plans, the room registry admits the room, and the transport moves each planned batch. This
+module re-checks nothing those steps own. On a decode sidecar the grant handlers
+(``IssueGrant``, ``CloseGrant``, the revocation in ``Release`` and ``Attach``, the refusal in
+``Commit``) are thin calls into :class:`~deltakv.sidecar.grants.GrantAuthority`. Page digests
+(taken by ``WritePages``, checked by ``Commit``, kept by cached pages, re-checked by
+``AuditCache``) are :mod:`deltakv.sidecar.digests`; incarnation checks happen before any handler
+(:mod:`deltakv.sidecar.incarnation`). Process assembly (pool, engines, fencer, servers) is
 :mod:`deltakv.sidecar.server`.
 """
 
@@ -28,21 +31,19 @@ import grpc
 import structlog
 
 from deltakv import metrics as deltakv_metrics
-from deltakv import telemetry
 from deltakv.errors import (
-    Aborted,
     DataLoss,
-    DeltaKVError,
     FailedPrecondition,
     InvalidArgument,
-    Unavailable,
-    UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
 from deltakv.sidecar.digests import PageDigester, audit_cache
+from deltakv.sidecar.fence import EngineSet, Fencer
+from deltakv.sidecar.grants import GrantAuthority
+from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.peers import PeerTable
-from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.rooms import RoomRegistry, RoomState
+from deltakv.sidecar.rooms import RoomRegistry
+from deltakv.sidecar.transfers import TransferRpcs
 from deltakv.sidecar.transport.base import Transport
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -51,6 +52,9 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"].full_name
 
 ROLES = {"prefill": sidecar_pb2.SIDECAR_ROLE_PREFILL, "decode": sidecar_pb2.SIDECAR_ROLE_DECODE}
+PAGE_STATES = {"free": sidecar_pb2.PAGE_STATE_FREE, "cached": sidecar_pb2.PAGE_STATE_CACHED,
+               "live": sidecar_pb2.PAGE_STATE_LIVE,
+               "quarantined": sidecar_pb2.PAGE_STATE_QUARANTINED}
 
 
 def _request_id(value: str, rpc: str) -> str:
@@ -59,28 +63,33 @@ def _request_id(value: str, rpc: str) -> str:
     return value
 
 
-class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
+class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
     """The ``deltakv.v1.SidecarService`` servicer (sync; one worker thread per call).
 
     Args:
-        role: ``"prefill"`` or ``"decode"``; only a prefill sidecar serves ``WritePages``.
+        role: ``"prefill"`` or ``"decode"``; only a prefill sidecar serves ``WritePages``,
+            only a decode sidecar (with ``authority``) the grant RPCs.
         layout: the local pool geometry.
         pool: the local pool (owned by the caller, must outlive the service).
         page_manager: allocator + radix index over ``layout.num_pages`` pages (calls are
             serialised here by one lock).
-        transport: the registered backend; ``endpoint`` its published EndpointInfo.
-        peers: the peer table in front of ``transport`` (owned by the caller).
+        engines: the engine incarnations (the current one writes and is published, sealed).
+        peers: the peer table in front of the current transport (owned by the caller).
         rooms: the room registry (fencing, drain).
+        key: the cluster's pairing key (grants are verified with it).
+        authority: decode's grant authority; ``fencer`` its fencer (None on prefill).
         max_lease_ms: longest accepted ``TransferInfo.lease_ms``; must not exceed the room
-            registry's tombstone TTL so a fenced room outlives every lease.
+            registry's tombstone TTL so a fenced room outlives every lease (and a replayed
+            grant, which expires with its lease, is refused for as long as it is valid).
         abort_grace_s: how long ``AbortWrite`` waits past an in-flight write's deadline.
         digester: page digests over ``pool`` (None: digests off).
     """
 
     def __init__(self, *, role: str, layout: KVLayout, pool: Any, page_manager: Any,
-                 transport: Transport, endpoint: kv_pb2.EndpointInfo, peers: PeerTable,
-                 rooms: RoomRegistry, max_lease_ms: int = 600_000,
-                 abort_grace_s: float = 5.0, digester: PageDigester | None = None) -> None:
+                 engines: EngineSet, peers: PeerTable, rooms: RoomRegistry, key: PairingKey,
+                 authority: GrantAuthority | None = None, fencer: Fencer | None = None,
+                 max_lease_ms: int = 600_000, abort_grace_s: float = 5.0,
+                 digester: PageDigester | None = None, incarnation: str = "") -> None:
         if role not in ROLES:
             raise InvalidArgument(f"sidecar role must be one of {sorted(ROLES)}, got {role!r}")
         if max_lease_ms <= 0 or max_lease_ms > rooms.tombstone_ttl_s * 1e3:
@@ -91,32 +100,48 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         self.layout = layout
         self.pool = pool
         self.page_manager = page_manager
-        self.transport = transport
-        self.endpoint = endpoint
+        self.engines = engines
         self.peers = peers
         self.rooms = rooms
+        self.key = key
+        self.authority = authority
+        self.fencer = fencer
         self.max_lease_ms = max_lease_ms
         self.abort_grace_s = abort_grace_s
         self.digester = digester if digester is not None else PageDigester(pool, enabled=False)
+        self.incarnation = incarnation or engines.endpoint.endpoint_id
         self._pm_lock = threading.RLock()
         self._counter_lock = threading.Lock()
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.bytes_written = 0
         self.pages_written = 0
+        self.grants_refused = 0
         self.digest_mismatches = 0
         self.log = log.bind(role=f"{role}-sidecar")
+
+    @property
+    def transport(self) -> Transport:
+        """The current engine incarnation (the one prefill writes through)."""
+        return self.engines.current
+
+    @property
+    def endpoint(self) -> kv_pb2.EndpointInfo:
+        """The current sealed EndpointInfo (changes when decode recycles its engine)."""
+        return self.engines.endpoint
 
     # -- pool metadata --------------------------------------------------------------------
 
     def Describe(self, request: sidecar_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> sidecar_pb2.DescribeResponse:
-        """EndpointInfo (new endpoint_id per incarnation), role, and how to map the pool:
-        ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes, ``page_bytes``, ``pid``."""
+        """The current sealed EndpointInfo (a new engine incarnation after a fence recycle),
+        the pool ``incarnation`` a worker pairs with (fixed for this process), role, and how
+        to map the pool: ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes,
+        ``page_bytes``, ``pid``."""
         return sidecar_pb2.DescribeResponse(
             endpoint=self.endpoint, role=ROLES[self.role], pool_shm_name=self.pool.name,
             pool_bytes=self.layout.pool_bytes, page_bytes=self.layout.page_bytes,
-            pid=os.getpid())
+            pid=os.getpid(), incarnation=self.incarnation)
 
     def Attach(self, request: sidecar_pb2.AttachRequest,
                context: grpc.ServicerContext) -> sidecar_pb2.AttachResponse:
@@ -126,6 +151,9 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         still in flight after the grace, for at least the longest lease. Returns the
         Describe of this incarnation (what the worker pairs with) and what was released."""
         fenced = self.rooms.abort_all("a new worker attached")
+        if self.authority is not None:
+            # The previous worker's transfers are abandoned: their pages wait for the fence.
+            self.authority.revoke_all()
         deadline = time.monotonic() + self.abort_grace_s
         while self.rooms.in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -177,8 +205,14 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         """Insert the full pages of ``token_ids`` (page table ``page_indices``) into the radix
         index; returns the canonical page table and the cached length (tokens).
         INVALID_ARGUMENT for a page table that does not fit the tokens or names pages the
-        request does not hold."""
+        request does not hold; FAILED_PRECONDITION for a page under a grant that was not
+        closed (a page the index owns is never the destination of a write)."""
         rid = _request_id(request.request_id, "Commit")
+        if self.authority is not None:
+            covered = self.authority.covered(list(request.page_indices))
+            if covered:
+                raise FailedPrecondition(f"page {covered[0]} is still under a transfer grant; "
+                                         f"close the grant (CloseGrant) before committing it")
         verified = self._verify(rid, request.verify)
         with self._pm_lock:
             pages, cached = self.page_manager.commit(rid, list(request.token_ids),
@@ -239,9 +273,13 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
 
     def Release(self, request: sidecar_pb2.ReleaseRequest,
                 context: grpc.ServicerContext) -> sidecar_pb2.ReleaseResponse:
-        """End of a request: unlock its locks and free (or quarantine for ``quarantine_ms``)
-        the pages it still owns. NOT_FOUND for a request that holds nothing."""
+        """End of a request: revoke its open grants (decode: their pages stay quarantined
+        until the fence proves no byte of the room can land), unlock its locks and free (or
+        quarantine for ``quarantine_ms``) the pages it still owns. NOT_FOUND for a request
+        that holds nothing."""
         rid = _request_id(request.request_id, "Release")
+        if self.authority is not None:
+            self.authority.revoke_owner(rid)
         with self._pm_lock:
             freed, quarantined = self.page_manager.release(rid, quarantine_ms=request.quarantine_ms)
         return sidecar_pb2.ReleaseResponse(freed=freed, quarantined=quarantined)
@@ -253,6 +291,44 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         return sidecar_pb2.PageChecksumsResponse(
             crc32=self.pool.page_crc32([int(p) for p in request.page_indices]))
 
+    def PageStates(self, request: sidecar_pb2.PageStatesRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.PageStatesResponse:
+        """State (free, cached, live, quarantined) and CRC32 of each listed page (request
+        order), one snapshot: no page changes state while it is taken. INVALID_ARGUMENT if
+        a page is out of range."""
+        pages = [int(p) for p in request.page_indices]
+        with self._pm_lock:
+            crcs = self.pool.page_crc32(pages)
+            states = self.page_manager.states()
+        return sidecar_pb2.PageStatesResponse(states=[PAGE_STATES[states[p]] for p in pages],
+                                              crc32=crcs)
+
+    # -- grants (decode) --------------------------------------------------------------------
+
+    def IssueGrant(self, request: sidecar_pb2.IssueGrantRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.IssueGrantResponse:
+        """Grant a new room the delta pages of ``owner_request_id``
+        (:meth:`GrantAuthority.issue`): the complete TransferInfo with room, current sealed
+        endpoint and sealed grant. FAILED_PRECONDITION on a prefill sidecar;
+        INVALID_ARGUMENT / NOT_FOUND as ``issue`` says."""
+        authority = self._authority("IssueGrant")
+        owner = _request_id(request.owner_request_id, "IssueGrant")
+        info = authority.issue(owner, request.transfer_info, request.prompt_digest)
+        return sidecar_pb2.IssueGrantResponse(transfer_info=info)
+
+    def CloseGrant(self, request: sidecar_pb2.CloseGrantRequest,
+                   context: grpc.ServicerContext) -> sidecar_pb2.CloseGrantResponse:
+        """End the grant of a completed transfer once the fence proves no writer is inside
+        (:meth:`GrantAuthority.close`): NOT_FOUND, FAILED_PRECONDITION (revoked before) or
+        UNAVAILABLE (proof not in time; the pages stay quarantined until it comes)."""
+        self._authority("CloseGrant").close(request.room)
+        return sidecar_pb2.CloseGrantResponse()
+
+    def _authority(self, rpc: str) -> GrantAuthority:
+        if self.authority is None:
+            raise FailedPrecondition(f"{rpc} is served by a decode sidecar; this one is "
+                                     f"{self.role}")
+        return self.authority
     def AuditCache(self, request: sidecar_pb2.AuditCacheRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AuditCacheResponse:
         """Re-hash every cached page against the digest it was cached with
@@ -297,161 +373,16 @@ class SidecarService(sidecar_pb2_grpc.SidecarServiceServicer):
         with self._counter_lock:
             counters = dict(transfers_ok=self.transfers_ok, transfers_failed=self.transfers_failed,
                             bytes_written=self.bytes_written, pages_written=self.pages_written,
+                            grants_refused=self.grants_refused,
                             digest_mismatches=self.digest_mismatches)
+        grants_open, _ = self.authority.counts() if self.authority is not None else (0, 0)
+        pending = self.fencer.pending if self.fencer is not None else 0
         return sidecar_pb2.SidecarStats(
             pool=kv_pb2.PoolStats(
                 num_pages=stats.num_pages, free=stats.free, cached=stats.cached,
                 live=stats.live, quarantined=stats.quarantined, locked=stats.locked,
-                evictable=stats.evictable, page_bytes=self.layout.page_bytes),
+                evictable=stats.evictable, page_bytes=self.layout.page_bytes,
+                fence_pending=pending),
             live_requests=stats.live_requests, rooms_in_flight=self.rooms.in_flight,
+            grants_open=grants_open, fence_recycles=self.engines.recycles,
             page_digests=self.digester.enabled, **counters)
-
-    # -- transfers ------------------------------------------------------------------------
-
-    def WritePages(self, request: sidecar_pb2.WritePagesRequest,
-                   context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
-        """Write the delta pages of one prompt to the decode endpoint and wait for every write.
-
-        Order (DESIGN §5-§6): record the receipt time; check the decode endpoint
-        (``PeerTable.check``: FAILED_PRECONDITION for a layout mismatch, another backend or a
-        dead incarnation) and plan (``plan_delta``: every TransferInfo rule and page range,
-        INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if in flight
-        or used, ABORTED if fenced, UNAVAILABLE while draining); connect (cached per
-        endpoint); then write batch by batch. The deadline is
-        ``receipt + min(lease_remaining_ms or lease_ms, lease_ms)``, tightened by the call's
-        own gRPC deadline. No batch starts after the deadline (DEADLINE_EXCEEDED), an abort
-        or a cancelled call (ABORTED); an engine error fails the room at once and stops the
-        remaining batches (UNAVAILABLE with the reason). Returns TransferStats only after
-        every write completed.
-
-        Traced as the ``kv.transfer`` span (child of this call's server span; attributes in
-        docs/telemetry.md; a failure sets status ERROR with the reason) and counted in the
-        ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
-        """
-        info = request.transfer_info
-        instruments = deltakv_metrics.instruments()
-        with telemetry.span(
-                "kv.transfer", room=info.room, request_id=info.request_id or None,
-                prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
-                delta_pages=len(info.dst_page_indices),
-                pages_skipped=info.decode_prefix_len // self.layout.page_size,
-                lease_ms=info.lease_ms,
-                backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
-            try:
-                response = self._write_pages(request, context)
-            except Exception as exc:
-                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
-                raise
-            stats = response.stats
-            seconds = stats.duration_us / 1e6
-            if span.is_recording():
-                span.set_attributes(telemetry.prefixed(dict(
-                    pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                    batches=stats.batches, duration_ms=stats.duration_us / 1e3,
-                    gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
-            instruments.transfers.add(1, {"outcome": "ok"})
-            instruments.transfer_duration.record(seconds)
-            instruments.transfer_size.record(stats.bytes)
-        return response
-
-    def _write_pages(self, request: sidecar_pb2.WritePagesRequest,
-                     context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
-        receipt = time.monotonic()
-        if self.role != "prefill":
-            raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
-                                     f"{self.role}")
-        if not request.HasField("transfer_info"):
-            raise InvalidArgument("WritePages: transfer_info is missing")
-        info = request.transfer_info
-        if not info.HasField("decode_endpoint"):
-            raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
-        endpoint = info.decode_endpoint
-        remote = self.peers.check(endpoint)
-        plan = plan_delta(info, request.src_page_indices, self.layout, remote,
-                          self.transport.limits, max_lease_ms=self.max_lease_ms)
-        lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
-        deadline = receipt + lease_ms / 1e3
-        telemetry.annotate(bytes=plan.bytes, runs=len(plan.runs), batches=len(plan.batches),
-                           lease_remaining_ms=lease_ms)
-        rpc_left = context.time_remaining()
-        if rpc_left is not None:
-            deadline = min(deadline, time.monotonic() + rpc_left)
-
-        room_log = self.log.bind(room=info.room, request_id=info.request_id)
-        digests = self._source_digests(plan, room_log)
-        ticket = self.rooms.begin(info.room, info.request_id, deadline)
-        ok = False
-        pages_done = 0
-        started = receipt
-        try:
-            peer = self.peers.connect(endpoint)
-            ticket.check_alive()
-            started = time.monotonic()
-            for batch in plan.batches:
-                if not context.is_active():
-                    raise Aborted(f"room {info.room}: WritePages call was cancelled")
-                ticket.check_can_start()
-                try:
-                    self.transport.write(peer, batch, ticket)
-                except (Unavailable, UnknownEndpoint):
-                    # The peer may be gone: the next connect checks and connects it afresh.
-                    self.peers.drop(peer.endpoint_id)
-                    raise
-                pages_done += sum(run.num_pages for run in batch)
-            ok = True
-        except DeltaKVError as exc:
-            room_log.warning("write_failed", code=exc.code.name, error=exc.message,
-                             batches_started=ticket.batches_started, pages_written=pages_done)
-            telemetry.annotate(batches_started=ticket.batches_started, pages_written=pages_done)
-            raise
-        finally:
-            state = self.rooms.finish(ticket, ok)
-            with self._counter_lock:
-                self.pages_written += pages_done
-                self.bytes_written += pages_done * self.layout.page_bytes
-                if ok and state is RoomState.DONE:
-                    self.transfers_ok += 1
-                else:
-                    self.transfers_failed += 1
-        if state is RoomState.ABORTED:
-            # Fenced after the last batch landed: decode has given up on this room.
-            raise Aborted(f"room {info.room} was aborted while its last batch completed")
-        duration_us = int((time.monotonic() - started) * 1e6)
-        stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
-                              prefill_cached_len=request.prefill_cached_len)
-        stats.page_digests.extend(digests)
-        room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                      batches=stats.batches, duration_us=duration_us)
-        return sidecar_pb2.WritePagesResponse(stats=stats)
-
-    def _source_digests(self, plan: Any, room_log: Any) -> list[int]:
-        """Digests of the delta's source pages in prompt order (``[]`` with digests off),
-        read before any byte moves. Source pages cached in this sidecar's index must still
-        match the digest they were cached with: DATA_LOSS otherwise (a corrupt prefill cache
-        must not reach decode with a fresh, matching digest)."""
-        sources = plan.source_pages
-        digests = self.digester.digest(sources)
-        if not digests:
-            return []
-        with self._pm_lock:
-            recorded = self.page_manager.digests_of(sources)
-        bad = [p for p, want, got in zip(sources, recorded, digests, strict=True)
-               if want is not None and want != got]
-        if bad:
-            self._count_mismatches(len(bad), "source")
-            room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
-            raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
-                           f"from their digests; run AuditCache with evict", pages=bad)
-        return digests
-
-    def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
-                   context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:
-        """Fence ``room`` (a tombstone if it is unknown) and return once no write for it is in
-        flight or can start. INVALID_ARGUMENT for room 0; DEADLINE_EXCEEDED if a write is
-        still in flight after its deadline + grace or the call's own deadline (the room stays
-        fenced; the caller keeps the pages quarantined)."""
-        timeout = context.time_remaining()
-        known = self.rooms.abort(request.room, timeout_s=None if timeout is None else
-                                 max(timeout - 0.05, 0.0), grace_s=self.abort_grace_s)
-        self.log.info("room_aborted", room=request.room, known=known)
-        return sidecar_pb2.AbortWriteResponse(known=known)

@@ -18,6 +18,12 @@ SidecarRestarted            UNAVAILABLE            a worker's sidecar restarted 
 DeadlineExceeded            DEADLINE_EXCEEDED      a bound (lease, deadline) ran out
 Aborted                     ABORTED                transfer superseded or fenced by an abort
 DataLoss                    DATA_LOSS              checksum / page digest mismatch
+Unauthenticated             UNAUTHENTICATED        a sealed message (endpoint, grant) whose seal
+                                                   is missing or does not verify with the
+                                                   cluster's pairing key
+PermissionDenied            PERMISSION_DENIED      an authentic grant that does not cover the
+                                                   write (other room, pages, prompt; expired;
+                                                   revoked by the destination's fence)
 NotFound                    NOT_FOUND              unknown lock / request / room
 Internal                    INTERNAL               a bug: never expected
 ==========================  =====================  ==========================================
@@ -113,6 +119,22 @@ class DataLoss(DeltaKVError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class Unauthenticated(DeltaKVError):
+    """A message that must be sealed by a paired sidecar (an ``EndpointInfo``, a
+    ``TransferGrant``) has no seal, or its seal does not verify with this cluster's pairing
+    key. The message says which field and why, never the key."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(DeltaKVError):
+    """An authentic grant that does not allow this write: another room, endpoint, page list
+    or prompt; expired; or revoked by the destination (its fence word no longer names the
+    room)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(DeltaKVError, KeyError):
     code = grpc.StatusCode.NOT_FOUND
 
@@ -133,6 +155,8 @@ _BY_CODE: dict[grpc.StatusCode, type[DeltaKVError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.CANCELLED: Aborted,
 }

@@ -29,7 +29,17 @@ instrument                             Prometheus                              a
                                                                                ``where``
 ``deltakv.cache.audit.pages`` counter  ``deltakv_cache_audit_pages_total``      ``outcome``
 ``deltakv.cache.audit.evicted``        ``deltakv_cache_audit_evicted_total``    (sidecar)
+``deltakv.fence.pending`` up-down      ``deltakv_fence_pending``                (decode sidecar)
+``deltakv.fence.wait`` histogram, s    ``deltakv_fence_wait_seconds``           (decode sidecar)
+``deltakv.fence.recycles`` counter     ``deltakv_fence_recycles_total``         (decode sidecar)
+``deltakv.grants.refused`` counter     ``deltakv_grants_refused_total``         ``reason``
 =====================================  ======================================  ================
+
+Fencing (docs/architecture.md): ``fence.pending`` counts revoked grants whose pages wait for
+the proof that no byte of their room can land; ``fence.wait`` is revocation -> proof;
+``fence.recycles`` counts engine incarnations replaced to fence rooms. ``grants.refused``
+(prefill sidecar) counts writes refused for their grant or endpoint seal, ``reason`` =
+``unauthenticated | permission_denied``.
 
 ``outcome`` of a request: ``ok | rejected | cancelled``; of a transfer: ``ok`` or the gRPC code
 name in lower case (``unavailable``, ``deadline_exceeded``, ``aborted``, ...). ``reason`` of a
@@ -117,6 +127,19 @@ class DeltaKVMetrics:
         self.audit_evicted = meter.create_counter(
             "deltakv.cache.audit.evicted", unit="{page}",
             description="pages AuditCache evicted (corrupt pages and the prefixes below them)")
+        self.fence_pending = meter.create_up_down_counter(
+            "deltakv.fence.pending", unit="{grant}",
+            description="revoked grants whose pages wait for their fence proof")
+        self.fence_wait = meter.create_histogram(
+            "deltakv.fence.wait", unit="s",
+            description="time from a grant's revocation to the proof that no byte can land",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS_S)
+        self.fence_recycles = meter.create_counter(
+            "deltakv.fence.recycles", unit="{incarnation}",
+            description="engine incarnations replaced to fence revoked rooms")
+        self.grants_refused = meter.create_counter(
+            "deltakv.grants.refused", unit="{transfer}",
+            description="writes refused for their grant or endpoint seal, by reason")
         self._pool_lock = threading.Lock()
         self._pool_readers: list[tuple[Mapping[str, str], Callable[[], Mapping[str, int]]]] = []
         self._pool_gauge: Any = None

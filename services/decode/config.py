@@ -10,8 +10,10 @@ from dataclasses import dataclass
 class DecodeConfig:
     """Bounds and defaults of the decode service (all waits are bounded, DESIGN §6).
 
-    Times in ms unless named ``_s``. ``lease_ms`` must cover prefill compute + transfer; the
-    quarantine after an unconfirmed abort is ``lease_ms + quarantine_grace_ms`` from the send.
+    Times in ms unless named ``_s``. ``lease_ms`` must cover prefill compute + transfer (it is
+    the life of the transfer's grant). No timer frees pages: after a failed or cancelled
+    transfer they wait for the decode sidecar's fence (docs/architecture.md, "Fencing");
+    ``abort_timeout_ms`` only bounds the advisory AbortTransfer call to prefill.
     """
 
     max_batch_size: int = 8
@@ -19,7 +21,6 @@ class DecodeConfig:
     max_new_tokens_limit: int = 4096
     prefill_timeout_ms: int = 60_000
     lease_ms: int = 60_000
-    quarantine_grace_ms: int = 5_000
     abort_timeout_ms: int = 5_000
     prefill_connect_timeout_ms: int = 3_000
     admission_timeout_s: float = 30.0

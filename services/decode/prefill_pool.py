@@ -38,11 +38,21 @@ from typing import Any
 
 import grpc
 
-from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from deltakv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
 from deltakv.services.runtime.logs import get_logger
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = get_logger()
+
+# Refusals that retrying cannot fix: a layout mismatch, or a peer outside the cluster (its
+# endpoint, or ours, not sealed with the pairing key).
+_FINAL = (FailedPrecondition, Unauthenticated)
 
 DNS_SCHEME = "dns:///"
 DEFAULT_RESOLVE_INTERVAL_S = 10.0
@@ -95,14 +105,17 @@ class PrefillPool:
     """The prefill backends of one decode worker (see the module docstring).
 
     ``targets``: parsed ``--prefill-target`` values; ``make_channel``: see
-    :data:`ChannelFactory`; ``endpoint``: this decode's ``EndpointInfo`` (sent in Handshake).
+    :data:`ChannelFactory`; ``endpoint``: this decode's ``EndpointInfo`` (sent in Handshake);
+    ``key``: the cluster's pairing key — with it, a prefill whose endpoint in the Handshake
+    reply is not sealed with it is refused (UNAUTHENTICATED, final like a layout mismatch).
     Owns every channel it makes; :meth:`close` closes them.
     """
 
     def __init__(self, targets: Sequence[str], make_channel: ChannelFactory,
                  endpoint: kv_pb2.EndpointInfo,
-                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S) -> None:
+                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S, key=None) -> None:
         self.sources = list(targets)
+        self.key = key
         self.make_channel = make_channel
         self.endpoint = endpoint
         self.resolve_interval_s = resolve_interval_s
@@ -174,6 +187,10 @@ class PrefillPool:
                 timeout=max(0.5, min(timeout_s, 10.0)), wait_for_ready=True)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+        if self.key is not None:
+            from deltakv.sidecar.pairing import verify_endpoint
+
+            verify_endpoint(reply.prefill_endpoint, self.key)
         backend.paired = True
         log.info("paired_with_prefill", target=backend.target,
                  prefill_endpoint=reply.prefill_endpoint.endpoint_id, model=reply.model)
@@ -186,7 +203,7 @@ class PrefillPool:
             try:
                 await self._handshake(backend, left)
                 return
-            except FailedPrecondition as exc:
+            except _FINAL as exc:
                 backend.refused = str(exc)
                 log.error("prefill_refused_pairing", target=backend.target, reason=str(exc))
                 raise
@@ -201,7 +218,7 @@ class PrefillPool:
 
     def _start_pairing(self, backend: PrefillBackend) -> None:
         async def pair() -> None:
-            with contextlib.suppress(FailedPrecondition):
+            with contextlib.suppress(*_FINAL):
                 await self._pair_until(backend, None)
         backend.pairing = asyncio.ensure_future(pair())
 
@@ -221,7 +238,7 @@ class PrefillPool:
                 self._add(source, source, None)
         tasks = [asyncio.ensure_future(self._pair_until(b, deadline)) for b in self.backends]
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        refused = [r for r in results if isinstance(r, FailedPrecondition)]
+        refused = [r for r in results if isinstance(r, _FINAL)]
         if refused:
             raise refused[0]
         bugs = [r for r in results if isinstance(r, BaseException)
@@ -248,7 +265,7 @@ class PrefillPool:
         async def one(backend: PrefillBackend) -> None:
             try:
                 await self._handshake(backend, timeout_s)
-            except FailedPrecondition:
+            except _FINAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - down now: paired again when back
                 backend.paired = False

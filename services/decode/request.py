@@ -111,8 +111,10 @@ class RequestState:
     ``holds_pages``: Release is still owed (set by admission, cleared by the one release).
     ``page_table``: prefix pages + allocated pages, covering prompt + ``max_new_tokens``;
     ``delta_pages``: the allocated pages prefill writes (prompt order).
-    ``transfer_pending``: Prefill was sent and has not answered: its room must be fenced
-    (``AbortTransfer``) before the delta pages are freed. ``sent_at``: monotonic send time.
+    ``room``: the room decode's sidecar granted the delta pages to.
+    ``transfer_pending``: Prefill was sent and has not answered: prefill is asked to stop the
+    room (``AbortTransfer``) and the sidecar fences it on Release. ``sent_at``: monotonic
+    send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
     ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
     ``prefill``: the prefill backend the request is pinned to (its AbortTransfer goes there).

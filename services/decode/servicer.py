@@ -6,23 +6,26 @@
 2. **admit** — RESOURCE_EXHAUSTED at once for a request that can never fit; ``MatchPrefix`` ->
    ``decode_prefix_len`` (skipped when ``disable_decode_prefix_reuse``), locked for the
    request; ``Allocate`` delta + generation pages, waiting (bounded) for pages others hold;
-3. **prefill** — ``Prefill(TransferInfo)`` with a deadline, then ``Commit`` the prompt's full
-   pages;
+3. **prefill** — the decode sidecar grants the delta pages to a new room (``IssueGrant``: the
+   complete ``TransferInfo``, sealed grant and current endpoint included), ``Prefill`` with a
+   deadline, ``CloseGrant`` once prefill reported every page written, then ``Commit`` the
+   prompt's full pages;
 4. **stream** — the first token, then the continuous batch's typed stream events;
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
 
 On every exit (finish, error, client cancel) the request's one cleanup runs, shielded from
-cancellation: it fences an unanswered prefill with ``AbortTransfer(room)`` before freeing the
-delta pages (unconfirmed: quarantined until ``lease_ms + grace`` after the send, DESIGN §6)
-and releases what the request's ``RequestState`` says it holds — exactly once.
+cancellation: it asks prefill to stop an unanswered transfer (``AbortTransfer(room)``, bounded
+and advisory) and releases what the request's ``RequestState`` says it holds — exactly once.
+The decode sidecar revokes the room's open grant on that ``Release`` and keeps its pages
+quarantined until its fence proves that no byte of the room can still land
+(docs/architecture.md, "Fencing"); no timer and no word of prefill's frees them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +62,7 @@ from deltakv.services.model.sampling import should_stop
 from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
+from deltakv.sidecar.grants import prompt_digest
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 log = get_logger()
@@ -86,11 +90,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.waiting = 0
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
-
-    @property
-    def endpoint(self) -> kv_pb2.EndpointInfo:
-        """Decode's transfer endpoint: its sidecar's current pool incarnation's."""
-        return self.worker.describe.endpoint
 
     def start(self) -> None:
         self.scheduler.start()
@@ -212,17 +211,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _prefill(self, state: RequestState, parsed: ParsedRequest,
                        time_remaining: Callable[[], float | None]) -> DecodeRequest:
-        """Step 3: prefill computes the first token and writes the delta pages into this
-        pool (``Prefill`` with a ``TransferInfo`` and a deadline: the smaller of
-        ``prefill_timeout_ms`` and the client's remaining time); then the prompt's full pages
-        enter decode's radix index once the delta pages match prefill's page digests
-        (DATA_LOSS otherwise). Returns the request, ready to decode."""
-        state.room = secrets.randbits(63) or 1
+        """Step 3: decode's sidecar grants the delta pages to a new room; prefill computes the
+        first token and writes them into this pool (``Prefill`` with the granted
+        ``TransferInfo`` and a deadline: the smaller of ``prefill_timeout_ms`` and the
+        client's remaining time); the grant is closed (its fence proven) and the prompt's
+        full pages enter decode's radix index once the delta pages match prefill's page
+        digests (DATA_LOSS otherwise). Returns the request, ready to decode."""
+        info = await self.worker.sidecar.issue_grant(
+            state.sidecar_id, kv_pb2.TransferInfo(
+                request_id=state.request_id, dst_page_indices=state.delta_pages,
+                decode_prefix_len=state.decode_prefix_len, prompt_len=state.prompt_len,
+                lease_ms=self.config.lease_ms), prompt_digest(parsed.prompt))
+        state.room = info.room
         bind_request(state.request_id, state.room)
-        info = kv_pb2.TransferInfo(
-            room=state.room, request_id=state.request_id, decode_endpoint=self.endpoint,
-            dst_page_indices=state.delta_pages, decode_prefix_len=state.decode_prefix_len,
-            prompt_len=state.prompt_len, lease_ms=self.config.lease_ms)
         timeout_s = self.config.prefill_timeout_ms / 1000.0
         remaining = time_remaining()
         if remaining is not None:
@@ -235,6 +236,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             response = await self._call_prefill(state, prefill_pb2.PrefillRequest(
                 token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info),
                 timeout_s)
+            await self.worker.sidecar.close_grant(state.room)
             # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
             # nothing cached, and the pages go through this request's normal release.
             canonical, _ = await self.worker.sidecar.commit(
@@ -349,7 +351,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             finish_reason=decode_request.finish_reason or "stop") as span:
             await self._commit_kv(state, decode_request)
             self._remember_answer(state, decode_request)
-            await self._release(state, quarantine_ms=0)
+            await self._release(state)
             usage = self._usage(state, decode_request)
             if parsed.echo_prompt:
                 usage.prompt_token_ids.extend(decode_request.tokens[: decode_request.prompt_len])
@@ -392,7 +394,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         raise ResourceExhausted(
                             f"no room for {num_pages} pages after waiting "
                             f"{self.config.admission_timeout_s:.0f} s: {exc}") from None
-                    # Woken by our own releases; quarantines expire on their own, so poll too.
+                    # Woken by our own releases; fenced pages are freed by the sidecar, so poll too.
                     async with self.pages_freed:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.pages_freed.wait(), timeout=min(left, 0.5))
@@ -424,7 +426,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return state.cleanup
 
     async def _cleanup(self, state: RequestState) -> None:
-        """Every exit path: detach from the batch, fence an unfinished transfer, release once."""
+        """Every exit path: detach from the batch, stop an unfinished transfer, release once
+        (the sidecar fences the room's pages on that Release)."""
         if not state.holds_pages:
             return
         try:
@@ -433,45 +436,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self.scheduler.cancel(decode_request)
                 await decode_request.detached.wait()  # no step may still write its KV
             if state.transfer_pending:
-                fenced = await self._abort_transfer(state)
-                if fenced:
-                    await self._release(state, quarantine_ms=0)
-                else:
-                    elapsed_ms = (time.monotonic() - (state.sent_at or time.monotonic())) * 1000
-                    hold = self.config.lease_ms + self.config.quarantine_grace_ms - elapsed_ms
-                    await self._release(state, quarantine_ms=max(1, int(hold)))
-                return
-            if decode_request is not None:
+                await self._abort_transfer(state)
+            elif decode_request is not None:
                 # Cancelled or failed after prefill: the KV written so far is valid; keep the
                 # full pages cached (F9) and free the rest.
                 await self._commit_kv(state, decode_request)
                 self._remember_answer(state, decode_request)
-            await self._release(state, quarantine_ms=0)
+            await self._release(state)
         except DeltaKVError as exc:
             log.error("cleanup_failed", reason=str(exc))
             if state.holds_pages:
-                await self._release(state, quarantine_ms=0)
+                await self._release(state)
 
-    async def _abort_transfer(self, state: RequestState) -> bool:
-        """True once the prefill that got the room confirmed no write for it is in flight or
-        can start (the pool pins a request to one backend: another one knows nothing of it)."""
+    async def _abort_transfer(self, state: RequestState) -> None:
+        """Ask prefill to stop the room's work (its forward pass, its writer) at once,
+        bounded by ``abort_timeout_ms``. Advisory: decode's sidecar does not free the pages
+        on prefill's word but on its own fence's proof."""
         try:
             await state.prefill.stub.AbortTransfer(
                 prefill_pb2.AbortTransferRequest(room=state.room, request_id=state.request_id),
                 timeout=self.config.abort_timeout_ms / 1000.0)
             log.info("transfer_aborted")
-            return True
         except grpc.RpcError as exc:
-            log.warning("abort_unconfirmed_pages_quarantined",
+            log.warning("abort_unanswered_pages_wait_for_fence",
                         code=exc.code().name, reason=exc.details())
-            return False
 
-    async def _release(self, state: RequestState, quarantine_ms: int) -> None:
+    async def _release(self, state: RequestState) -> None:
         if not state.holds_pages:
             return
         state.holds_pages = False  # exactly once, even if the RPC below fails
         try:
-            await self.worker.sidecar.release(state.sidecar_id, quarantine_ms=quarantine_ms)
+            await self.worker.sidecar.release(state.sidecar_id)
         finally:
             async with self.pages_freed:
                 self.pages_freed.notify_all()

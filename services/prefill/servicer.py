@@ -2,19 +2,24 @@
 
 Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
 
-1. validate the request against the pool layout and the vocabulary (INVALID_ARGUMENT) before
-   anything is allocated or computed;
+1. validate the request against the pool layout and the vocabulary (INVALID_ARGUMENT) and
+   decode's grant against the tokens received (UNAUTHENTICATED / PERMISSION_DENIED,
+   :func:`deltakv.sidecar.grants.verify_grant` — the sidecar checks it again before writing)
+   before anything is allocated or computed;
 2. ``MatchPrefix`` on prefill's own sidecar (prefill-side reuse; at most ``prompt_len - 1`` tokens
    so the last position is computed and yields the first token's logits), ``Allocate`` the rest;
 3. the forward pass on one dedicated thread (torch never blocks the event loop; forwards are
    serialised), then the first token is sampled;
 4. ``WritePages`` on the sidecar writes pages ``[decode_prefix_len / page_size, ...)`` into the
    decode pool and returns only when every write completed;
-5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every path,
-   exactly once, and only after no forward or write can still touch the pages.
+5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every
+   path, exactly once, even when the sidecar did not answer the abort (the sidecar itself keeps
+   the pages of a write still reading them quarantined until it ends); a Release the sidecar
+   does not answer (stopped) is retried until it does, bounded by ``release_retry_s``.
 
-``AbortTransfer(room)`` fences the room in the sidecar (a later write is ABORTED) and returns
-when no write for it is in flight.
+``AbortTransfer(room)`` stops the room in the sidecar (a later write is ABORTED) and returns
+when this sidecar runs no write for it. It is advisory for decode, whose own fence proves that
+no byte of the room can land (docs/architecture.md, "Fencing").
 """
 
 from __future__ import annotations
@@ -34,13 +39,17 @@ from deltakv.errors import (
     AlreadyExists,
     DeadlineExceeded,
     DeltaKVError,
+    FailedPrecondition,
     InvalidArgument,
+    NotFound,
     SidecarRestarted,
 )
 from deltakv.layout import KVLayout
 from deltakv.services.model.sampling import Sampler
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
+from deltakv.sidecar.grants import prompt_digest, verify_grant
+from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.planner import validate_transfer
 from deltakv.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -93,9 +102,15 @@ class _Attempt:
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """The internal prefill service over one worker (model + sidecar)."""
 
-    def __init__(self, worker: Worker, model_name: str) -> None:
+    def __init__(self, worker: Worker, model_name: str, key: PairingKey,
+                 release_retry_s: float = 600.0) -> None:
+        """``key``: the cluster's pairing key (grants are checked before any compute);
+        ``release_retry_s``: how long an unanswered Release of an attempt is retried."""
         self.worker = worker
         self.model_name = model_name
+        self.key = key
+        self.release_retry_s = release_retry_s
+        self._retries: set[asyncio.Task] = set()
         # One thread: forwards are serialised (torch already uses every core per forward).
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
         self.attempts: dict[int, _Attempt] = {}
@@ -106,8 +121,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Handshake(self, request: prefill_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> prefill_pb2.HandshakeResponse:
-        """Pairing check: prefill's sidecar validates decode's layout and connects its engine.
-        FAILED_PRECONDITION (layout field and both values) or UNAVAILABLE."""
+        """Pairing check: prefill's sidecar verifies decode's sealed endpoint, validates its
+        layout and connects its engine; the reply carries prefill's own sealed endpoint.
+        UNAUTHENTICATED (not sealed with the cluster's key), FAILED_PRECONDITION (layout field
+        and both values; an older incarnation) or UNAVAILABLE."""
         try:
             await self.worker.sidecar.connect_peer(request.decode_endpoint)
         except DeltaKVError as exc:
@@ -119,9 +136,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         """Compute, sample the first token, write the delta; see the module docstring.
-        Errors: INVALID_ARGUMENT, ALREADY_EXISTS (room in flight here), RESOURCE_EXHAUSTED
-        (prefill pool), FAILED_PRECONDITION (decode endpoint), UNAVAILABLE (transfer failed),
-        DEADLINE_EXCEEDED (lease or RPC deadline), ABORTED (AbortTransfer won)."""
+        Errors: INVALID_ARGUMENT, UNAUTHENTICATED (no grant, or one or an endpoint not sealed
+        with the cluster's pairing key), PERMISSION_DENIED (a grant for another write or
+        prompt, or expired) — these before any compute —, ALREADY_EXISTS (room in flight or
+        used: a replay), RESOURCE_EXHAUSTED (prefill pool), FAILED_PRECONDITION (decode
+        endpoint), UNAVAILABLE (transfer failed), DEADLINE_EXCEEDED (lease or RPC deadline),
+        ABORTED (AbortTransfer won)."""
         receipt = time.monotonic()
         info = request.transfer_info
         bind_request(info.request_id, info.room)
@@ -129,6 +149,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            prompt_len=len(request.token_ids))  # on the Prefill server span
         try:
             validate_prefill_request(request, self.worker.layout, self.worker.model.vocab_size)
+            digest = prompt_digest(request.token_ids)
+            verify_grant(info, self.key, digest)
             if info.room in self.attempts:
                 raise AlreadyExists(f"room {info.room} is already being prefilled")
         except DeltaKVError as exc:
@@ -144,7 +166,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         self.attempts[info.room] = attempt
         try:
-            response = await self._prefill(attempt, request, receipt, context)
+            response = await self._prefill(attempt, request, receipt, context, digest)
             self.counters["requests_ok"] += 1
             self.counters["bytes_written"] += response.stats.bytes
             return response
@@ -183,7 +205,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     # -- internals --------------------------------------------------------------------------
 
     async def _prefill(self, attempt: _Attempt, request: prefill_pb2.PrefillRequest,
-                       receipt: float, context: grpc.aio.ServicerContext
+                       receipt: float, context: grpc.aio.ServicerContext, digest: bytes
                        ) -> prefill_pb2.PrefillResponse:
         info = request.transfer_info
         sidecar = self.worker.sidecar
@@ -231,7 +253,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         t1 = time.monotonic()
         attempt.write_started = True
         stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=max(lease_left_ms, 1),
-                                          prefill_cached_len=cached_len, timeout_s=timeout_s)
+                                          prefill_cached_len=cached_len, timeout_s=timeout_s,
+                                          prompt_digest=digest)
         attempt.write_done = True
         transfer_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
@@ -262,8 +285,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise Aborted(f"caller went away {where}")
 
     async def _cleanup(self, attempt: _Attempt) -> None:
-        """Undo an attempt exactly once: wait for its forward, fence an unconfirmed write,
-        then release its pages and locks."""
+        """Undo an attempt exactly once: wait for its forward, stop an unfinished write, then
+        release its pages and locks — also when the abort was not answered (a timed-out abort
+        must not leave live pages behind: the sidecar keeps pages a write still reads
+        quarantined until that write ends)."""
         sidecar = self.worker.sidecar
         try:
             if attempt.forward is not None and not attempt.forward.done():
@@ -271,15 +296,45 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 await asyncio.wait([attempt.forward])
             if attempt.write_started and not attempt.write_done:
                 # The RPC to our sidecar may have been cut while batches were in flight.
-                await sidecar.abort_write(attempt.room)
+                try:
+                    await sidecar.abort_write(attempt.room)
+                except DeltaKVError as exc:
+                    log.warning("abort_write_unanswered", room=attempt.room, reason=str(exc))
             if attempt.holds_pages:
-                await sidecar.release(attempt.sidecar_request_id)
-        except DeltaKVError as exc:
-            log.error("room_cleanup_failed", room=attempt.room, reason=str(exc))
+                try:
+                    await sidecar.release(attempt.sidecar_request_id)
+                except DeltaKVError as exc:
+                    if not isinstance(exc, NotFound):
+                        self._retry_release(attempt, exc)
         finally:
             self.attempts.pop(attempt.room, None)
             if attempt.lease is not None:
                 attempt.lease.release()
 
+    def _retry_release(self, attempt: _Attempt, first: DeltaKVError) -> None:
+        """Release the attempt's pages in the background until the sidecar answers (it may
+        be stopped), every second, for at most ``release_retry_s``."""
+        log.warning("release_unanswered_retrying", room=attempt.room, reason=str(first))
+
+        async def retry() -> None:
+            deadline = time.monotonic() + self.release_retry_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                try:
+                    await self.worker.sidecar.release(attempt.sidecar_request_id)
+                except (NotFound, FailedPrecondition):
+                    return  # released meanwhile, or a new pool incarnation (nothing to free)
+                except DeltaKVError:
+                    continue
+                log.info("release_retried", room=attempt.room)
+                return
+            log.error("release_gave_up", room=attempt.room, retry_s=self.release_retry_s)
+
+        task = asyncio.ensure_future(retry())
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
     def close(self) -> None:
+        for task in list(self._retries):
+            task.cancel()
         self.compute.shutdown(wait=True, cancel_futures=True)

@@ -23,6 +23,15 @@ Lifecycle::
     t.disconnect(peer)                                       # PeerTable: dead or failed peer
     t.close()
 
+Fencing (docs/architecture.md, "Fencing"): a destination proves that no byte of a revoked
+room can still land in its pages without trusting the writer. :attr:`Transport.fence_kind`
+says how, per backend: ``"words"`` — the pool's fence words are checked by every writer under a
+kernel lock (shm, :mod:`deltakv.sidecar.fence_table`); ``"incarnation"`` — bytes may travel
+through kernels and NICs after the writer gave up, so the destination tears down the engine
+incarnation that could receive them (:meth:`Transport.close` returning True) before their
+pages return to the free list (Mooncake, MORI-IO). The argument for each backend is in its
+module docstring.
+
 Errors (``deltakv.errors``): from ``connect`` InvalidArgument for a malformed descriptor,
 UnknownEndpoint (FAILED_PRECONDITION) if it names nothing that exists, Unavailable if the peer
 cannot be reached within the backend's connect bound; from ``write`` UnknownEndpoint for a
@@ -118,6 +127,8 @@ class Transport(abc.ABC):
     name: str = ""
     #: batching limits the planner sizes this backend's batches to
     limits: BatchLimits = BatchLimits()
+    #: how a destination fences this backend: "words" or "incarnation" (module docstring)
+    fence_kind: str = "incarnation"
 
     @abc.abstractmethod
     def register_pool(self, pool: SharedKVPool) -> None:
@@ -159,5 +170,10 @@ class Transport(abc.ABC):
         raise UnknownEndpoint). Idempotent. Called by :class:`PeerTable` only."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Release engine resources; idempotent. Disconnect handles first (PeerTable.close)."""
+    def close(self) -> bool:
+        """Release engine resources; idempotent. Disconnect handles first (PeerTable.close).
+
+        Returns True when the engine is gone: nothing can be received into, or sent from,
+        the registered pool through this instance any more (for an ``"incarnation"`` fence
+        this is the proof that releases quarantined pages). False if the engine had to be
+        left running (a transfer still inside it past its bound)."""

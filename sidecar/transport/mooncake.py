@@ -11,6 +11,26 @@ Writes: one planned batch is one engine batch call, ``(local addr, remote addr, 
 run; the planner keeps batches within ``max_entries`` runs (the engine fails above a few
 thousand entries; default 1024).
 
+Fencing (``fence_kind = "incarnation"``, docs/architecture.md "Fencing"). A batch that the
+engine reports failed (its own timeout, a connection error) may still have bytes in the
+initiator's kernel send buffer, on the wire, or in the receiver's socket buffer; the receiving
+engine applies whatever arrives, so decode cannot free the destination pages on the writer's
+word. What can still land, and where: only bytes carried by a TCP connection (or RDMA queue
+pair) that the *receiving* engine holds open and services. The receiving side applies them in
+its TCP transport's ``io_context`` thread (``ServerSession`` reads straight into the registered
+address after checking it lies in a registered buffer). Destroying the engine — dropping the
+last reference to the Python ``TransferEngine``, which destroys the C++ engine; its
+``~TcpTransport`` stops the ``io_context``, joins that thread and closes the acceptor and every
+session socket (Mooncake ``tcp_transport.cpp``, ``shutdownConnectionLanes``), and for RDMA
+destroys the queue pairs and deregisters the memory regions — ends all of it: after
+:meth:`MooncakeTransport.close` returns True no byte can be received into the pool through that
+engine, and later segments to it fail to connect. A successful batch, on the other hand, is
+complete at the destination when the engine reports it (acknowledged TCP framing since Mooncake
+0.3.12: COMPLETED means applied at the destination, PR #2850; RDMA RC write completions follow
+the responder's acknowledgement). So the decode sidecar keeps a current and a retiring engine
+(:mod:`deltakv.sidecar.fence`): pages of a room whose outcome is unknown stay quarantined until
+the engine incarnation that could receive them is closed.
+
 Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
 hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
@@ -20,7 +40,8 @@ timeout: a stuck engine call cannot hang the caller. A submitted batch cannot be
 past the deadline the caller keeps waiting until the engine settles the batch — at most its
 own bound, which this transport sets from ``extra["transfer_timeout_s"]`` (engine minimum
 5 s) — and only then raises DeadlineExceeded: when ``write`` returns, no byte of it can land
-later, which is what room fencing (DESIGN §6) relies on. Should the engine overrun its bound,
+later *from this writer* (the receiving side is fenced by decode, above). Should the engine
+overrun its bound,
 the error says so and :meth:`MooncakeTransport.drain` waits for the stragglers; ``close``
 drains before tearing the engine down.
 """
@@ -360,23 +381,27 @@ class MooncakeTransport(Transport):
         with self._lock:
             return self._idle.wait_for(lambda: self._in_flight == 0, limit)
 
-    def close(self) -> None:
-        """Wait (bounded) for in-flight batches, unregister the pool and drop the engine.
+    def close(self) -> bool:
+        """Wait (bounded) for in-flight batches, unregister the pool and destroy the engine
+        (its threads joined, its sockets closed: the fence proof of the module docstring).
         If a batch is still stuck in the engine after its bound, the engine is leaked
-        rather than destroyed under it. Idempotent; never closes the pool itself."""
+        rather than destroyed under it and False is returned. Idempotent (True once the
+        engine is gone); never closes the pool itself."""
         with self._lock:
             if self._closed:
-                return
+                return self._engine is None
             self._closed = True
         if not self.drain():
             log.warning("mooncake_close_leaks_engine", in_flight=self.in_flight,
                         reason="batches still in the engine past its bound")
-            return
+            return False
         if self._pool is not None:
             self._engine.unregister_memory(self._pool.data_ptr())
             self._engine.unregister_memory(self._scratch.data_ptr())
             self._pool = None
-        self._engine = None  # type: ignore[assignment]  # destructor stops its threads
+        # The only reference: the C++ destructor runs here, synchronously.
+        self._engine = None  # type: ignore[assignment]
+        return True
 
     # ------------------------------------------------------------------ helpers
 

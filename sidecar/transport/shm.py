@@ -3,12 +3,27 @@
 The embedded default and the speed reference: a run of ``r`` pages is one memcpy-class slice
 copy of ``r * page_bytes`` bytes between the two ``uint8 [num_pages, page_bytes]`` views.
 
-Descriptor (``EndpointInfo.descriptor``, JSON): the pool's segment name and size, plus the
-owner's identity — host name, PID namespace, PID and process start time — so a writer can
-tell that the sidecar behind a mapping has died. A SIGKILLed sidecar leaves its segment
-linked; writing into that orphaned mapping would "succeed" into memory nobody reads, so every
-write first checks that the segment still is the one mapped (same inode) and, when both
-sides share a PID namespace, that the owner process is alive.
+Descriptor (``EndpointInfo.descriptor``, JSON, version 2): the pool's segment name, size and
+identity ``(st_dev, st_ino)``, its fence segment's name and identity, plus the owner's identity
+— host name, PID namespace, PID and process start time — so a writer can tell that the sidecar
+behind a mapping has died. The endpoint is sealed by its sidecar (:mod:`deltakv.sidecar.pairing`)
+and the peer table verifies the seal before :meth:`ShmTransport.connect` sees it, so a writer
+maps only segments a paired sidecar published: the name must carry an incarnation token
+(:func:`~deltakv.sidecar.pool.incarnation_name`), and the file must be exactly the published
+one (regular file, same inode, this user's, mode 0600, the layout's size) — a forged endpoint
+naming any other file under /dev/shm is refused, and the error never states a size.
+
+Fencing (docs/architecture.md, "Fencing"): every sidecar creates the fence segment of its own
+pool (:class:`~deltakv.sidecar.fence_table.FenceTable`, ``fence_kind = "words"``). A writer
+copies each run only while it holds a shared kernel lock on the run's fence words and after
+checking that they name its room (:meth:`~deltakv.sidecar.fence_table.FenceView.hold`). Which
+bytes can still land after decode revokes a room: only those of a copy that already holds the
+lock (decode's exclusive lock waits for it); none after decode got the lock (the words are 0).
+A SIGKILLed writer's locks vanish with it; a SIGSTOPped writer keeps its pages quarantined until
+it resumes or dies. A SIGKILLed *owner* leaves its segment linked; writing into that orphaned
+mapping would "succeed" into memory nobody reads, so every write first checks that the segment
+still is the one mapped (same inode) and, when both sides share a PID namespace, that the owner
+process is alive.
 """
 
 from __future__ import annotations
@@ -27,7 +42,8 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
-from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.fence_table import FenceTable, FenceView
+from deltakv.sidecar.pool import SHM_DIR, TOKEN_RE, SharedKVPool
 from deltakv.sidecar.transport.base import (
     BatchLimits,
     PageRun,
@@ -40,7 +56,7 @@ from deltakv.v1 import kv_pb2
 if TYPE_CHECKING:
     from deltakv.sidecar.rooms import RoomTicket
 
-_DESCRIPTOR_VERSION = 1
+_DESCRIPTOR_VERSION = 2
 
 
 def _node_id() -> str:
@@ -84,12 +100,14 @@ def _segment_inode(name: str) -> tuple[int, int] | None:
 
 
 class ShmPeer(PeerHandle):
-    """A connected same-host peer: its pool mapped into this process (non-owner)."""
+    """A connected same-host peer: its pool mapped into this process (non-owner) and a
+    read-only view of its fence words."""
 
-    def __init__(self, info: kv_pb2.EndpointInfo, pool: SharedKVPool,
+    def __init__(self, info: kv_pb2.EndpointInfo, pool: SharedKVPool, fence: FenceView,
                  inode: tuple[int, int], pid: int, start_time: int | None) -> None:
         super().__init__(info)
         self.pool = pool
+        self.fence = fence
         self.segment = pool.name
         self.inode = inode
         self.pid = pid
@@ -105,6 +123,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    fence_kind = "words"
 
     def __init__(self, options: TransportOptions | None = None) -> None:
         options = options or TransportOptions()
@@ -113,49 +132,62 @@ class ShmTransport(Transport):
             raise InvalidArgument(f"shm max_entries must be > 0, got {max_entries}")
         self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
         self._pool: SharedKVPool | None = None
+        #: The fence words of the registered pool (created by :meth:`register_pool`).
+        self.fence_table: FenceTable | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ local side
 
     def register_pool(self, pool: SharedKVPool) -> None:
-        """Remember the local pool (source of writes; what peers map). Once per transport;
-        the sidecar keeps owning the pool. InvalidArgument if called twice."""
+        """Remember the local pool (source of writes; what peers map) and create its fence
+        segment ``<pool name>.fence`` (owned by this transport until :meth:`close`). Once per
+        transport; the sidecar keeps owning the pool. InvalidArgument if called twice."""
         if self._pool is not None:
             raise InvalidArgument("shm transport already has a registered pool")
+        self.fence_table = FenceTable.create(f"{pool.name}.fence", pool.layout.num_pages)
         self._pool = pool
 
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
-        """EndpointInfo with ``address`` = ``host/segment`` and the JSON descriptor."""
+        """EndpointInfo with ``address`` = ``host/<pool name without its token>`` (stable
+        across restarts of one sidecar) and the JSON descriptor (module docstring). The
+        caller seals it."""
         pool = self._require_pool()
         if layout.pool_bytes != pool.nbytes:
             raise InvalidArgument(
                 f"describe: layout has {layout.pool_bytes} bytes, the registered pool "
                 f"{pool.nbytes}")
         host = socket.gethostname()
+        fence = self.fence_table
         descriptor = {
             "v": _DESCRIPTOR_VERSION,
             "segment": pool.name,
             "nbytes": pool.nbytes,
+            "inode": list(pool.inode),
+            "fence": fence.name,
+            "fence_inode": list(fence.inode),
             "host": host,
             "node": _node_id(),
             "pidns": _pid_namespace(),
             "pid": os.getpid(),
             "start_time": _proc_start_time(os.getpid()),
         }
+        slot = TOKEN_RE.sub("", pool.name)
         return kv_pb2.EndpointInfo(
-            endpoint_id=endpoint_id, backend=self.name, address=f"{host}/{pool.name}",
+            endpoint_id=endpoint_id, backend=self.name, address=f"{host}/{slot}",
             descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
             layout=layout.to_proto())
 
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: kv_pb2.EndpointInfo) -> ShmPeer:
-        """Map the peer's pool (a new mapping per call; PeerTable caches it).
+        """Map the peer's pool and its fence words (a new mapping per call; PeerTable caches
+        it). ``peer`` was sealed by a paired sidecar (the peer table checked the seal).
 
         Raises FailedPrecondition for a peer on another machine, InvalidArgument for a
-        malformed descriptor or one whose size disagrees with the peer's layout,
-        UnknownEndpoint (FAILED_PRECONDITION) if the segment does not exist or was replaced
-        while mapping, Unavailable if its owner process is gone or this transport is closed.
+        malformed descriptor, one without an incarnation token in its segment name, or one
+        whose size disagrees with the peer's layout, UnknownEndpoint (FAILED_PRECONDITION)
+        if a segment does not exist, is not the published one, or was replaced while
+        mapping, Unavailable if its owner process is gone or this transport is closed.
         """
         self._require_pool()
         desc = self._parse(peer)
@@ -175,33 +207,36 @@ class ShmTransport(Transport):
         same_ns = same_ns and desc["start_time"] is not None
         if same_ns and _proc_start_time(desc["pid"]) != desc["start_time"]:
             raise Unavailable(f"shm peer {peer.endpoint_id!r} (pid {desc['pid']}) is gone")
-        before = _segment_inode(desc["segment"])
-        mapped = SharedKVPool.attach(desc["segment"], remote)
-        after = _segment_inode(desc["segment"])
-        if before is None or before != after:
+        inode = tuple(desc["inode"])
+        mapped = SharedKVPool.attach(desc["segment"], remote, identity=inode)
+        try:
+            fence = FenceView.open(desc["fence"], remote.num_pages, tuple(desc["fence_inode"]))
+        except BaseException:
             mapped.close()
-            raise UnknownEndpoint(
-                f"shm segment {desc['segment']!r} was replaced while connecting; "
-                f"the peer restarted, fetch its new endpoint")
-        return ShmPeer(peer, mapped, after, desc["pid"], desc["start_time"] if same_ns else None)
+            raise
+        return ShmPeer(peer, mapped, fence, inode, desc["pid"],
+                       desc["start_time"] if same_ns else None)
 
     def disconnect(self, peer: PeerHandle) -> None:
-        """Unmap the peer's pool (deferred by the pool while a write still holds a view);
-        later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
+        """Unmap the peer's pool and fence words (both deferred while a write still uses
+        them); later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
         handle = self._check_handle(peer)
         handle.closed = True
         with contextlib.suppress(Exception):
             handle.pool.close()
+        handle.fence.close()
 
     # ------------------------------------------------------------------ writes
 
     def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
         """Copy each run (``num_pages * page_bytes`` bytes) from the local pool into the
-        peer's pool: one libc memmove per run, ``ticket.check_alive()`` before each.
+        peer's pool: one libc memmove per run, ``ticket.check_alive()`` before each, inside
+        the run's fence hold (shared lock, words checked against ``ticket.room``).
 
         Raises Aborted / DeadlineExceeded from the ticket before a run starts (earlier runs
-        stay written: the caller fences the room), Unavailable if the peer died or its
-        segment is gone, UnknownEndpoint if ``peer`` was disconnected.
+        stay written: decode fences the room), PermissionDenied if decode did not grant the
+        run's pages to the room (or revoked it), Unavailable if the peer died or its segment
+        is gone, UnknownEndpoint if ``peer`` was disconnected.
         """
         handle = self._check_handle(peer)
         handle.check_open()
@@ -213,15 +248,22 @@ class ShmTransport(Transport):
         src_base, dst_base = src.data_ptr(), dst.data_ptr()
         for run in batch:
             ticket.check_alive()
-            # libc memmove (GIL released by ctypes) runs at memcpy speed; torch's uint8
-            # copy_ measured about half of it here.
-            ctypes.memmove(dst_base + run.dst_page * page_bytes,
-                           src_base + run.src_page * page_bytes, run.num_pages * page_bytes)
+            with handle.fence.hold(run.dst_page, run.num_pages, ticket):
+                # libc memmove (GIL released by ctypes) runs at memcpy speed; torch's uint8
+                # copy_ measured about half of it here.
+                ctypes.memmove(dst_base + run.dst_page * page_bytes,
+                               src_base + run.src_page * page_bytes,
+                               run.num_pages * page_bytes)
 
-    def close(self) -> None:
-        """Refuse further connects. Peer mappings belong to their handles (PeerTable
-        disconnects them); the local pool belongs to the sidecar. Idempotent."""
+    def close(self) -> bool:
+        """Refuse further connects and remove the local pool's fence segment (writers that
+        still map it keep their mapping; the pool is gone with it). Peer mappings belong to
+        their handles (PeerTable disconnects them); the local pool belongs to the sidecar.
+        Idempotent; returns True (nothing of this backend can move bytes any more)."""
         self._closed = True
+        if self.fence_table is not None:
+            self.fence_table.close()
+        return True
 
     # ------------------------------------------------------------------ helpers
 
@@ -235,13 +277,20 @@ class ShmTransport(Transport):
     def _parse(self, peer: kv_pb2.EndpointInfo) -> dict:
         try:
             desc = json.loads(peer.descriptor)
-            fields = (desc["segment"], desc["nbytes"], desc["host"], desc["pidns"], desc["pid"])
+            fields = (desc["segment"], desc["nbytes"], desc["host"], desc["pidns"], desc["pid"],
+                      desc["fence"], desc["inode"], desc["fence_inode"])
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(
                 f"malformed shm descriptor for endpoint {peer.endpoint_id!r}: {exc}") from None
-        if not all(isinstance(f, t) for f, t in zip(fields, (str, int, str, str, int),
-                                                     strict=True)):
+        types = (str, int, str, str, int, str, list, list)
+        if not all(isinstance(f, t) for f, t in zip(fields, types, strict=True)) or not all(
+                len(pair) == 2 and all(isinstance(x, int) for x in pair)
+                for pair in (desc["inode"], desc["fence_inode"])):
             raise InvalidArgument(f"malformed shm descriptor for endpoint {peer.endpoint_id!r}")
+        if not TOKEN_RE.search(desc["segment"]) or desc["fence"] != f"{desc['segment']}.fence":
+            raise InvalidArgument(
+                f"shm descriptor of endpoint {peer.endpoint_id!r} does not name a deltakv "
+                f"pool incarnation (<base>-<token> and its .fence)")
         desc.setdefault("start_time", None)
         return desc
 

@@ -41,6 +41,12 @@ def _namespaces() -> str:
                           timeout=20).stdout
 
 
+def _segments(base: str) -> list[str]:
+    """The pool segments (and fence segments) of the sidecar given ``--shm-name base``: the
+    base itself or ``base-<incarnation>...``."""
+    return [n for n in os.listdir("/dev/shm") if n == base or n.startswith(f"{base}-")]
+
+
 def _processes_under(run_dir: Path) -> dict[int, list[str]]:
     """PID -> argv of every live process whose command line names ``run_dir`` (the bench
     itself too, by its --run-dir; this test process excluded)."""
@@ -114,7 +120,7 @@ def test_bench_link_interrupted_mid_run_leaves_nothing(tmp_path, sig) -> None:
         assert len(children) == 4, children
         shm = [argv[argv.index("--shm-name") + 1] for argv in children.values()
                if "--shm-name" in argv]
-        assert len(shm) == 2 and all(Path("/dev/shm", name).exists() for name in shm)
+        assert len(shm) == 2 and all(_segments(name) for name in shm)
         proc.send_signal(sig)
         assert proc.wait(120) == 130
     finally:
@@ -127,4 +133,4 @@ def test_bench_link_interrupted_mid_run_leaves_nothing(tmp_path, sig) -> None:
                 proc.wait(30)
     assert ns not in _namespaces()
     assert not _processes_under(run_dir)
-    assert not any(Path("/dev/shm", name).exists() for name in shm)
+    assert not any(_segments(name) for name in shm)

@@ -19,7 +19,9 @@ from deltakv.services.cli.bench.transfer import bench_layout, time_page_writes
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
         "contiguous_ratio", "scattered_ratio", "contiguous_nodigest_gbps",
-        "scattered_nodigest_gbps", "digest_cost", "verified"}
+        "scattered_nodigest_gbps", "digest_cost", "verified", "grant_check_us",
+        "grant_check_pct", "fence_kind", "fence_us_per_run", "fence_pct_contiguous",
+        "fence_pct_scattered", "grant_rpc_ms"}
 
 
 @pytest.mark.timeout(300)
@@ -48,7 +50,13 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
                     "scattered_nodigest_gbps"):
             assert rec[key] > 0
         assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
+        assert rec["grant_check_us"] > 0 and rec["grant_rpc_ms"] > 0
+    # The write path's safety, per backend: shm pays a fence per run, network engines none.
+    assert result["backends"]["shm"]["fence_kind"] == "words"
+    assert result["backends"]["shm"]["fence_us_per_run"] > 0
+    assert result["backends"]["mooncake"]["fence_kind"] == "incarnation"
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
+    assert "grant check" in proc.stdout
 
 
 def test_every_timed_repeat_must_write_its_own_bytes() -> None:

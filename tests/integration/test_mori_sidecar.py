@@ -11,6 +11,7 @@ sidecar restarted under the same name.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.integration.sidecar_proc import (
     SidecarFactory,
     SidecarProcess,
 )
+from tests.support.grants import close_grant, grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -75,14 +77,28 @@ def snapshot(sc: SidecarProcess) -> torch.Tensor:
         return pool.as_bytes().clone()
 
 
-def write_pages(prefill: SidecarProcess, endpoint: kv_pb2.EndpointInfo, src: list[int],
-                dst: list[int], lease_ms: int = 30_000) -> kv_pb2.TransferStats:
-    room = secrets.randbits(63) + 1
-    info = kv_pb2.TransferInfo(room=room, request_id=f"req-{room}", decode_endpoint=endpoint,
-                               dst_page_indices=dst, decode_prefix_len=0,
-                               prompt_len=len(src) * PAGE - 3, lease_ms=lease_ms)
-    return prefill.stub().WritePages(sidecar_pb2.WritePagesRequest(
-        transfer_info=info, src_page_indices=src), timeout=60).stats
+def granted(decode: SidecarProcess, owner: str, src: list[int], dst: list[int],
+            lease_ms: int = 30_000) -> kv_pb2.TransferInfo:
+    """Decode's grant of ``dst`` (pages ``owner`` holds there) for a prompt of ``src``."""
+    return grant(decode, owner, kv_pb2.TransferInfo(
+        request_id=f"req-{owner}", dst_page_indices=dst, decode_prefix_len=0,
+        prompt_len=len(src) * PAGE - 3, lease_ms=lease_ms))
+
+
+def write_pages(prefill: SidecarProcess, info: kv_pb2.TransferInfo,
+                src: list[int]) -> kv_pb2.TransferStats:
+    return prefill.stub().WritePages(write_request(info, src), timeout=60).stats
+
+
+def wait_fenced(sc: SidecarProcess, timeout_s: float = 30.0) -> kv_pb2.PoolStats:
+    """Wait until no revoked grant of ``sc`` waits for its fence and nothing is quarantined."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = sc.stub().GetStats(kv_pb2.GetStatsRequest(), timeout=10)
+        if st.pool.fence_pending == 0 and st.pool.quarantined == 0:
+            return st.pool
+        assert time.monotonic() < deadline, f"fence never proven: {st}"
+        time.sleep(0.05)
 
 
 def check_idle(sc: SidecarProcess) -> None:
@@ -102,31 +118,45 @@ def check_idle(sc: SidecarProcess) -> None:
 def test_engine_failure_reaches_the_caller_typed_and_a_retry_succeeds(
         env: Env, faults: str, code: grpc.StatusCode, lease_ms: int) -> None:
     prefill = start(env.factory, "prefill", faults)
+    tag = secrets.token_hex(4)
     try:
-        endpoint = env.decode.describe().endpoint
-        tag = secrets.token_hex(4)
         dst = allocate(env.decode, f"dst-{tag}", 5)
         src = allocate(prefill, f"src-{tag}", 5)
         data = fill(prefill, src, seed=len(faults))
         before = snapshot(env.decode)
+        failed = granted(env.decode, f"dst-{tag}", src, dst, lease_ms=lease_ms)
         with pytest.raises(grpc.RpcError) as exc_info:
-            write_pages(prefill, endpoint, src, dst, lease_ms=lease_ms)
+            write_pages(prefill, failed, src)
         assert exc_info.value.code() == code, exc_info.value.details()
         assert "MORI-IO" in exc_info.value.details()
         assert torch.equal(snapshot(env.decode), before), "a failed write changed decode memory"
         check_idle(prefill)
-        # F8: the failure was the engine's, not a poisoned sidecar: a new room succeeds.
-        stats = write_pages(prefill, endpoint, src, dst)
+        # Decode gives up on the room: its pages wait for the fence — the engine incarnation
+        # that could still receive the room's writes is deregistered — then are free again.
+        env.decode.stub().Release(sidecar_pb2.ReleaseRequest(request_id=f"dst-{tag}"),
+                                  timeout=10)
+        wait_fenced(env.decode)
+        # F8: the failure was the engine's, not a poisoned sidecar: a new room succeeds,
+        # through the decode sidecar's new incarnation.
+        dst = allocate(env.decode, f"dst2-{tag}", 5)
+        retry = granted(env.decode, f"dst2-{tag}", src, dst)
+        assert retry.decode_endpoint.endpoint_id != failed.decode_endpoint.endpoint_id
+        stats = write_pages(prefill, retry, src)
         assert (stats.pages, stats.bytes, stats.backend) == (5, 5 * PAGE_BYTES, "mori")
+        close_grant(env.decode, retry.room)
         after = snapshot(env.decode)
         assert torch.equal(after[dst], data)
         others = [p for p in range(TOY_LAYOUT.num_pages) if p not in dst]
         assert torch.equal(after[others], before[others])
         check_idle(prefill)
+        # The old incarnation's rkey is gone: a late replay of the failed room lands nowhere.
+        with pytest.raises(grpc.RpcError):
+            write_pages(prefill, failed, src)
+        assert torch.equal(snapshot(env.decode), after)
     finally:
         prefill.stop()
-        for rid in (f"dst-{tag}",):
-            env.decode.stub().Release(sidecar_pb2.ReleaseRequest(request_id=rid), timeout=10)
+        env.decode.stub().Release(sidecar_pb2.ReleaseRequest(request_id=f"dst2-{tag}"),
+                                  timeout=10)
 
 
 @pytest.mark.timeout(240)
@@ -138,22 +168,25 @@ def test_restarted_decode_sidecar_old_endpoint_fails_new_one_works(env: Env) -> 
         old = decode.describe().endpoint
         src = allocate(prefill, "src", 3)
         data = fill(prefill, src, seed=11)
-        write_pages(prefill, old, src, allocate(decode, "dst-1", 3))
+        first = allocate(decode, "dst-1", 9)
+        write_pages(prefill, granted(decode, "dst-1", src, first[:3]), src)
+        # Grants of the old incarnation never used before the crash.
+        stale, stale2 = (granted(decode, "dst-1", src, first[i:i + 3]) for i in (3, 6))
         decode.kill()  # SIGKILL: no goodbye; its shm segment stays behind until the restart
         with pytest.raises(grpc.RpcError) as exc_info:
-            write_pages(prefill, old, src, [0, 1, 2])
+            write_pages(prefill, stale, src)
         assert exc_info.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                          grpc.StatusCode.FAILED_PRECONDITION)
         check_idle(prefill)
-        reborn = start(factory, "decode", name="restarting")  # same socket, same segment name
+        reborn = start(factory, "decode", name="restarting")  # same socket, new segment
         new = reborn.describe().endpoint
         assert new.endpoint_id != old.endpoint_id
         dst = allocate(reborn, "dst-2", 3)
-        write_pages(prefill, new, src, dst)
+        write_pages(prefill, granted(reborn, "dst-2", src, dst), src)
         assert torch.equal(snapshot(reborn)[dst], data)
-        # The dead incarnation stays dead, even though its segment name is alive again.
+        # The dead incarnation stays dead.
         with pytest.raises(grpc.RpcError) as exc_info:
-            write_pages(prefill, old, src, dst)
+            write_pages(prefill, stale2, src)
         assert exc_info.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                          grpc.StatusCode.FAILED_PRECONDITION)
         assert torch.equal(snapshot(reborn)[dst], data)

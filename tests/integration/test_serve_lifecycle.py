@@ -49,8 +49,8 @@ def test_every_serve_command_stops_cleanly_on_sigterm(short_dir: str) -> None:
                                          start_timeout_s=240.0))
     try:
         cluster.start()
-        pools = [f"/dev/shm/{name}" for name in cluster.shm_names.values()]
-        assert all(os.path.exists(p) for p in pools)
+        pools = cluster.segments()  # two pools (<base>-<token>) and their fence segments
+        assert len(pools) == 4 and all(os.path.exists(p) for p in pools)
     finally:
         codes = cluster.stop()
     assert codes == {"decode-sidecar": 0, "prefill-sidecar": 0, "prefill": 0, "decode": 0}

@@ -1,28 +1,46 @@
 """Bad input to every SidecarService RPC, against real sidecar processes (shm backend).
 
 Each case checks three things: the documented gRPC status code, that no byte of either pool
-changed (CRC32 of every page before and after), and that the page accounting is consistent and
-unchanged (free + cached + live + quarantined == num_pages, same counts as before).
+changed (CRC32 of every page before and after — and of an unrelated 0600 file under /dev/shm
+that a forged endpoint names), and that the page accounting is consistent and unchanged
+(free + cached + live + quarantined == num_pages, same counts as before).
+
+The transfer cases carry a grant sealed with the session's pairing key for exactly the
+TransferInfo they send — what a trusted but buggy decode would send — so the planner's checks
+behind the grant check are reached; the grant and pairing cases forge, omit, replay or
+misapply seals (issue 13: refused UNAUTHENTICATED / PERMISSION_DENIED, nothing written).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import grpc
 import pytest
 
+from deltakv.sidecar import pairing
+from deltakv.sidecar.grants import prompt_digest
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.grants import DIGEST, close_grant, grant
+from tests.support.keys import other_key, session_key
 from tests.support.layouts import TOY_LAYOUT
 
 PAGE = TOY_LAYOUT.page_size
 N = TOY_LAYOUT.num_pages
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+#: An unrelated 0600 file under /dev/shm, a multiple of a page in size, with a name that looks
+#: like a pool incarnation: what a forged endpoint would point a writer at.
+STRAY = f"deltakv-stray-{secrets.token_hex(16)}"
 
 
 def new_room() -> int:
@@ -63,10 +81,16 @@ def env() -> Iterator[Env]:
             pool.as_bytes().fill_(0xA5)
         with decode.map_pool() as pool:
             pool.as_bytes().fill_(0x3C)
+        fd = os.open(f"/dev/shm/{STRAY}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"\x5a" * TOY_LAYOUT.pool_bytes)
+        os.close(fd)
         yield Env(decode, prefill, other, decode.describe().endpoint,
                   other.describe().endpoint, src, dst, cached)
     finally:
         factory.close()
+        for name in (STRAY, f"{STRAY}.fence"):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def snapshot(env: Env) -> tuple:
@@ -81,42 +105,80 @@ def snapshot(env: Env) -> tuple:
         assert st.rooms_in_flight == 0
         out.append((crc, (p.free, p.cached, p.live, p.quarantined, p.locked, p.evictable),
                     st.live_requests, st.pages_written, st.bytes_written))
+    with open(f"/dev/shm/{STRAY}", "rb") as f:
+        out.append(zlib.crc32(f.read()))
     return tuple(out)
 
 
-def info(env: Env, **overrides: object) -> kv_pb2.TransferInfo:
-    """A valid TransferInfo for the 3-page prompt (40 tokens), modified by ``overrides``."""
+def sealed_grant(msg: kv_pb2.TransferInfo, key: pairing.PairingKey | None = None,
+                 digest: bytes = DIGEST, **changes: object) -> kv_pb2.TransferGrant:
+    """A grant for exactly ``msg`` (then ``changes``), sealed with ``key`` (the session's)."""
+    g = kv_pb2.TransferGrant(
+        room=msg.room, endpoint_id=msg.decode_endpoint.endpoint_id,
+        dst_page_indices=msg.dst_page_indices, num_pages=len(msg.dst_page_indices),
+        decode_prefix_len=msg.decode_prefix_len, prompt_len=msg.prompt_len,
+        prompt_digest=digest, expires_unix_ms=int(time.time() * 1000) + 60_000)
+    for name, value in changes.items():
+        if name == "dst_page_indices":
+            del g.dst_page_indices[:]
+            g.dst_page_indices.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(g, name, value)
+    return pairing.seal(g, key or session_key())
+
+
+def info(env: Env, grant_with: dict | None = None, **overrides: object) -> kv_pb2.TransferInfo:
+    """A valid TransferInfo for the 3-page prompt (40 tokens), modified by ``overrides``,
+    with a sealed grant for exactly it (``grant_with``: arguments of :func:`sealed_grant`;
+    ``{"none": True}``: no grant)."""
     fields: dict[str, object] = dict(room=new_room(), request_id="bad", decode_endpoint=env.endpoint,
                                      dst_page_indices=env.dst, decode_prefix_len=0, prompt_len=40,
                                      lease_ms=10_000)
     fields.update(overrides)
-    return kv_pb2.TransferInfo(**{k: v for k, v in fields.items() if v is not None})
+    msg = kv_pb2.TransferInfo(**{k: v for k, v in fields.items() if v is not None})
+    grant_with = dict(grant_with or {})
+    if not grant_with.pop("none", False):
+        msg.grant.CopyFrom(sealed_grant(msg, **grant_with))
+    return msg
 
 
 def write(env: Env, transfer_info: kv_pb2.TransferInfo | None = None,
-          src: list[int] | None = None, on: str = "prefill") -> Callable[[], object]:
-    req = sidecar_pb2.WritePagesRequest(src_page_indices=env.src if src is None else src)
+          src: list[int] | None = None, on: str = "prefill",
+          digest: bytes = DIGEST) -> Callable[[], object]:
+    req = sidecar_pb2.WritePagesRequest(src_page_indices=env.src if src is None else src,
+                                        prompt_digest=digest)
     if transfer_info is not None:
         req.transfer_info.CopyFrom(transfer_info)
     sc = env.prefill if on == "prefill" else env.decode
     return lambda: sc.stub().WritePages(req, timeout=30)
 
 
-def endpoint_with(env: Env, **changes: object) -> kv_pb2.EndpointInfo:
+def endpoint_with(env: Env, key: pairing.PairingKey | None = None,
+                  **changes: object) -> kv_pb2.EndpointInfo:
+    """The decode endpoint with ``changes``, sealed again with ``key`` (the session's);
+    ``key=False``: left unsealed."""
     ep = kv_pb2.EndpointInfo()
     ep.CopyFrom(env.endpoint)
-    for key, value in changes.items():
-        if key == "page_size":
+    for name, value in changes.items():
+        if name == "page_size":
             ep.layout.page_size = value  # type: ignore[assignment]
-        elif key == "dtype":
+        elif name == "dtype":
             ep.layout.dtype = value  # type: ignore[assignment]
-        elif key == "segment":
+        elif name == "segment":
             desc = json.loads(ep.descriptor)
-            desc["segment"] = value
+            desc["segment"], desc["fence"] = value, f"{value}.fence"
             ep.descriptor = json.dumps(desc).encode()
         else:
-            setattr(ep, key, value)
-    return ep
+            setattr(ep, name, value)
+    if key is False:
+        ep.ClearField("seal")
+        return ep
+    return pairing.seal(ep, key or session_key())
+
+
+def connect(env: Env, peer: kv_pb2.EndpointInfo) -> Callable[[], object]:
+    return lambda: env.prefill.stub().ConnectPeer(sidecar_pb2.ConnectPeerRequest(peer=peer),
+                                                  timeout=10)
 
 
 # (id, expected code, message fragment, call factory)
@@ -150,7 +212,8 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Env], Callable[[], object
      lambda e: write(e, info(e, decode_endpoint=e.other_endpoint))),
     ("write-unknown-endpoint", PRECONDITION, "does not exist",
      lambda e: write(e, info(e, decode_endpoint=endpoint_with(
-         e, endpoint_id="ghost", address="nowhere", segment="deltakv-no-such-pool")))),
+         e, endpoint_id="ghost", address="nowhere",
+         segment=f"deltakv-no-such-pool-{'0' * 32}")))),
     ("write-backend-mismatch", PRECONDITION, "backend",
      lambda e: write(e, info(e, decode_endpoint=endpoint_with(e, backend="mooncake")))),
     ("write-malformed-descriptor", INVALID, "descriptor",
@@ -173,7 +236,49 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Env], Callable[[], object
     ("connect-unknown-endpoint", PRECONDITION, "does not exist",
      lambda e: lambda: e.prefill.stub().ConnectPeer(sidecar_pb2.ConnectPeerRequest(
          peer=endpoint_with(e, endpoint_id="ghost2", address="x",
-                            segment="deltakv-no-such-pool")), timeout=10)),
+                            segment=f"deltakv-no-such-pool-{'0' * 32}")), timeout=10)),
+    # -- grants and pairing (issue 13) ------------------------------------------------------
+    ("write-no-grant", UNAUTHENTICATED, "no grant",
+     lambda e: write(e, info(e, grant_with={"none": True}))),
+    ("write-forged-grant", UNAUTHENTICATED, "different pairing key",
+     lambda e: write(e, info(e, grant_with={"key": other_key()}))),
+    ("write-grant-for-other-pages", DENIED, "other destination pages",
+     lambda e: write(e, info(e, dst_page_indices=e.cached + [e.dst[2]],
+                             grant_with={"dst_page_indices": e.dst}))),
+    ("write-grant-for-another-room", DENIED, "it is for room",
+     lambda e: write(e, info(e, grant_with={"room": 7}))),
+    ("write-grant-for-another-prompt", DENIED, "another prompt",
+     lambda e: write(e, info(e), digest=prompt_digest([9, 9, 9]))),
+    ("write-expired-grant", DENIED, "expired",
+     lambda e: write(e, info(e, grant_with={"expires_unix_ms": 1}))),
+    ("write-unsealed-endpoint", UNAUTHENTICATED, "not sealed",
+     lambda e: write(e, info(e, decode_endpoint=endpoint_with(e, key=False)))),
+    ("write-forged-endpoint", UNAUTHENTICATED, "endpoint",
+     lambda e: write(e, info(e, decode_endpoint=endpoint_with(
+         e, key=other_key(), endpoint_id="fresh", segment=STRAY)))),
+    ("write-to-a-file-that-is-not-a-published-pool", PRECONDITION, "not the pool",
+     lambda e: write(e, info(e, decode_endpoint=endpoint_with(
+         e, endpoint_id="stray", address="stray", segment=STRAY)))),
+    ("connect-unsealed-peer", UNAUTHENTICATED, "not sealed",
+     lambda e: connect(e, endpoint_with(e, key=False, endpoint_id="intruder"))),
+    ("connect-claims-decode-address-with-other-key", UNAUTHENTICATED, "sealed with key",
+     lambda e: connect(e, endpoint_with(e, key=other_key(), endpoint_id="evictor",
+                                        incarnation=2**63))),
+    ("issue-grant-on-prefill", PRECONDITION, "decode sidecar",
+     lambda e: lambda: e.prefill.stub().IssueGrant(sidecar_pb2.IssueGrantRequest(
+         owner_request_id="src", prompt_digest=DIGEST, transfer_info=kv_pb2.TransferInfo(
+             dst_page_indices=e.src, prompt_len=40, lease_ms=1000)), timeout=10)),
+    ("issue-grant-for-cached-pages", INVALID, "not a live page",
+     lambda e: lambda: e.decode.stub().IssueGrant(sidecar_pb2.IssueGrantRequest(
+         owner_request_id="dst", prompt_digest=DIGEST, transfer_info=kv_pb2.TransferInfo(
+             dst_page_indices=e.cached, prompt_len=32, lease_ms=1000)), timeout=10)),
+    ("issue-grant-for-unknown-owner", grpc.StatusCode.NOT_FOUND, "unknown request",
+     lambda e: lambda: e.decode.stub().IssueGrant(sidecar_pb2.IssueGrantRequest(
+         owner_request_id="nobody", prompt_digest=DIGEST, transfer_info=kv_pb2.TransferInfo(
+             dst_page_indices=[0], prompt_len=16, lease_ms=1000)), timeout=10)),
+    ("close-unknown-grant", grpc.StatusCode.NOT_FOUND, "no grant",
+     lambda e: lambda: e.decode.stub().CloseGrant(sidecar_pb2.CloseGrantRequest(room=12345),
+                                                  timeout=10)),
     # -- MatchPrefix / Allocate / Commit / Release ----------------------------------------
     ("match-empty-request", INVALID, "request_id",
      lambda e: lambda: e.decode.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
@@ -232,13 +337,32 @@ def test_bad_input(env: Env, code: grpc.StatusCode, fragment: str,
 
 
 @pytest.mark.timeout(60)
-def test_used_room_is_already_exists_and_writes_nothing(env: Env) -> None:
-    room = new_room()
-    good = info(env, room=room, dst_page_indices=env.dst)
+def test_replayed_grant_is_already_exists_and_writes_nothing(env: Env) -> None:
+    good = grant(env.decode, "dst", kv_pb2.TransferInfo(
+        request_id="good", dst_page_indices=env.dst, prompt_len=40, lease_ms=10_000))
     stats = write(env, good)().stats  # type: ignore[attr-defined]
-    assert stats.pages == 3
+    assert stats.pages == 3  # the legitimate path moves exactly the delta pages
+    close_grant(env.decode, good.room)
     before = snapshot(env)
     with pytest.raises(grpc.RpcError) as exc_info:
         write(env, good)()
     assert exc_info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert snapshot(env) == before
+
+
+@pytest.mark.timeout(60)
+def test_pages_under_an_open_grant_never_enter_the_index(env: Env) -> None:
+    d = env.decode.stub()
+    pages = list(d.Allocate(sidecar_pb2.AllocateRequest(request_id="g", num_pages=1),
+                            timeout=10).page_indices)
+    granted = grant(env.decode, "g", kv_pb2.TransferInfo(
+        request_id="g", dst_page_indices=pages, prompt_len=PAGE, lease_ms=10_000))
+    with pytest.raises(grpc.RpcError) as exc_info:
+        d.Commit(sidecar_pb2.CommitRequest(request_id="g", token_ids=list(range(PAGE)),
+                                           page_indices=pages), timeout=10)
+    assert exc_info.value.code() == PRECONDITION
+    assert "under a transfer grant" in exc_info.value.details()
+    close_grant(env.decode, granted.room)
+    d.Commit(sidecar_pb2.CommitRequest(request_id="g", token_ids=list(range(PAGE)),
+                                       page_indices=pages), timeout=10)
+    d.Release(sidecar_pb2.ReleaseRequest(request_id="g"), timeout=10)

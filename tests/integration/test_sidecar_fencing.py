@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.grants import grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
 PAGE = TOY_LAYOUT.page_size
@@ -122,13 +123,17 @@ def release(sc: SidecarProcess, rid: str) -> None:
     sc.stub().Release(sidecar_pb2.ReleaseRequest(request_id=rid), timeout=10)
 
 
-def write_call(prefill: SidecarProcess, endpoint: kv_pb2.EndpointInfo, room: int,
-               src: list[int], dst: list[int], lease_ms: int = 60_000,
+def granted(decode: SidecarProcess, owner: str, dst: list[int], n_src: int,
+            lease_ms: int = 60_000) -> kv_pb2.TransferInfo:
+    """A TransferInfo for ``dst`` (pages ``owner`` allocated on ``decode``), granted by it."""
+    return grant(decode, owner, kv_pb2.TransferInfo(
+        request_id=f"{owner}-write", dst_page_indices=dst, decode_prefix_len=0,
+        prompt_len=n_src * PAGE, lease_ms=lease_ms))
+
+
+def write_call(prefill: SidecarProcess, info: kv_pb2.TransferInfo, src: list[int],
                timeout_s: float = 60.0) -> Callable[[], sidecar_pb2.WritePagesResponse]:
-    info = kv_pb2.TransferInfo(room=room, request_id=f"r{room}", decode_endpoint=endpoint,
-                               dst_page_indices=dst, decode_prefix_len=0,
-                               prompt_len=len(src) * PAGE, lease_ms=lease_ms)
-    req = sidecar_pb2.WritePagesRequest(transfer_info=info, src_page_indices=src)
+    req = write_request(info, src)
     stub = prefill.stub()
     return lambda: stub.WritePages(req, timeout=timeout_s)
 
@@ -141,16 +146,16 @@ def code_of(fn: Callable[[], object]) -> grpc.StatusCode:
 
 @pytest.mark.timeout(120)
 def test_abort_during_delayed_write_fences_the_room(env: Env) -> None:
-    ep = env.decode.describe().endpoint
     src, dst = pages(env.slow, "a-src", 3), pages(env.decode, "a-dst", 3)
     fill(env.slow, src, seed=7)
     dst_before = crcs(env.decode, dst)
-    room = new_room()
-    call = Call(write_call(env.slow, ep, room, src, dst))
+    info = granted(env.decode, "a-dst", dst, len(src))
+    room = info.room
+    call = Call(write_call(env.slow, info, src))
     wait_in_flight(env.slow)
 
-    # A second attempt with the same room while it is in flight.
-    assert code_of(write_call(env.slow, ep, room, src, dst)) == grpc.StatusCode.ALREADY_EXISTS
+    # A second attempt with the same room (its grant replayed) while it is in flight.
+    assert code_of(write_call(env.slow, info, src)) == grpc.StatusCode.ALREADY_EXISTS
 
     known = env.slow.stub().AbortWrite(sidecar_pb2.AbortWriteRequest(room=room), timeout=30)
     # AbortWrite returned: no write for the room is in flight any more.
@@ -162,26 +167,29 @@ def test_abort_during_delayed_write_fences_the_room(env: Env) -> None:
     assert crcs(env.decode, dst) == dst_before
 
     # A late WritePages for the fenced room never writes.
-    assert code_of(write_call(env.slow, ep, room, src, dst)) == grpc.StatusCode.ABORTED
-    # Fencing a room nobody has seen yet: the tombstone rejects its WritePages later.
-    ghost = new_room()
-    assert env.slow.stub().AbortWrite(sidecar_pb2.AbortWriteRequest(room=ghost),
+    assert code_of(write_call(env.slow, info, src)) == grpc.StatusCode.ABORTED
+    # Fencing a room prefill has not seen yet: the tombstone rejects its WritePages later.
+    release(env.decode, "a-dst")
+    dst = pages(env.decode, "a-dst2", 3)
+    dst_before = crcs(env.decode, dst)
+    ghost = granted(env.decode, "a-dst2", dst, len(src))
+    assert env.slow.stub().AbortWrite(sidecar_pb2.AbortWriteRequest(room=ghost.room),
                                       timeout=10).known is False
-    assert code_of(write_call(env.slow, ep, ghost, src, dst)) == grpc.StatusCode.ABORTED
+    assert code_of(write_call(env.slow, ghost, src)) == grpc.StatusCode.ABORTED
     assert crcs(env.decode, dst) == dst_before
     release(env.slow, "a-src")
-    release(env.decode, "a-dst")
+    release(env.decode, "a-dst2")
 
 
 @pytest.mark.timeout(120)
 def test_lease_expiry_stops_before_next_batch(env: Env) -> None:
-    ep = env.decode.describe().endpoint
     src, dst = scattered(env.slow, "l-src", 4), scattered(env.decode, "l-dst", 4)
     fill(env.slow, src, seed=11)
     dst_before = crcs(env.decode, dst)
     written_before = stats(env.slow).pages_written
     # 1.5 s per batch, 2.5 s lease: at most one of the four batches can start in time.
-    err_code = code_of(write_call(env.slow, ep, new_room(), src, dst, lease_ms=2500))
+    info = granted(env.decode, "l-dst", dst, len(src), lease_ms=2500)
+    err_code = code_of(write_call(env.slow, info, src))
     assert err_code == grpc.StatusCode.DEADLINE_EXCEEDED
     after = crcs(env.decode, dst)
     src_crc = crcs(env.slow, src)
@@ -197,34 +205,36 @@ def test_lease_expiry_stops_before_next_batch(env: Env) -> None:
 
 @pytest.mark.timeout(120)
 def test_hanging_engine_ends_at_the_deadline(env: Env) -> None:
-    ep = env.decode.describe().endpoint
     src, dst = pages(env.hanging, "h-src", 2), pages(env.decode, "h-dst", 2)
     fill(env.hanging, src, seed=3)
     dst_before = crcs(env.decode, dst)
-    assert code_of(write_call(env.hanging, ep, new_room(), src, dst, lease_ms=800)) \
-        == grpc.StatusCode.DEADLINE_EXCEEDED
+    info = granted(env.decode, "h-dst", dst, len(src), lease_ms=800)
+    assert code_of(write_call(env.hanging, info, src)) == grpc.StatusCode.DEADLINE_EXCEEDED
     st = stats(env.hanging)
     assert st.rooms_in_flight == 0 and st.transfers_failed >= 1
     assert crcs(env.decode, dst) == dst_before
     # The call's own gRPC deadline bounds the write too (lease is long here).
-    assert code_of(write_call(env.hanging, ep, new_room(), src, dst, lease_ms=60_000,
-                              timeout_s=1.0)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    release(env.decode, "h-dst")
+    dst = pages(env.decode, "h-dst2", 2)
+    dst_before = crcs(env.decode, dst)
+    info = granted(env.decode, "h-dst2", dst, len(src), lease_ms=60_000)
+    assert code_of(write_call(env.hanging, info, src, timeout_s=1.0)) == \
+        grpc.StatusCode.DEADLINE_EXCEEDED
     wait_in_flight(env.hanging, 0)
     assert crcs(env.decode, dst) == dst_before
     release(env.hanging, "h-src")
-    release(env.decode, "h-dst")
+    release(env.decode, "h-dst2")
 
 
 @pytest.mark.timeout(120)
 def test_engine_failure_fails_room_at_once_and_retry_succeeds(env: Env) -> None:
-    ep = env.decode.describe().endpoint
     src, dst = scattered(env.failing, "f-src", 4), scattered(env.decode, "f-dst", 4)
     fill(env.failing, src, seed=5)
     dst_before = crcs(env.decode, dst)
     src_crc = crcs(env.failing, src)
     failed_before = stats(env.failing).transfers_failed
     with pytest.raises(grpc.RpcError) as exc_info:
-        write_call(env.failing, ep, new_room(), src, dst, lease_ms=60_000)()
+        write_call(env.failing, granted(env.decode, "f-dst", dst, len(src)), src)()
     assert exc_info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "injected engine error on batch 2" in exc_info.value.details()
     after = crcs(env.decode, dst)
@@ -233,13 +243,16 @@ def test_engine_failure_fails_room_at_once_and_retry_succeeds(env: Env) -> None:
     st = stats(env.failing)
     assert st.transfers_failed == failed_before + 1 and st.rooms_in_flight == 0
 
-    # A retry is a new room; the fault was limited to one room.
-    resp = write_call(env.failing, ep, new_room(), src, dst)()
+    # A retry is a new room (decode released the failed request's pages: its fence is
+    # proven at once, nobody is inside); the fault was limited to one room.
+    release(env.decode, "f-dst")
+    dst = scattered(env.decode, "f-dst2", 4)
+    resp = write_call(env.failing, granted(env.decode, "f-dst2", dst, len(src)), src)()
     assert (resp.stats.pages, resp.stats.bytes, resp.stats.runs, resp.stats.batches) == \
         (4, 4 * PAGE_BYTES, 4, 4)
     assert crcs(env.decode, dst) == src_crc
     release(env.failing, "f-src")
-    release(env.decode, "f-dst")
+    release(env.decode, "f-dst2")
 
 
 @pytest.mark.timeout(180)
@@ -249,44 +262,54 @@ def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
     old = peer.describe()
     src = pages(prefill, "r-src", 1)
     fill(prefill, src, seed=21)
-    write_call(prefill, old.endpoint, new_room(), src, [5])()
+    dst = pages(peer, "r-dst", 6)
+    write_call(prefill, granted(peer, "r-dst", dst[:1], 1), src)()
+    # Grants of the old incarnation that were never used.
+    unused = [granted(peer, "r-dst", [p], 1) for p in dst[1:3]]
 
     # Crash (SIGKILL): socket file and pool segment are left behind; a restart on the same
-    # socket reclaims both.
+    # socket reclaims both (a new, unguessable segment name).
     peer.kill()
     assert os.path.exists(peer.socket_path)
     assert os.path.exists(f"/dev/shm/{old.pool_shm_name}")
     peer = env.factory.start("decode", name="restartable")
     new = peer.describe()
     assert new.endpoint.endpoint_id != old.endpoint.endpoint_id
-    assert new.pool_shm_name == old.pool_shm_name
+    assert new.pool_shm_name != old.pool_shm_name
+    assert not os.path.exists(f"/dev/shm/{old.pool_shm_name}")
+    assert new.endpoint.address == old.endpoint.address  # the same sidecar slot
     fresh = crcs(peer, list(range(TOY_LAYOUT.num_pages)))
 
     # The dead incarnation is rejected whether or not its successor is known yet.
-    code = code_of(write_call(prefill, old.endpoint, new_room(), src, [5]))
+    code = code_of(write_call(prefill, unused[0], src))
     assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
     prefill.stub().ConnectPeer(sidecar_pb2.ConnectPeerRequest(peer=new.endpoint), timeout=10)
     with pytest.raises(grpc.RpcError) as exc_info:
-        write_call(prefill, old.endpoint, new_room(), src, [5])()
+        write_call(prefill, unused[1], src)()
     assert exc_info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "dead incarnation" in exc_info.value.details()
+    # Replaying the old incarnation's sealed endpoint does not bring it back.
+    with pytest.raises(grpc.RpcError) as exc_info:
+        prefill.stub().ConnectPeer(sidecar_pb2.ConnectPeerRequest(peer=old.endpoint),
+                                   timeout=10)
+    assert exc_info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert crcs(peer, list(range(TOY_LAYOUT.num_pages))) == fresh
 
-    resp = write_call(prefill, new.endpoint, new_room(), src, [5])()
+    dst = pages(peer, "r-dst-new", 1)
+    resp = write_call(prefill, granted(peer, "r-dst-new", dst, 1), src)()
     assert resp.stats.pages == 1
-    assert crcs(peer, [5]) == crcs(prefill, src)
+    assert crcs(peer, dst) == crcs(prefill, src)
     release(prefill, "r-src")
 
 
 @pytest.mark.timeout(120)
 def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
-    ep = env.decode.describe().endpoint
     sc = env.factory.start("prefill", name="term", faults="delay_ms=3000")
     d = sc.describe()
     src, dst = pages(sc, "t-src", 1), pages(env.decode, "t-dst", 1)
     fill(sc, src, seed=8)
     src_crc = crcs(sc, src)
-    call = Call(write_call(sc, ep, new_room(), src, dst))
+    call = Call(write_call(sc, granted(env.decode, "t-dst", dst, 1), src))
     wait_in_flight(sc)
 
     sc.proc.send_signal(signal.SIGTERM)
@@ -298,7 +321,10 @@ def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
                 health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    assert code_of(write_call(sc, ep, new_room(), src, dst)) == grpc.StatusCode.UNAVAILABLE
+    late = pages(env.decode, "t-dst2", 1)
+    assert code_of(write_call(sc, granted(env.decode, "t-dst2", late, 1), src)) == \
+        grpc.StatusCode.UNAVAILABLE
+    release(env.decode, "t-dst2")
 
     # The in-flight write was allowed to finish; then the process exits cleanly.
     call.join()

@@ -12,7 +12,6 @@ worker left.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Iterator
 
 import grpc
@@ -25,6 +24,7 @@ from deltakv.sidecar.client import SidecarClient
 from deltakv.sidecar.incarnation import incarnation_of, metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.grants import close_grant, grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
 PAGE = TOY_LAYOUT.page_size
@@ -82,11 +82,11 @@ def transfer(p: Pair, rid: str, prompt_len: int, seed: int
     dst = list(p.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
         request_id=rid, num_pages=n), timeout=10).page_indices)
     fill(p.prefill_pool, src, seed)
-    info = kv_pb2.TransferInfo(room=secrets.randbits(63) + 1, request_id=rid,
-                               decode_endpoint=p.decode_info.endpoint, dst_page_indices=dst,
-                               decode_prefix_len=0, prompt_len=prompt_len, lease_ms=10_000)
-    stats = p.prefill.stub().WritePages(sidecar_pb2.WritePagesRequest(
-        transfer_info=info, src_page_indices=src), timeout=20).stats
+    info = grant(p.decode, rid, kv_pb2.TransferInfo(
+        request_id=rid, dst_page_indices=dst, decode_prefix_len=0, prompt_len=prompt_len,
+        lease_ms=10_000))
+    stats = p.prefill.stub().WritePages(write_request(info, src), timeout=20).stats
+    close_grant(p.decode, info.room)  # the transfer completed: its pages may be committed
     return src, dst, stats
 
 
@@ -176,12 +176,11 @@ def test_prefill_refuses_to_send_a_corrupt_cached_source_page(pair: Pair) -> Non
         request_id="dig-4b", num_pages=3), timeout=10).page_indices)
     extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
         request_id="dig-4b", num_pages=1), timeout=10).page_indices)
-    info = kv_pb2.TransferInfo(room=secrets.randbits(63) + 1, request_id="dig-4b",
-                               decode_endpoint=pair.decode_info.endpoint, dst_page_indices=dst,
-                               decode_prefix_len=0, prompt_len=len(toks), lease_ms=10_000)
+    info = grant(pair.decode, "dig-4b", kv_pb2.TransferInfo(
+        request_id="dig-4b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
     with pytest.raises(grpc.RpcError) as info_err:
-        pair.prefill.stub().WritePages(sidecar_pb2.WritePagesRequest(
-            transfer_info=info, src_page_indices=src[:2] + extra), timeout=20)
+        pair.prefill.stub().WritePages(write_request(info, src[:2] + extra), timeout=20)
     assert info_err.value.code() == grpc.StatusCode.DATA_LOSS
     release(pair.prefill, "dig-4b")
     release(pair.decode, "dig-4b")

@@ -24,6 +24,7 @@ from tests.integration.sidecar_proc import (
 )
 from tests.integration.sidecar_proc import sidecar_factory as sidecar_factory  # noqa: F401
 from tests.support.faults import sidecar_args as fault_args
+from tests.support.grants import grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
 
@@ -112,16 +113,16 @@ def test_drain_timeout_fences_a_hung_write(sidecar_factory: SidecarFactory) -> N
     shm_name = prefill.describe().pool_shm_name
     src = list(prefill.stub().Allocate(sidecar_pb2.AllocateRequest(request_id="s", num_pages=1),
                                        timeout=10).page_indices)
-    info = kv_pb2.TransferInfo(room=secrets.randbits(63) + 1, request_id="hung",
-                               decode_endpoint=decode.describe().endpoint, dst_page_indices=[3],
-                               prompt_len=10, lease_ms=120_000)
+    dst = list(decode.stub().Allocate(sidecar_pb2.AllocateRequest(request_id="d", num_pages=1),
+                                      timeout=10).page_indices)
+    info = grant(decode, "d", kv_pb2.TransferInfo(request_id="hung", dst_page_indices=dst,
+                                                  prompt_len=10, lease_ms=120_000))
     errors: list[grpc.RpcError] = []
     stub = prefill.stub()
 
     def call() -> None:
         try:
-            stub.WritePages(sidecar_pb2.WritePagesRequest(transfer_info=info,
-                                                          src_page_indices=src), timeout=100)
+            stub.WritePages(write_request(info, src), timeout=100)
         except grpc.RpcError as err:
             errors.append(err)
 

@@ -20,6 +20,7 @@ from deltakv.errors import AlreadyExists
 from deltakv.sidecar.client import SidecarClient
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.support.grants import DIGEST, close_grant, grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
 BACKENDS = ["shm", "mooncake"]
@@ -105,13 +106,13 @@ def test_write_scattered_and_consecutive_pages(pair: Pair) -> None:
     fill_pattern(pair.prefill_pool, src, seed=1234)
     before = pair.decode_pool.as_bytes().clone()
 
-    info = kv_pb2.TransferInfo(
-        room=new_room(), request_id="req-1", decode_endpoint=pair.decode_info.endpoint,
-        dst_page_indices=dst, decode_prefix_len=prefix_len, prompt_len=prompt_len,
-        lease_ms=30_000)
-    resp = pre.stub().WritePages(sidecar_pb2.WritePagesRequest(
-        transfer_info=info, src_page_indices=src, prefill_cached_len=16), timeout=60)
+    info = grant(dec, "dst-req", kv_pb2.TransferInfo(
+        request_id="req-1", dst_page_indices=dst, decode_prefix_len=prefix_len,
+        prompt_len=prompt_len, lease_ms=30_000))
+    assert info.decode_endpoint == pair.decode_info.endpoint
+    resp = pre.stub().WritePages(write_request(info, src, prefill_cached_len=16), timeout=60)
     stats = resp.stats
+    close_grant(dec, info.room)
 
     src_delta = src[2:]
     assert stats.pages == 7
@@ -147,14 +148,16 @@ def test_write_scattered_and_consecutive_pages(pair: Pair) -> None:
 
 @pytest.mark.timeout(120)
 def test_full_prefix_hit_writes_nothing(pair: Pair) -> None:
-    pre = pair.prefill
+    pre, dec = pair.prefill, pair.decode
     src = allocate(pre, "hit-src", 2)
     before = pair.decode_pool.as_bytes().clone()
-    info = kv_pb2.TransferInfo(
-        room=new_room(), request_id="hit", decode_endpoint=pair.decode_info.endpoint,
-        dst_page_indices=[], decode_prefix_len=2 * PAGE, prompt_len=2 * PAGE, lease_ms=10_000)
-    stats = pre.stub().WritePages(sidecar_pb2.WritePagesRequest(
-        transfer_info=info, src_page_indices=src), timeout=30).stats
+    allocate(dec, "hit-dst", 0)  # the request exists; its grant covers no page
+    info = grant(dec, "hit-dst", kv_pb2.TransferInfo(
+        request_id="hit", dst_page_indices=[], decode_prefix_len=2 * PAGE,
+        prompt_len=2 * PAGE, lease_ms=10_000))
+    stats = pre.stub().WritePages(write_request(info, src), timeout=30).stats
+    close_grant(dec, info.room)
+    release(dec, "hit-dst")
     assert (stats.pages, stats.bytes, stats.runs, stats.batches) == (0, 0, 0, 0)
     assert stats.decode_prefix_len == 2 * PAGE
     assert torch.equal(pair.decode_pool.as_bytes(), before)
@@ -178,15 +181,18 @@ def test_async_client_write_abort_and_typed_errors(pair: Pair) -> None:
             dst = await dec.allocate("c-dst", 3)
             src = await pre.allocate("c-src", 3)
             fill_pattern(pair.prefill_pool, src, seed=99)
-            room = new_room()
-            info = kv_pb2.TransferInfo(room=room, request_id="c", decode_endpoint=d.endpoint,
-                                       dst_page_indices=dst, prompt_len=3 * PAGE - 1,
-                                       lease_ms=20_000)
-            stats = await pre.write_pages(info, src, lease_remaining_ms=15_000)
+            info = await dec.issue_grant("c-dst", kv_pb2.TransferInfo(
+                request_id="c", dst_page_indices=dst, prompt_len=3 * PAGE - 1,
+                lease_ms=20_000), DIGEST)
+            room = info.room
+            assert info.decode_endpoint == d.endpoint
+            stats = await pre.write_pages(info, src, lease_remaining_ms=15_000,
+                                          prompt_digest=DIGEST)
             assert (stats.pages, stats.bytes) == (3, 3 * PAGE_BYTES)
             assert await dec.page_checksums(dst) == await pre.page_checksums(src)
-            with pytest.raises(AlreadyExists):
-                await pre.write_pages(info, src)
+            with pytest.raises(AlreadyExists):  # a replayed grant
+                await pre.write_pages(info, src, prompt_digest=DIGEST)
+            await dec.close_grant(room)
             assert await pre.abort_write(room) is True
             assert await pre.abort_write(new_room()) is False
             st = await pre.get_stats()

@@ -54,6 +54,7 @@ from deltakv.sidecar.transport import (
     create_transport,
 )
 from deltakv.v1 import kv_pb2
+from tests.support.keys import sealed, session_key
 from tests.support.tickets import ticket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +238,7 @@ def writer(case, local_pool) -> Iterator[Transport]:
 @pytest.fixture
 def peers(writer) -> Iterator[PeerTable]:
     """The sidecar's peer table in front of ``writer`` (closed before the transport)."""
-    table = PeerTable(writer, LOCAL_LAYOUT)
+    table = PeerTable(writer, LOCAL_LAYOUT, session_key())
     yield table
     table.close()
 
@@ -398,9 +399,7 @@ def test_past_deadline_or_aborted_room_writes_nothing(writer, peers, peer, model
 def test_layout_mismatch_refused_at_connect_naming_the_field(writer, peers, peer, model):
     for name, value in (("page_size", 8), ("head_dim", 16), ("num_layers", 3),
                         ("dtype", kv_pb2.KV_DTYPE_BFLOAT16), ("model_fingerprint", "other")):
-        wrong = kv_pb2.EndpointInfo()
-        wrong.CopyFrom(peer.info)
-        setattr(wrong.layout, name, value)
+        wrong = sealed(peer.info, layout={name: value})
         with pytest.raises(LayoutMismatch) as exc_info:
             peers.connect(wrong)
         err = exc_info.value
@@ -419,9 +418,8 @@ def test_layout_mismatch_refused_at_connect_naming_the_field(writer, peers, peer
 def test_new_incarnation_at_same_address_replaces_the_cached_peer(writer, peers, peer, model):
     old = peers.connect(peer.info)
     assert peers.connect(peer.info) is old  # one connection per endpoint_id
-    reborn = kv_pb2.EndpointInfo()
-    reborn.CopyFrom(peer.info)
-    reborn.endpoint_id = peer.info.endpoint_id + "-restarted"
+    reborn = sealed(peer.info, endpoint_id=peer.info.endpoint_id + "-restarted",
+                    incarnation=peer.info.incarnation + 1)
     new = peers.connect(reborn)
     with pytest.raises(UnknownEndpoint):
         writer.write(old, [PageRun(0, 0, 1)], ticket())
@@ -450,7 +448,7 @@ def test_peer_gone_is_a_bounded_typed_failure(case, writer, peers, peer, model, 
         peers.drop(doomed.info.endpoint_id)  # what WritePages does after such a failure
         # A fresh transport connecting to the dead peer fails the same way.
         fresh = create_transport(case.name, TransportOptions(extra=dict(case.extra)))
-        fresh_peers = PeerTable(fresh, LOCAL_LAYOUT)
+        fresh_peers = PeerTable(fresh, LOCAL_LAYOUT, session_key())
         try:
             fresh.register_pool(model.local)
             with pytest.raises(DeltaKVError) as exc_info:
@@ -471,18 +469,14 @@ def test_peer_gone_is_a_bounded_typed_failure(case, writer, peers, peer, model, 
 
 @pytest.mark.timeout(120)
 def test_foreign_or_malformed_descriptor_refused_at_connect(writer, peers, peer, model):
-    other = kv_pb2.EndpointInfo()
-    other.CopyFrom(peer.info)
-    other.endpoint_id += "-other"
-    other.backend = "carrier-pigeon"
+    other = sealed(peer.info, endpoint_id=peer.info.endpoint_id + "-other",
+                   backend="carrier-pigeon")
     with pytest.raises(DeltaKVError) as exc_info:
         peers.connect(other)
     assert exc_info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "carrier-pigeon" in str(exc_info.value)
-    garbled = kv_pb2.EndpointInfo()
-    garbled.CopyFrom(peer.info)
-    garbled.endpoint_id += "-garbled"
-    garbled.descriptor = b"\xffnot a descriptor"
+    garbled = sealed(peer.info, endpoint_id=peer.info.endpoint_id + "-garbled",
+                     descriptor=b"\xffnot a descriptor")
     with pytest.raises(InvalidArgument):
         peers.connect(garbled)
     assert len(peers) == 0

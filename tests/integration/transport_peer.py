@@ -2,8 +2,11 @@
 
     python -m tests.integration.transport_peer --backend shm --layout '{"num_layers": 2, ...}'
 
-Creates a :class:`SharedKVPool`, a transport of the given backend with the pool registered,
-and prints one JSON line ``{"endpoint": <base64 EndpointInfo>, "segment": <pool name>,
+Creates a :class:`SharedKVPool` (an incarnation name, as a sidecar does), a transport of the
+given backend with the pool registered, its endpoint sealed with the session's pairing key
+(``$DELTAKV_PAIRING_KEY_FILE``), and — for a backend fenced by words (shm) — every page's fence
+word armed for room 1, the room of :func:`tests.support.tickets.ticket` (the conformance suite
+tests the engine, not the grants; those have their own tests). It prints one JSON line ``{"endpoint": <base64 EndpointInfo>, "segment": <pool name>,
 "pid": <pid>}``. Then it serves JSON commands, one per stdin line, answering one JSON line
 each on stdout:
 
@@ -33,20 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
 
+    import time
+
     import torch
 
     from deltakv.layout import KVLayout
-    from deltakv.sidecar.pool import SharedKVPool
+    from deltakv.sidecar import pairing
+    from deltakv.sidecar.pool import SharedKVPool, incarnation_name
     from deltakv.sidecar.transport import TransportOptions, create_transport
 
     layout = KVLayout(**json.loads(args.layout))
-    pool = SharedKVPool.create(layout, name=f"deltakv-test-peer-{uuid.uuid4().hex[:12]}")
+    pool = SharedKVPool.create(layout, name=incarnation_name(f"deltakv-test-peer-"
+                                                             f"{uuid.uuid4().hex[:12]}"))
     transport = None
     try:
         transport = create_transport(args.backend, TransportOptions(
             host=args.host, extra=json.loads(args.extra)))
         transport.register_pool(pool)
+        if transport.fence_kind == "words":
+            transport.fence_table.arm(1, range(layout.num_pages))
         info = transport.describe(f"peer-{uuid.uuid4().hex}", layout)
+        info.incarnation = time.time_ns()
+        pairing.seal(info, pairing.key_from_args(None))
         _say({"endpoint": base64.b64encode(info.SerializeToString()).decode(),
               "segment": pool.name, "pid": os.getpid()})
         for line in sys.stdin:

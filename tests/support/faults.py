@@ -25,6 +25,12 @@ Options (``TransportOptions.extra``; every other key goes to the inner backend):
                    ``delay_ms`` act on transfers of a few pages
 ``rooms=K``        apply the faults to the first K rooms only (0 = all, the default): a retry
                    with a new room after an injected failure then succeeds
+``every=N``        apply the faults to every N-th room only (N, 2N, ...; 0 = no such filter)
+``late_ms=D``      a *late write*: the faulted batch (``fail_batch``, default the first)
+                   reports TransferFailed at once, and D ms later its bytes are written anyway,
+                   through a connection of their own, as a kernel send buffer delivers after
+                   the engine gave up. Whether they land is up to the destination's fence
+                   (logged as ``fault_late_write`` with the outcome)
 ``corrupt_page=N`` after the batch holding a room's N-th delta page (1-based) was written,
                    flip one byte of that page at the destination, in place — the write
                    "succeeds" with one wrong page, which end-to-end page digests must catch
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,6 +88,8 @@ class FaultSpec:
     hang: bool = False
     batch_entries: int = 0
     rooms: int = 0
+    every: int = 0
+    late_ms: int = 0
     corrupt_page: int = 0
 
     @classmethod
@@ -161,6 +170,7 @@ class FaultyTransport(Transport):
         self.inner = create_transport(str(inner_name), TransportOptions(
             host=options.host, port=options.port, extra=rest))
         self.name = self.inner.name
+        self.fence_kind = self.inner.fence_kind
         limits = self.inner.limits
         if self.spec.batch_entries:
             limits = BatchLimits(max_entries=min(limits.max_entries, self.spec.batch_entries),
@@ -168,6 +178,8 @@ class FaultyTransport(Transport):
         self.limits = limits
         self._lock = threading.Lock()
         self._faulted_rooms: set[int] = set()
+        self._rooms_seen = 0
+        self._late: list[threading.Thread] = []
         self._pages_done: dict[int, int] = {}  # room -> delta pages written so far
         log.warning("fault_injection_enabled", spec=str(self.spec), backend=self.name,
                     note="test facility: transfers are deliberately slowed/failed")
@@ -187,21 +199,55 @@ class FaultyTransport(Transport):
     def disconnect(self, peer: PeerHandle) -> None:
         self.inner.disconnect(peer)
 
-    def close(self) -> None:
-        self.inner.close()
+    @property
+    def fence_table(self):  # noqa: ANN201 - the inner backend's (shm) fence table, if any
+        return getattr(self.inner, "fence_table", None)
+
+    def close(self) -> bool:
+        for thread in list(self._late):
+            thread.join(timeout=30.0)
+        return self.inner.close()
 
     # -- the faulted path -----------------------------------------------------------------
 
     def _applies(self, room: int) -> bool:
-        if not self.spec.rooms:
+        spec = self.spec
+        if not spec.rooms and not spec.every:
             return True
         with self._lock:
             if room in self._faulted_rooms:
                 return True
-            if len(self._faulted_rooms) < self.spec.rooms:
-                self._faulted_rooms.add(room)
-                return True
-            return False
+            self._rooms_seen += 1
+            if spec.every and self._rooms_seen % spec.every:
+                return False
+            if spec.rooms and len(self._faulted_rooms) >= spec.rooms:
+                return False
+            self._faulted_rooms.add(room)
+            return True
+
+    def _late_write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
+        """Write ``batch`` ``late_ms`` from now on a thread, through a connection of its own
+        (the failed room's handle may be dropped meanwhile), with a ticket of the same room."""
+        handle = self.inner.connect(peer.info)
+        late = RoomTicket(room=ticket.room, request_id=ticket.request_id,
+                          deadline=time.monotonic() + self.spec.late_ms / 1e3 + 30.0)
+
+        def run() -> None:
+            time.sleep(self.spec.late_ms / 1e3)
+            try:
+                self.inner.write(handle, batch, late)
+                outcome = "landed"
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+                outcome = f"refused:{type(exc).__name__}"
+            finally:
+                self.inner.disconnect(handle)
+            log.warning("fault_late_write", room=ticket.room, pages=sum(r.num_pages for r in batch),
+                        outcome=outcome)
+
+        thread = threading.Thread(target=run, name=f"late-write-{ticket.room}", daemon=True)
+        with self._lock:
+            self._late = [t for t in self._late if t.is_alive()] + [thread]
+        thread.start()
 
     def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
         """Inject the configured faults for this batch of ``ticket``'s room, then (if still
@@ -218,6 +264,12 @@ class FaultyTransport(Transport):
             raise DeadlineExceeded(f"room {ticket.room}: injected hang outlived its deadline")
         if spec.delay_ms:
             sleep_in_room(ticket, spec.delay_ms / 1e3)
+        if spec.late_ms and batch_no == (spec.fail_batch or 1):
+            self._late_write(peer, batch, ticket)
+            log.warning("fault_fail_batch_late", room=ticket.room, batch=batch_no,
+                        late_ms=spec.late_ms)
+            raise TransferFailed(f"room {ticket.room}: injected engine error on batch "
+                                 f"{batch_no} (its bytes will still arrive)")
         if spec.fail_batch and batch_no == spec.fail_batch:
             log.warning("fault_fail_batch", room=ticket.room, batch=batch_no)
             raise TransferFailed(

@@ -52,6 +52,7 @@ from deltakv.sidecar.transport.mori import (
     unpack_descriptor,
 )
 from deltakv.v1 import kv_pb2
+from tests.support.keys import sealed, session_key
 from tests.support.tickets import ticket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -303,31 +304,23 @@ def test_describe_before_register_pool_is_failed_precondition() -> None:
 
 def test_refused_connects_register_nothing(pair: Pair) -> None:
     # Backend and layout are the peer table's checks; descriptor checks are the adapter's.
-    table = PeerTable(pair.writer, pair.writer_pool.layout)
-    other = kv_pb2.EndpointInfo()
-    other.CopyFrom(pair.info)
-    other.backend = "shm"
+    table = PeerTable(pair.writer, pair.writer_pool.layout, session_key())
     with pytest.raises(FailedPrecondition, match="'shm'"):
-        table.connect(other)
-    wrong = kv_pb2.EndpointInfo()
-    wrong.CopyFrom(pair.info)
-    wrong.layout.head_dim = 16
+        table.connect(sealed(pair.info, backend="shm"))
     with pytest.raises(LayoutMismatch) as exc_info:
-        table.connect(wrong)
+        table.connect(sealed(pair.info, layout={"head_dim": 16}))
     assert exc_info.value.field == "head_dim"
-    garbled = kv_pb2.EndpointInfo()
-    garbled.CopyFrom(pair.info)
-    garbled.descriptor = pack_descriptor(b"not an engine", b"nor memory")
+    garbled = sealed(pair.info, descriptor=pack_descriptor(b"not an engine", b"nor memory"))
     with pytest.raises(InvalidArgument, match="malformed mori descriptor"):
         pair.writer.connect(garbled)
-    larger = kv_pb2.EndpointInfo()
-    larger.CopyFrom(pair.info)
-    larger.layout.num_pages = 49  # claims more pages than its registered region holds
+    # claims more pages than its registered region holds
+    larger = sealed(pair.info, layout={"num_pages": 49})
     with pytest.raises(InvalidArgument, match="smaller than its layout"):
         pair.writer.connect(larger)
     assert remotes(pair.writer) == []  # nothing was registered by refused connects
-    handle = table.connect(pair.info)
-    assert table.connect(pair.info) is handle
+    sealed_info = sealed(pair.info)
+    handle = table.connect(sealed_info)
+    assert table.connect(sealed_info) is handle
     assert remotes(pair.writer) == [pair.target.key]
     table.close()
     assert handle.closed and remotes(pair.writer) == []
@@ -492,11 +485,12 @@ def test_restarted_peer_at_the_same_address_replaces_the_old_incarnation(pools) 
     writer = MoriTransport(TransportOptions(extra={"role": "prefill"}))
     old = MoriTransport(TransportOptions(port=port, extra={"role": "decode"}))
     new = None
-    table = PeerTable(writer, LAYOUT)
+    table = PeerTable(writer, LAYOUT, session_key())
     try:
         writer.register_pool(writer_pool)
         old.register_pool(target_pool)
-        old_info = old.describe("decode-incarnation-1", target_pool.layout)
+        old_info = sealed(old.describe("decode-incarnation-1", target_pool.layout),
+                          incarnation=1)
         old_handle = table.connect(old_info)
         writer.write(old_handle, [PageRun(0, 0, 1)], soon())
         old.close()  # the old incarnation goes away...
@@ -504,7 +498,8 @@ def test_restarted_peer_at_the_same_address_replaces_the_old_incarnation(pools) 
             writer.write(old_handle, [PageRun(1, 1, 1)], soon())
         new = MoriTransport(TransportOptions(port=port, extra={"role": "decode"}))
         new.register_pool(target_pool)
-        new_info = new.describe("decode-incarnation-2", target_pool.layout)
+        new_info = sealed(new.describe("decode-incarnation-2", target_pool.layout),
+                          incarnation=2)
         assert new_info.address == old_info.address and new.key != old.key
         new_handle = table.connect(new_info)
         assert remotes(writer) == [new.key]  # the old engine was deregistered

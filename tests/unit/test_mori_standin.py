@@ -127,3 +127,41 @@ def test_dead_target_fails_the_write_instead_of_landing(mio, engines) -> None:
     st = a.write(mem_a, 512, mem_b, 512, 64, 2)
     assert a.wait_all([st], 5000) is mio.StatusCode.ERR_RDMA_OP
     assert torch.equal(pools[1].as_bytes(), before)
+
+
+def test_deregistered_region_refuses_writes_like_an_invalid_rkey(mio, engines) -> None:
+    """What RDMA guarantees after ``ibv_dereg_mr``: no later write lands, and deregistration
+    returns only once no write into the region is running (here: a copy holding the region's
+    rkey word)."""
+    import fcntl
+    import json
+    import os
+    import threading
+    import time
+
+    from mori.io.engine import _ofd_lock as ofd_lock
+
+    ((a, mem_a), (b, mem_b)), pools = engines
+    a.register_remote_engine(b.get_engine_desc())
+    st = a.batch_write([mem_a], [[0]], [mem_b], [[0]], [[1024]], [a.allocate_transfer_uid()])
+    assert a.wait_all(st, 5000) is mio.StatusCode.SUCCESS
+    where = json.loads(mem_b.ipc_handle.decode())
+    # A "copy in progress": a shared lock on the region's rkey word, as the initiator takes.
+    fd = os.open(where["mr_table"], os.O_RDONLY)
+    try:
+        assert ofd_lock(fd, fcntl.F_RDLCK, where["slot"] * 8, 8)
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (b.deregister_memory(mem_b), done.set()))
+        worker.start()
+        time.sleep(0.3)
+        assert not done.is_set()  # deregistration waits for the running copy
+        ofd_lock(fd, fcntl.F_UNLCK, where["slot"] * 8, 8)
+        worker.join(10)
+        assert done.is_set()
+    finally:
+        os.close(fd)
+    before = pools[1].page_crc32(list(range(LAYOUT.num_pages)))
+    st = a.batch_write([mem_a], [[0]], [mem_b], [[2048]], [[1024]], [a.allocate_transfer_uid()])
+    assert a.wait_all(st, 5000) is mio.StatusCode.ERR_RDMA_OP
+    assert "invalid rkey" in st[0].Message()
+    assert pools[1].page_crc32(list(range(LAYOUT.num_pages))) == before

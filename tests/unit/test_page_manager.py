@@ -187,6 +187,50 @@ def test_quarantined_pages_are_not_reused_until_their_deadline() -> None:
     assert sorted(pm.allocate("later", 2)) == sorted(pages)
 
 
+def test_held_pages_released_by_their_owner_wait_for_the_hold() -> None:
+    pm = PageManager(num_pages=8, page_size=4)
+    pages = pm.allocate("r", 4)
+    pm.hold(("grant", 1), pages[:3])
+    pm.hold(("room", 2), pages[2:3])  # one page under two holds
+    with pytest.raises(InvalidArgument, match="already held"):
+        pm.hold(("grant", 1), pages)
+    assert pm.held(pages) == pages[:3]
+    assert pm.release("r") == (1, 3)  # the unheld page is freed, the held ones wait
+    assert [pm.page_state(p) for p in pages] == ["quarantined"] * 3 + ["free"]
+    assert pm.states()[pages[0]] == "quarantined"
+    pm.check_invariants()
+    # No allocation may receive them meanwhile.
+    assert set(pm.allocate("next", 5)).isdisjoint(pages[:3])
+    assert pm.unhold(("grant", 1)) == 2  # page 2 is still under the room's hold
+    assert pm.unhold(("grant", 1)) == 0  # idempotent
+    assert pm.unhold(("room", 2)) == 1
+    assert counts(pm).quarantined == 0
+    pm.check_invariants()
+
+
+def test_holding_a_live_page_changes_nothing_until_it_is_released() -> None:
+    pm = PageManager(num_pages=4, page_size=4)
+    pages = pm.allocate("r", 2)
+    pm.hold("t", pages)
+    assert pm.unhold("t") == 0  # never released: nothing to free, still live
+    assert pm.states()[pages[0]] == "live"
+    assert pm.release("r") == (2, 0)
+
+
+def test_evicted_held_page_is_quarantined_and_eviction_continues() -> None:
+    pm = PageManager(num_pages=4, page_size=PS)
+    parent, leaf = cache(pm, prompt(2 * PS), rid="seed")  # 2 cached, unlocked pages
+    pm.hold("reader", [leaf])  # a write is still reading the page eviction takes first
+    got = pm.allocate("big", 3)  # one eviction is not enough: the leaf waits, the parent goes
+    assert len(got) == 3 and leaf not in got and parent in got
+    assert pm.page_state(leaf) == "quarantined"
+    with pytest.raises(ResourceExhausted):
+        pm.allocate("more", 1)
+    pm.unhold("reader")
+    assert pm.allocate("more", 1) == [leaf]
+    pm.check_invariants()
+
+
 def test_second_release_is_not_found() -> None:
     pm = PageManager(4, PS)
     pm.match_prefix("r", prompt(16))

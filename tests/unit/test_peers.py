@@ -1,5 +1,6 @@
-"""The peer table (sidecar/peers.py) over real shm transports and real pools: endpoint checks,
-one connection per endpoint (also under concurrent connects), incarnation fencing."""
+"""The peer table (sidecar/peers.py) over real shm transports and real pools: endpoint checks
+(the seal included), one connection per endpoint (also under concurrent connects),
+incarnation fencing that only a newer sealed incarnation can trigger."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ from deltakv.errors import (
     FailedPrecondition,
     InvalidArgument,
     LayoutMismatch,
+    Unauthenticated,
     Unavailable,
     UnknownEndpoint,
 )
+from deltakv.sidecar import pairing
 from deltakv.sidecar.peers import PeerTable
-from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.pool import SharedKVPool, incarnation_name
 from deltakv.sidecar.transport.base import PageRun
 from deltakv.sidecar.transport.shm import ShmTransport
 from deltakv.v1 import kv_pb2
+from tests.support.keys import other_key, session_key
 from tests.support.layouts import TOY_LAYOUT
 from tests.support.tickets import ticket
 
@@ -52,30 +56,34 @@ class CountingShm(ShmTransport):
 
 
 class Decode:
-    """A decode-side pool with its own shm transport; ``restart()`` is a new incarnation at
-    the same address (same segment name, new inode, new endpoint id)."""
+    """A decode-side pool with its own shm transport (every fence word armed for room 1, the
+    tickets' room) and a sealed endpoint; ``restart()`` is a new incarnation at the same
+    address (a new segment of the same slot, new endpoint id, later incarnation)."""
 
     def __init__(self, endpoint_id: str = "decode-1") -> None:
-        self.name = f"deltakv-ut-peer-{uuid.uuid4().hex[:10]}"
-        self.pool = SharedKVPool.create(TOY_LAYOUT, name=self.name)
+        self.base = f"deltakv-ut-peer-{uuid.uuid4().hex[:10]}"
         self.endpoint_id = endpoint_id
-        self.info = self._describe()
+        self.side: ShmTransport | None = None
+        self.pool: SharedKVPool | None = None
+        self.info = self._start()
 
-    def _describe(self) -> kv_pb2.EndpointInfo:
-        side = ShmTransport()
-        side.register_pool(self.pool)
-        info = side.describe(self.endpoint_id, TOY_LAYOUT)
-        side.close()
-        return info
+    def _start(self) -> kv_pb2.EndpointInfo:
+        self.pool = SharedKVPool.create(TOY_LAYOUT, name=incarnation_name(self.base))
+        self.side = ShmTransport()
+        self.side.register_pool(self.pool)
+        self.side.fence_table.arm(1, range(TOY_LAYOUT.num_pages))
+        info = self.side.describe(self.endpoint_id, TOY_LAYOUT)
+        info.incarnation = time.time_ns()
+        return pairing.seal(info, session_key())
 
     def restart(self) -> kv_pb2.EndpointInfo:
-        self.pool.close()
-        self.pool = SharedKVPool.create(TOY_LAYOUT, name=self.name)
+        self.close()
         self.endpoint_id = f"decode-{uuid.uuid4().hex[:6]}"
-        self.info = self._describe()
+        self.info = self._start()
         return self.info
 
     def close(self) -> None:
+        self.side.close()
         self.pool.close()
 
 
@@ -94,21 +102,36 @@ def decode() -> Iterator[Decode]:
     d.close()
 
 
+_TRANSPORTS: list[CountingShm] = []
+
+
+@pytest.fixture(autouse=True)
+def close_transports() -> Iterator[None]:
+    """Every writer transport a test made is closed after it (its pool's fence segment)."""
+    yield
+    while _TRANSPORTS:
+        _TRANSPORTS.pop().close()
+
+
 def make_table(pool: SharedKVPool, **kw) -> tuple[PeerTable, CountingShm]:
     transport = CountingShm(**kw)
     transport.register_pool(pool)
-    return PeerTable(transport, TOY_LAYOUT), transport
+    _TRANSPORTS.append(transport)
+    return PeerTable(transport, TOY_LAYOUT, session_key()), transport
 
 
-def edited(info: kv_pb2.EndpointInfo, **fields) -> kv_pb2.EndpointInfo:
+def edited(info: kv_pb2.EndpointInfo, key: pairing.PairingKey | None = None,
+           **fields) -> kv_pb2.EndpointInfo:
+    """``info`` with ``fields`` changed, sealed again with ``key`` (default: the session's,
+    what a sidecar of the cluster would publish)."""
     out = kv_pb2.EndpointInfo()
     out.CopyFrom(info)
-    for key, value in fields.items():
-        if key.startswith("layout_"):
-            setattr(out.layout, key[len("layout_"):], value)
+    for name, value in fields.items():
+        if name.startswith("layout_"):
+            setattr(out.layout, name[len("layout_"):], value)
         else:
-            setattr(out, key, value)
-    return out
+            setattr(out, name, value)
+    return pairing.seal(out, key or session_key())
 
 
 def test_endpoint_checks_before_any_engine_call(prefill_pool, decode) -> None:
@@ -118,8 +141,10 @@ def test_endpoint_checks_before_any_engine_call(prefill_pool, decode) -> None:
         table.connect(None)
     with pytest.raises(InvalidArgument, match="endpoint_id is empty"):
         table.connect(edited(info, endpoint_id=""))
-    no_layout = edited(info)
+    no_layout = kv_pb2.EndpointInfo()
+    no_layout.CopyFrom(info)
     no_layout.ClearField("layout")
+    pairing.seal(no_layout, session_key())
     with pytest.raises(InvalidArgument, match="no layout"):
         table.connect(no_layout)
     with pytest.raises(LayoutMismatch) as exc_info:
@@ -131,6 +156,43 @@ def test_endpoint_checks_before_any_engine_call(prefill_pool, decode) -> None:
         table.connect(edited(info, backend="carrier-pigeon"))
     assert transport.connects == [] and len(table) == 0
     assert table.check(info) == TOY_LAYOUT  # the pairing layout, num_pages included
+    table.close()
+
+
+def test_only_endpoints_sealed_with_the_cluster_key_are_paired(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    unsealed = kv_pb2.EndpointInfo()
+    unsealed.CopyFrom(decode.info)
+    unsealed.ClearField("seal")
+    forged = edited(decode.info, key=other_key())
+    tampered = kv_pb2.EndpointInfo()
+    tampered.CopyFrom(decode.info)
+    tampered.address = "attacker/x"  # the seal no longer matches
+    for bad, reason in ((unsealed, "not sealed"), (forged, "sealed with key"),
+                        (tampered, "does not verify")):
+        with pytest.raises(Unauthenticated, match=reason) as exc_info:
+            table.connect(bad)
+        assert exc_info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert transport.connects == [] and len(table) == 0
+    table.connect(decode.info)
+    table.close()
+
+
+def test_a_caller_cannot_evict_or_revive_an_incarnation(prefill_pool, decode) -> None:
+    table, transport = make_table(prefill_pool)
+    live = table.connect(decode.info)
+    # A new id claiming the same address without a later incarnation is refused, sealed or not.
+    same_age = edited(decode.info, endpoint_id="impostor")
+    with pytest.raises(UnknownEndpoint, match="not newer"):
+        table.connect(same_age)
+    assert not live.closed and not table.is_dead(decode.info.endpoint_id)
+    # A real restart replaces it; replaying the old sealed endpoint does not bring it back.
+    old_info = decode.info
+    new_info = decode.restart()
+    table.connect(new_info)
+    assert live.closed
+    with pytest.raises(UnknownEndpoint):
+        table.connect(old_info)
     table.close()
 
 
@@ -188,7 +250,8 @@ def test_new_incarnation_kills_the_old_one(prefill_pool, decode) -> None:
 def test_dead_ids_are_bounded(prefill_pool, decode) -> None:
     transport = CountingShm()
     transport.register_pool(prefill_pool)
-    table = PeerTable(transport, TOY_LAYOUT, max_dead=2)
+    _TRANSPORTS.append(transport)
+    table = PeerTable(transport, TOY_LAYOUT, session_key(), max_dead=2)
     ids = []
     for _ in range(4):
         table.connect(decode.info)

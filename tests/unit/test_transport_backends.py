@@ -5,13 +5,20 @@ sides live in this process here, each with its own real pool and engine."""
 from __future__ import annotations
 
 import json
+import os
 
 import grpc
 import pytest
 
-from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
+from deltakv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+    UnknownEndpoint,
+)
 from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.pool import SharedKVPool, incarnation_name
 from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
 from deltakv.v1 import kv_pb2
 from tests.support.layouts import TOY_LAYOUT
@@ -20,19 +27,23 @@ from tests.support.tickets import ticket
 
 @pytest.fixture
 def pools():
-    a = SharedKVPool.create(TOY_LAYOUT)
-    b = SharedKVPool.create(TOY_LAYOUT.with_pages(32))
+    a = SharedKVPool.create(TOY_LAYOUT, name=incarnation_name("deltakv-ut-a"))
+    b = SharedKVPool.create(TOY_LAYOUT.with_pages(32), name=incarnation_name("deltakv-ut-b"))
     yield a, b
     a.close()
     b.close()
 
 
 def _pair(name: str, pools, extra: dict | None = None):
+    """Two transports of backend ``name`` over the two pools; for shm every destination
+    fence word is armed for room 1 (the tickets' room)."""
     a, b = pools
     ta = create_transport(name, TransportOptions(extra=dict(extra or {})))
     tb = create_transport(name, TransportOptions(extra=dict(extra or {})))
     ta.register_pool(a)
     tb.register_pool(b)
+    if tb.fence_kind == "words":
+        tb.fence_table.arm(1, range(b.layout.num_pages))
     return ta, tb, tb.describe("ep-b", b.layout)
 
 
@@ -116,6 +127,58 @@ def test_shm_peer_whose_segment_vanished_is_unavailable(pools):
         with pytest.raises(FailedPrecondition, match="does not exist"):
             ta.connect(info)  # UnknownEndpoint: nothing by that name any more
     finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_writes_only_pages_granted_to_the_room(pools):
+    ta, tb, info = _pair("shm", pools)
+    try:
+        handle = ta.connect(info)
+        pools[0].as_bytes()[0].fill_(7)
+        before = pools[1].page_crc32([2, 3, 5])
+        tb.fence_table.revoke(1, [3])
+        with pytest.raises(PermissionDenied, match="page 3 is not granted"):
+            ta.write(handle, [PageRun(0, 2, 2)], ticket(10))  # pages 2 and 3
+        with pytest.raises(PermissionDenied):
+            ta.write(handle, [PageRun(0, 5, 1)], ticket(10, room=2))  # another room
+        assert pools[1].page_crc32([2, 3, 5]) == before  # the whole run was refused
+        ta.write(handle, [PageRun(0, 2, 1)], ticket(10))  # page 2 still is room 1's
+        assert pools[1].page_crc32([2]) == pools[0].page_crc32([0])
+    finally:
+        ta.close()
+        tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_maps_only_the_published_segment_and_says_no_size(pools, tmp_path):
+    ta, tb, info = _pair("shm", pools)
+    stray = f"deltakv-ut-stray-{'0' * 32}"
+    path = f"/dev/shm/{stray}"
+    try:
+        # A name without an incarnation token is not a deltakv pool.
+        with pytest.raises(InvalidArgument, match="does not name a deltakv pool"):
+            ta.connect(_with_descriptor(info, segment="deltakv-ut-plain",
+                                        fence="deltakv-ut-plain.fence"))
+        # An unrelated 0600 file whose size is a multiple of a page (even the right size):
+        # not the published inode, refused without any size in the error.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, pools[1].nbytes)
+        os.close(fd)
+        with pytest.raises(UnknownEndpoint) as exc_info:
+            ta.connect(_with_descriptor(info, segment=stray, fence=f"{stray}.fence"))
+        message = str(exc_info.value)
+        assert "not the pool" in message
+        assert str(pools[1].nbytes) not in message and "bytes" not in message
+        # A symlink to the real pool is not followed.
+        os.unlink(path)
+        os.symlink(f"/dev/shm/{pools[1].name}", path)
+        with pytest.raises(UnknownEndpoint):
+            ta.connect(_with_descriptor(info, segment=stray, fence=f"{stray}.fence"))
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
         ta.close()
         tb.close()
 

@@ -45,22 +45,56 @@ class KVLayout(_message.Message):
     model_fingerprint: str
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDtype, str]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
+class Seal(_message.Message):
+    __slots__ = ("key_id", "mac")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    mac: bytes
+    def __init__(self, key_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
 class EndpointInfo(_message.Message):
-    __slots__ = ("endpoint_id", "backend", "address", "descriptor", "layout")
+    __slots__ = ("endpoint_id", "backend", "address", "descriptor", "layout", "incarnation", "seal")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     backend: str
     address: str
     descriptor: bytes
     layout: KVLayout
-    def __init__(self, endpoint_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., descriptor: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    seal: Seal
+    def __init__(self, endpoint_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., descriptor: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation: _Optional[int] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
+
+class TransferGrant(_message.Message):
+    __slots__ = ("room", "endpoint_id", "dst_page_indices", "num_pages", "decode_prefix_len", "prompt_len", "prompt_digest", "expires_unix_ms", "seal")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    endpoint_id: str
+    dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    num_pages: int
+    decode_prefix_len: int
+    prompt_len: int
+    prompt_digest: bytes
+    expires_unix_ms: int
+    seal: Seal
+    def __init__(self, room: _Optional[int] = ..., endpoint_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("room", "request_id", "decode_endpoint", "dst_page_indices", "decode_prefix_len", "prompt_len", "lease_ms")
+    __slots__ = ("room", "request_id", "decode_endpoint", "dst_page_indices", "decode_prefix_len", "prompt_len", "lease_ms", "grant")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +102,7 @@ class TransferInfo(_message.Message):
     DECODE_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     room: int
     request_id: str
     decode_endpoint: EndpointInfo
@@ -75,7 +110,8 @@ class TransferInfo(_message.Message):
     decode_prefix_len: int
     prompt_len: int
     lease_ms: int
-    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_endpoint: _Optional[_Union[EndpointInfo, _Mapping]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    grant: TransferGrant
+    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_endpoint: _Optional[_Union[EndpointInfo, _Mapping]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., lease_ms: _Optional[int] = ..., grant: _Optional[_Union[TransferGrant, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("pages", "bytes", "runs", "batches", "duration_us", "decode_prefix_len", "prefill_cached_len", "backend", "page_digests")
@@ -116,7 +152,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_pages", "free", "cached", "live", "quarantined", "locked", "evictable", "page_bytes")
+    __slots__ = ("num_pages", "free", "cached", "live", "quarantined", "locked", "evictable", "page_bytes", "fence_pending")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +161,7 @@ class PoolStats(_message.Message):
     LOCKED_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_PENDING_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     free: int
     cached: int
@@ -133,7 +170,8 @@ class PoolStats(_message.Message):
     locked: int
     evictable: int
     page_bytes: int
-    def __init__(self, num_pages: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., live: _Optional[int] = ..., quarantined: _Optional[int] = ..., locked: _Optional[int] = ..., evictable: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    fence_pending: int
+    def __init__(self, num_pages: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., live: _Optional[int] = ..., quarantined: _Optional[int] = ..., locked: _Optional[int] = ..., evictable: _Optional[int] = ..., page_bytes: _Optional[int] = ..., fence_pending: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -61,22 +61,25 @@ class PrefillServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Handshake(self, request, context):
-        """Pairing check at connect time: FAILED_PRECONDITION if the layouts differ (names the
-        field and both values), UNAVAILABLE if prefill's sidecar cannot reach decode's endpoint.
+        """Pairing check at connect time: UNAUTHENTICATED if decode's endpoint is not sealed with
+        the cluster's pairing key, FAILED_PRECONDITION if the layouts differ (names the field and
+        both values), UNAVAILABLE if prefill's sidecar cannot reach decode's endpoint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Returns only after every delta write completed.
+        """Returns only after every delta write completed. UNAUTHENTICATED / PERMISSION_DENIED
+        without a valid grant for exactly this write (checked before any compute).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortTransfer(self, request, context):
-        """Returns once no write for the room is in flight or can start.
+        """Stops the room's work here: returns once prefill's sidecar starts no further batch for it
+        and runs none. Advisory for decode, whose own fence proves no byte can land.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

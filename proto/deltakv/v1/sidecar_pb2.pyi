@@ -13,29 +13,44 @@ class SidecarRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SIDECAR_ROLE_UNSPECIFIED: _ClassVar[SidecarRole]
     SIDECAR_ROLE_PREFILL: _ClassVar[SidecarRole]
     SIDECAR_ROLE_DECODE: _ClassVar[SidecarRole]
+
+class PageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_STATE_UNSPECIFIED: _ClassVar[PageState]
+    PAGE_STATE_FREE: _ClassVar[PageState]
+    PAGE_STATE_CACHED: _ClassVar[PageState]
+    PAGE_STATE_LIVE: _ClassVar[PageState]
+    PAGE_STATE_QUARANTINED: _ClassVar[PageState]
 SIDECAR_ROLE_UNSPECIFIED: SidecarRole
 SIDECAR_ROLE_PREFILL: SidecarRole
 SIDECAR_ROLE_DECODE: SidecarRole
+PAGE_STATE_UNSPECIFIED: PageState
+PAGE_STATE_FREE: PageState
+PAGE_STATE_CACHED: PageState
+PAGE_STATE_LIVE: PageState
+PAGE_STATE_QUARANTINED: PageState
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("endpoint", "role", "pool_shm_name", "pool_bytes", "page_bytes", "pid")
+    __slots__ = ("endpoint", "role", "pool_shm_name", "pool_bytes", "page_bytes", "pid", "incarnation")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     POOL_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     endpoint: _kv_pb2.EndpointInfo
     role: SidecarRole
     pool_shm_name: str
     pool_bytes: int
     page_bytes: int
     pid: int
-    def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("quarantine_ms",)
@@ -144,16 +159,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class WritePagesRequest(_message.Message):
-    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len")
+    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len", "prompt_digest")
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_info: _kv_pb2.TransferInfo
     src_page_indices: _containers.RepeatedScalarFieldContainer[int]
     lease_remaining_ms: int
     prefill_cached_len: int
-    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("stats",)
@@ -185,6 +202,46 @@ class PageChecksumsResponse(_message.Message):
     crc32: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PageStatesRequest(_message.Message):
+    __slots__ = ("page_indices",)
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PageStatesResponse(_message.Message):
+    __slots__ = ("states", "crc32")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[PageState]
+    crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, states: _Optional[_Iterable[_Union[PageState, str]]] = ..., crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class IssueGrantRequest(_message.Message):
+    __slots__ = ("owner_request_id", "transfer_info", "prompt_digest")
+    OWNER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    owner_request_id: str
+    transfer_info: _kv_pb2.TransferInfo
+    prompt_digest: bytes
+    def __init__(self, owner_request_id: _Optional[str] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+
+class IssueGrantResponse(_message.Message):
+    __slots__ = ("transfer_info",)
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    transfer_info: _kv_pb2.TransferInfo
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ...) -> None: ...
+
+class CloseGrantRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class CloseGrantResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AuditCacheRequest(_message.Message):
     __slots__ = ("evict",)
     EVICT_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +263,7 @@ class AuditCacheResponse(_message.Message):
     def __init__(self, pages_checked: _Optional[int] = ..., corrupt_pages: _Optional[_Iterable[int]] = ..., evicted_pages: _Optional[int] = ..., pages_unverified: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class SidecarStats(_message.Message):
-    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written", "page_digests", "digest_mismatches")
+    __slots__ = ("pool", "live_requests", "rooms_in_flight", "transfers_ok", "transfers_failed", "bytes_written", "pages_written", "page_digests", "digest_mismatches", "grants_open", "fence_recycles", "grants_refused")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROOMS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +273,9 @@ class SidecarStats(_message.Message):
     PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FENCE_RECYCLES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     pool: _kv_pb2.PoolStats
     live_requests: int
     rooms_in_flight: int
@@ -225,4 +285,7 @@ class SidecarStats(_message.Message):
     pages_written: int
     page_digests: bool
     digest_mismatches: int
-    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ..., page_digests: _Optional[bool] = ..., digest_mismatches: _Optional[int] = ...) -> None: ...
+    grants_open: int
+    fence_recycles: int
+    grants_refused: int
+    def __init__(self, pool: _Optional[_Union[_kv_pb2.PoolStats, _Mapping]] = ..., live_requests: _Optional[int] = ..., rooms_in_flight: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., bytes_written: _Optional[int] = ..., pages_written: _Optional[int] = ..., page_digests: _Optional[bool] = ..., digest_mismatches: _Optional[int] = ..., grants_open: _Optional[int] = ..., fence_recycles: _Optional[int] = ..., grants_refused: _Optional[int] = ...) -> None: ...

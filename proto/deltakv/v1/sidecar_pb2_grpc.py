@@ -92,6 +92,21 @@ class SidecarServiceStub:
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.FromString,
                 _registered_method=True)
+        self.PageStates = channel.unary_unary(
+                '/deltakv.v1.SidecarService/PageStates',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageStatesRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageStatesResponse.FromString,
+                _registered_method=True)
+        self.IssueGrant = channel.unary_unary(
+                '/deltakv.v1.SidecarService/IssueGrant',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.IssueGrantRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.IssueGrantResponse.FromString,
+                _registered_method=True)
+        self.CloseGrant = channel.unary_unary(
+                '/deltakv.v1.SidecarService/CloseGrant',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.CloseGrantRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.CloseGrantResponse.FromString,
+                _registered_method=True)
         self.AuditCache = channel.unary_unary(
                 '/deltakv.v1.SidecarService/AuditCache',
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AuditCacheRequest.SerializeToString,
@@ -163,7 +178,9 @@ class SidecarServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """End of a request: unlock its locks, free (or quarantine) the pages it still owns.
+        """End of a request: unlock its locks, free (or quarantine) the pages it still owns. On a
+        decode sidecar the request's open grants are revoked first: their pages stay quarantined
+        until the fence proves no byte of the room can still land.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,7 +196,9 @@ class SidecarServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortWrite(self, request, context):
-        """Prefill side: fence a room. Returns once no write for it is in flight or can start.
+        """Prefill side: stop a room's writer. Returns once this sidecar will start no further
+        batch for it and no batch of it is running here. Not a proof that no byte can land at the
+        destination (a network engine may still deliver): decode's own fence is that proof.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +206,32 @@ class SidecarServiceServicer:
 
     def PageChecksums(self, request, context):
         """CRC32 of pages (operators and tests check I4 with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PageStates(self, request, context):
+        """State and CRC32 of pages, taken in one snapshot of the page manager (audits).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IssueGrant(self, request, context):
+        """Decode side: grant a room the right to write the request's delta pages. Returns the
+        complete TransferInfo (room, current sealed endpoint, sealed grant). INVALID_ARGUMENT for
+        pages the request does not own (live) or that another open grant covers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseGrant(self, request, context):
+        """Decode side: the room's transfer completed; close its grant (prove no writer can still
+        write) so its pages may enter the index. NOT_FOUND for an unknown room,
+        FAILED_PRECONDITION if the grant was revoked (expired), UNAVAILABLE if the fence could not
+        be proven in time (the grant is then revoked; its pages stay quarantined until proven).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -258,6 +303,21 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.PageChecksums,
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.SerializeToString,
+            ),
+            'PageStates': grpc.unary_unary_rpc_method_handler(
+                    servicer.PageStates,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.PageStatesRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.PageStatesResponse.SerializeToString,
+            ),
+            'IssueGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueGrant,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.IssueGrantRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.IssueGrantResponse.SerializeToString,
+            ),
+            'CloseGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseGrant,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.CloseGrantRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.CloseGrantResponse.SerializeToString,
             ),
             'AuditCache': grpc.unary_unary_rpc_method_handler(
                     servicer.AuditCache,
@@ -547,6 +607,87 @@ class SidecarService:
             '/deltakv.v1.SidecarService/PageChecksums',
             deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsRequest.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.PageChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PageStates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/PageStates',
+            deltakv_dot_v1_dot_sidecar__pb2.PageStatesRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.PageStatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/IssueGrant',
+            deltakv_dot_v1_dot_sidecar__pb2.IssueGrantRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.IssueGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/CloseGrant',
+            deltakv_dot_v1_dot_sidecar__pb2.CloseGrantRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.CloseGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,15 @@ the sidecar's contiguous write time the digests add, ``xxh3_64`` the hash's GB/s
 bytes in this process.
 
 It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
-the same bytes in this process. Before every repeat (the untimed warm-up included) each
+the same bytes in this process. Every sidecar write carries a grant that the decode sidecar
+issued (``IssueGrant``, untimed) and closes after it (``CloseGrant``, untimed); the raw engine
+writes under one grant too, since the shm backend checks fence words on every run. Beside the
+throughput it reports what the write path's safety costs (docs/architecture.md): the grant
+check (``verify_grant`` of a sealed grant of ``--pages`` pages, in this process, median of
+1000) as a percentage of the contiguous write, the backend's fence per run (shm: the shared
+lock, word check and unlock of :meth:`~deltakv.sidecar.fence_table.FenceView.hold`; network
+engines: nothing per run, they are fenced by recycling the engine after a failure), and the
+IssueGrant + CloseGrant round trip. Before every repeat (the untimed warm-up included) each
 method gets fresh random bytes in its source pages and zeros in its destination pages, both
 written in place, the same way for every method (so all see equally warm memory); after it
 the destination is compared byte for byte with the source (``verified``), so every timed
@@ -32,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
 import statistics
 import sys
@@ -41,6 +48,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
+    gbps,
+    measure_memcpy,
+    measure_xxh3,
+    time_page_writes,
+)
 
 DEFAULT_MODEL = "smollm2"
 PAGE_SIZE = 16  # tokens per page of the model-derived layout (deltakv up's default)
@@ -85,8 +99,7 @@ def bench_layout(page_bytes: int | None, num_pages: int, model: str = DEFAULT_MO
                     page_size=PAGE_SIZE, num_pages=num_pages, model_fingerprint="bench")
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / max(seconds, 1e-9) / 1e9
+_gbps = gbps  # the tables' GB/s
 
 
 class _Sidecar:
@@ -103,6 +116,7 @@ class _Sidecar:
         self.target = uds_address(self.socket)
         cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
                "--transport", backend, "--socket", self.socket,
+               "--pairing-key-file", os.path.join(workdir, "pairing.key"),
                "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
                "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
                "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
@@ -122,77 +136,6 @@ class _Sidecar:
         self.proc.stop()
 
 
-def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],
-                  verify: Callable[[], bool]) -> tuple[float, bool]:
-    """Median seconds of ``action`` over ``repeats`` (plus one untimed warm-up); ``prepare``
-    and ``verify`` run outside the timing around every repetition. Verified only if every
-    repetition verified."""
-    times, ok = [], True
-    for i in range(repeats + 1):
-        prepare()
-        t0 = time.perf_counter()
-        action()
-        elapsed = time.perf_counter() - t0
-        ok = verify() and ok
-        if i:
-            times.append(elapsed)
-    return statistics.median(times), ok
-
-
-def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view: Any,
-                     dst_pages: list[int], action: Callable[[], None],
-                     seed: int = 0) -> tuple[float, bool]:
-    """Median seconds of ``action`` copying pages ``src_pages`` of ``src_view`` to pages
-    ``dst_pages`` of ``dst_view`` (both ``uint8 [num_pages, page_bytes]`` tensors over the
-    real pools), and whether every repetition verified.
-
-    Before each repetition the source pages get fresh random bytes and the destination pages
-    zeros, written in place (``view[index] = ...``; ``view[index].zero_()`` would zero a
-    copy): a repetition that wrote nothing, or wrote the previous repetition's bytes, fails
-    the byte-for-byte check after it.
-    """
-    import torch
-
-    src_index = torch.tensor(src_pages, dtype=torch.long)
-    dst_index = torch.tensor(dst_pages, dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    shape = (len(src_pages), src_view.shape[1])
-
-    def prepare() -> None:
-        src_view[src_index] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-        dst_view[dst_index] = 0
-
-    return _median_timed(repeats, prepare, action,
-                         lambda: bool(torch.equal(dst_view[dst_index], src_view[src_index])))
-
-
-def measure_memcpy(nbytes: int, repeats: int) -> float:
-    """GB/s of one in-process libc memcpy of ``nbytes`` (median of ``repeats``)."""
-    import ctypes
-
-    import torch
-
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    # libc memcpy (via ctypes.memmove): the reference the shm backend's copies are held to.
-    seconds, _ = _median_timed(
-        repeats, lambda: None,
-        lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes), lambda: True)
-    return _gbps(nbytes, seconds)
-
-
-def measure_xxh3(nbytes: int, repeats: int) -> float:
-    """GB/s of xxh3_64 over ``nbytes`` in this process (median of ``repeats``), hashed page by
-    page as the sidecar does is within a few percent of one call; one call here."""
-    import numpy as np
-    import xxhash
-
-    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    seconds, _ = _median_timed(repeats, lambda: None,
-                               lambda: xxhash.xxh3_64_intdigest(data), lambda: True)
-    return _gbps(nbytes, seconds)
-
-
 def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
                     options: list[str], ready_timeout_s: float,
                     model: str = DEFAULT_MODEL) -> dict[str, Any]:
@@ -201,7 +144,10 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     import grpc
 
     from deltakv.layout import KVLayout
+    from deltakv.services.cli.bench.safety import FenceProbe, measure_safety_costs
     from deltakv.services.cli.serve.sidecar import parse_options
+    from deltakv.sidecar.grants import prompt_digest
+    from deltakv.sidecar.pairing import generate_key_file
     from deltakv.sidecar.pool import SharedKVPool
     from deltakv.sidecar.rooms import RoomTicket
     from deltakv.sidecar.transport.base import PageRun, TransportOptions
@@ -212,6 +158,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     page_bytes = layout.page_bytes
     nbytes = pages * page_bytes
     workdir = tempfile.mkdtemp(prefix="dkv-bench-", dir="/tmp")
+    key = generate_key_file(os.path.join(workdir, "pairing.key"))
+    digest = prompt_digest([0])  # the "prompt" is the benchmark's random bytes
     sidecars: list[_Sidecar] = []
     closers: list[Callable[[], None]] = []
     try:
@@ -242,19 +190,43 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                                          KVLayout.from_proto(plain_desc.endpoint.layout))
         closers.append(plain_pool.close)
         src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
+        # Every decode page belongs to one bench request: grants cover only live pages.
+        owned = dec_stub.Allocate(sidecar_pb2.AllocateRequest(
+            request_id="bench-dst", num_pages=layout.num_pages), timeout=10).page_indices
+        if sorted(owned) != list(range(layout.num_pages)):
+            raise RuntimeError("the decode sidecar's pool is not empty")
+        grant_rtt: list[float] = []
+
+        def issue(dst: list[int]) -> kv_pb2.TransferInfo:
+            return dec_stub.IssueGrant(sidecar_pb2.IssueGrantRequest(
+                owner_request_id="bench-dst", prompt_digest=digest,
+                transfer_info=kv_pb2.TransferInfo(
+                    request_id="bench", dst_page_indices=dst, decode_prefix_len=0,
+                    prompt_len=len(dst) * layout.page_size, lease_ms=120_000)),
+                timeout=10).transfer_info
+
+        def close(room: int) -> None:
+            dec_stub.CloseGrant(sidecar_pb2.CloseGrantRequest(room=room), timeout=10)
 
         def sidecar_method(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
                            digests: bool) -> tuple[float, bool, int]:
             runs: list[int] = []
+            granted: list[kv_pb2.TransferInfo] = []
+
+            def setup() -> None:
+                t0 = time.perf_counter()
+                granted.append(issue(dst))
+                grant_rtt.append(time.perf_counter() - t0)
+
+            def teardown() -> None:
+                t0 = time.perf_counter()
+                close(granted[-1].room)
+                grant_rtt[-1] += time.perf_counter() - t0
 
             def action() -> None:
-                info = kv_pb2.TransferInfo(
-                    room=secrets.randbits(63) + 1, request_id="bench",
-                    decode_endpoint=dec_desc.endpoint, dst_page_indices=dst,
-                    decode_prefix_len=0, prompt_len=len(src) * layout.page_size,
-                    lease_ms=120_000)
                 stats = stub.WritePages(sidecar_pb2.WritePagesRequest(
-                    transfer_info=info, src_page_indices=src), timeout=180).stats
+                    transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest),
+                    timeout=180).stats
                 if stats.bytes != len(src) * page_bytes:
                     raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
                                        f"{len(src)} pages of {page_bytes} B")
@@ -264,7 +236,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                 runs.append(stats.runs)
 
             seconds, ok = time_page_writes(repeats, source, src, dst_view, dst, action,
-                                           seed=seed)
+                                           seed=seed, setup=setup, teardown=teardown)
             return seconds, ok, runs[-1]
 
         contiguous = list(range(pages))
@@ -291,16 +263,29 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         peer = engine.connect(dec_desc.endpoint)
         closers.append(lambda: engine.disconnect(peer))
         block = [PageRun(src_page=0, dst_page=0, num_pages=pages)]
+        raw_grant = issue(contiguous)  # shm checks its fence words on every run
 
         def raw_write() -> None:
-            ticket = RoomTicket(room=1, request_id="bench-raw",
+            ticket = RoomTicket(room=raw_grant.room, request_id="bench-raw",
                                 deadline=time.monotonic() + 120.0)
             engine.write(peer, block, ticket)
 
         t_raw, ok_raw = time_page_writes(repeats, src_view, contiguous, dst_view, contiguous,
                                          raw_write, seed=3)
+        close(raw_grant.room)
 
+        # Safety costs, beside the write they protect.
+        fence_view = None
+        if getattr(engine, "fence_kind", "") == "words":
+            armed = issue([0])
+            fence_view = FenceProbe(peer.fence, armed.room)
+        try:
+            costs = measure_safety_costs(pages, key, dec_desc.endpoint, fence_view)
+        finally:
+            if fence_view is not None:
+                close(armed.room)
         raw = _gbps(nbytes, t_raw)
+        t_contig_us = t_contig * 1e6
         return {
             "page_bytes": page_bytes,
             "pages": pages,
@@ -312,6 +297,15 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "scattered_ratio": _gbps(nbytes, t_scat) / raw,
             "contiguous_runs": runs_contig,
             "scattered_runs": runs_scat,
+            "grant_check_us": costs["grant_check_us"],
+            "grant_check_pct": 100.0 * costs["grant_check_us"] / t_contig_us,
+            "fence_kind": getattr(engine, "fence_kind", ""),
+            "fence_us_per_run": costs.get("fence_us_per_run", 0.0),
+            "fence_pct_contiguous": 100.0 * costs.get("fence_us_per_run", 0.0) * runs_contig
+            / t_contig_us,
+            "fence_pct_scattered": 100.0 * costs.get("fence_us_per_run", 0.0) * runs_scat
+            / (t_scat * 1e6),
+            "grant_rpc_ms": statistics.median(grant_rtt) * 1e3,
             "contiguous_nodigest_gbps": _gbps(nbytes, t_contig_off),
             "scattered_nodigest_gbps": _gbps(nbytes, t_scat_off),
             # Share of the contiguous write's time the digests add (negative: noise).
@@ -350,6 +344,15 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{rec['digest_cost'] * 100:>12.1f}%  {rec['verified']}")
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"{name:<10}skipped: {reason}")
+    lines += ["", f"{'backend':<10}{'grant check':>13}{'% contig':>10}{'fence':>13}"
+              f"{'/run':>10}{'% contig':>10}{'% scatter':>11}{'grant RPCs':>12}"]
+    for name, rec in result["backends"].items():
+        if "error" in rec:
+            continue
+        lines.append(f"{name:<10}{rec['grant_check_us']:>10.1f} us{rec['grant_check_pct']:>9.3f}%"
+                     f"{rec['fence_kind']:>13}{rec['fence_us_per_run']:>7.1f} us"
+                     f"{rec['fence_pct_contiguous']:>9.3f}%{rec['fence_pct_scattered']:>10.3f}%"
+                     f"{rec['grant_rpc_ms']:>9.2f} ms")
     return "\n".join(lines)
 
 

@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of the Prefill RPC (compute + transfer)")
     parser.add_argument("--lease-ms", type=int, default=d.lease_ms,
                         help="transfer lease: no write lands after receipt + lease")
-    parser.add_argument("--quarantine-grace-ms", type=int, default=d.quarantine_grace_ms)
-    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms)
+    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms,
+                        help="bound of the AbortTransfer call to prefill after a failure "
+                             "(advisory: the pages wait for the decode sidecar's fence)")
     parser.add_argument("--prefill-connect-timeout-ms", type=int,
                         default=d.prefill_connect_timeout_ms,
                         help="how long a request waits for the prefill connection (re)established")
@@ -57,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
     from deltakv.services.runtime import otel
+    from deltakv.sidecar.pairing import add_key_argument
 
+    add_key_argument(parser)
     tls.add_server_arguments(parser)
     tls.add_prefill_channel_arguments(parser)
     otel.add_arguments(parser)
@@ -74,7 +77,8 @@ async def build(args: argparse.Namespace, stack, log):
     """Sidecar, model, prefill pool (paired), servicer, gRPC server and (``--http-port``) the
     OpenAI HTTP API of one decode worker; each part's close goes onto ``stack``. Bad TLS files
     fail first, before the sidecar wait and the model load; a prefill with another layout is
-    refused (FAILED_PRECONDITION) before serving; a taken HTTP port is UNAVAILABLE."""
+    refused (FAILED_PRECONDITION) before serving, and so is one whose endpoint is not sealed with
+    the pairing key (UNAUTHENTICATED); a taken HTTP port is UNAVAILABLE."""
     from deltakv.rpc import tls
     from deltakv.rpc.channel import options
     from deltakv.services.decode.config import DecodeConfig
@@ -83,23 +87,26 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
+    from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
 
+    key = key_from_args(args.pairing_key_file)
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
-        quarantine_grace_ms=args.quarantine_grace_ms, abort_timeout_ms=args.abort_timeout_ms,
+        abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s)
     targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     prefill_credentials = tls.channel_credentials(tls.prefill_channel_files(args))
-    # A previous decode worker's transfers may still land in the pages it left: quarantined
-    # for its lease + grace when this worker attaches.
+    # A previous decode worker's transfers may still land in the pages it left: the sidecar
+    # revokes their grants when this worker attaches, and those pages wait for the fence
+    # (docs/architecture.md, "Fencing") — no timer is needed on top.
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
-                                quarantine_ms=config.lease_ms + config.quarantine_grace_ms,
+                                quarantine_ms=0,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
 
@@ -109,7 +116,7 @@ async def build(args: argparse.Namespace, stack, log):
                                server_name=server_name)
 
     pool = PrefillPool(targets, prefill_channel, worker.describe.endpoint,
-                       resolve_interval_s=args.prefill_resolve_interval_s)
+                       resolve_interval_s=args.prefill_resolve_interval_s, key=key)
     stack.push_async_callback(pool.close)
     await pool.start(args.connect_timeout_s)
     servicer = DecodeServicer(worker, pool, config)

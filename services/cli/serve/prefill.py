@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     from deltakv.rpc import tls
     from deltakv.services.runtime import otel
+    from deltakv.sidecar.pairing import add_key_argument
 
+    add_key_argument(parser)
     tls.add_server_arguments(parser)
     otel.add_arguments(parser)
 
@@ -48,15 +50,17 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
+    from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
 
+    key = key_from_args(args.pairing_key_file)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
-    servicer = PrefillServicer(worker, args.model)
+    servicer = PrefillServicer(worker, args.model, key)
     stack.callback(servicer.close)
     # A lost pool incarnation: the attempts computing in it stop at their next check.
     worker.pairing.on_lost.append(lambda reason: servicer.abort_all(reason))

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, wait this long for in-flight writes (default 10)")
     parser.add_argument("--max-lease-ms", type=int, default=600_000,
                         help="longest TransferInfo.lease_ms accepted (default 600000)")
+    from deltakv.sidecar.pairing import add_key_argument
+
+    add_key_argument(parser)
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
                         help="end-to-end page digests (xxh3_64): taken by a prefill sidecar's "
                              "writes, checked before decode commits, kept by cached pages for "
@@ -118,11 +121,13 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
 
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
+    from deltakv.sidecar.pairing import key_from_args
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
     config = SidecarConfig(
         role=args.role, transport=args.transport, socket_path=args.socket,
-        layout=build_layout(args), host=args.host, port=args.port,
+        layout=build_layout(args), pairing_key=key_from_args(args.pairing_key_file),
+        host=args.host, port=args.port,
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
         max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on")

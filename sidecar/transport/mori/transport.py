@@ -24,6 +24,18 @@ room's deadline (the transfer lease); a write that may still land after it is co
 the engine rather than deregistering memory under it. Engine outcomes map to deltakv errors
 in :mod:`.wire`.
 
+Fencing (``fence_kind = "incarnation"``, docs/architecture.md "Fencing"). MORI-IO writes are
+one-sided RDMA: the destination's CPU takes no part, and a write posted before the initiator
+gave up may still be executed by the NICs after its status reported failure or timed out. What
+can still land: only RDMA writes that carry the rkey of the pool's memory region registered by
+*this* engine. Deregistering that region (``deregister_memory``, i.e. ``ibv_dereg_mr``) makes
+the rkey invalid: the responder NIC rejects every later write with a remote access error, and
+the verbs contract has the call return only once the HCA no longer accesses the region. So the
+decode sidecar keeps a current and a retiring engine (:mod:`deltakv.sidecar.fence`): a revoked
+room's pages stay quarantined until :meth:`MoriTransport.close` of the engine incarnation that
+registered them returned True (region deregistered, backends removed). Here this is tested
+against the stand-in (tests/standins/mori), which honours deregistration the same way.
+
 Lazy import: ``mori.io`` is imported only when a transport is built (or
 :meth:`MoriTransport.probe` is asked, :mod:`.library`), so deltakv works without
 ``amd-mori``; choosing ``--transport mori`` then fails at start-up with
@@ -372,21 +384,24 @@ class MoriTransport(Transport):
         return self._completions.drain(self.options["close_timeout_s"] if timeout is None
                                        else timeout)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Wait (bounded) for writes that may still land, then deregister the remote engines
         still registered and the pool, and remove the backends. With a write still in the
         engine after the bound the engine is leaked instead (never deregister memory under
-        a live write). Idempotent; never closes the pool itself."""
+        a live write) and False is returned; False too if the pool's deregistration failed
+        (its rkey may still be valid). True once the pool's memory region is deregistered
+        and the backends are removed: the fence proof of the module docstring. Idempotent;
+        never closes the pool itself."""
         with self._lock:
             if self._closed:
-                return
+                return self._engine is None and self._memory is None
             self._closed = True
             registered = [entry[0] for entry in self._remote_engines.values()]
             self._remote_engines.clear()
         if not self.drain():
             log.warning("mori_close_leaks_engine", in_flight=self.in_flight,
                         reason="writes still in the engine past close_timeout_s")
-            return
+            return False
         for desc in registered:
             self._deregister(desc)
         if self._memory is not None:
@@ -395,9 +410,11 @@ class MoriTransport(Transport):
             except Exception as exc:  # noqa: BLE001
                 log.warning("mori_deregister_memory_failed",
                             error=f"{type(exc).__name__}: {exc}")
+                return False
             self._memory = None
             self._pool = None
         self._teardown()
+        return True
 
     def _teardown(self) -> None:
         engine = getattr(self, "_engine", None)

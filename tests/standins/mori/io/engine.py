@@ -28,6 +28,17 @@ into the target's region: the target's CPU takes no part, so a stopped (SIGSTOP)
 receives writes, as with RDMA. A region that is not mappable from here is a pair no backend
 can serve (``ERR_BAD_STATE``).
 
+Memory regions and rkeys, honoured like RDMA does: every engine keeps a small shared-memory
+"MR table" (``/dev/shm/mori-standin-mr-...``, one u64 per region slot: the region's rkey while it
+is registered, 0 after ``deregister_memory``), named in ``MemoryDesc.ipc_handle`` with the
+region's slot and rkey. The initiator copies a job only while it holds a shared kernel lock
+(``fcntl`` OFD) on the slot's word and after checking it still holds the rkey; a deregistered
+region fails the job with ``ERR_RDMA_OP`` ("remote access error"), as a responder NIC rejects an
+invalid rkey. ``deregister_memory`` zeroes the word and then takes the exclusive lock (bounded),
+so it returns only once no copy into the region is running — the guarantee ``ibv_dereg_mr``
+gives: after it returns the NIC no longer accesses the region. (The real library does this in
+hardware; this is the stand-in's emulation of it.)
+
 Control plane: each engine's RDMA backend is a TCP listener. ``create_session`` (or the first
 ``batch_write`` for a region pair) connects and asks the target about the remote region
 (session build: needs the target alive and running). That connection then plays the role of
@@ -52,9 +63,12 @@ separated by commas:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import enum
+import errno
+import fcntl
 import hashlib
 import itertools
 import json
@@ -367,6 +381,103 @@ _REQUEST = struct.Struct("!4sBQ")   # magic, op, remote memory id
 _REPLY = struct.Struct("!BQI")      # status code, region size, message length
 
 
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock, 64-bit Linux
+#: Slots of an engine's MR table (regions registered at once).
+MR_SLOTS = 64
+#: Bound of deregister_memory's wait for copies still running into the region.
+DEREGISTER_TIMEOUT_S = float(os.environ.get("MORI_STANDIN_DEREGISTER_TIMEOUT_S", "30"))
+
+
+def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+# MR table files this process created: an engine leaked on purpose (a write stuck in it)
+# never removes its table, so the process does at exit.
+_MR_FILES: set[str] = set()
+
+
+@atexit.register
+def _remove_mr_files() -> None:
+    for path in list(_MR_FILES):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class _MrTable:
+    """Target side: the rkeys of this engine's registered regions (see the module docstring)."""
+
+    def __init__(self, key: str) -> None:
+        tag = hashlib.sha1(key.encode()).hexdigest()[:16]
+        self.path = f"/dev/shm/mori-standin-mr-{tag}-{os.getpid()}"
+        _MR_FILES.add(self.path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self._fd, MR_SLOTS * 8)
+        self._mm = mmap.mmap(self._fd, MR_SLOTS * 8)
+        self._words = memoryview(self._mm).cast("Q")
+        self._lock = threading.Lock()
+
+    def add(self) -> tuple[int, int]:
+        """A free slot and a fresh non-zero rkey written into it."""
+        with self._lock:
+            for slot in range(MR_SLOTS):
+                if not self._words[slot]:
+                    rkey = int.from_bytes(os.urandom(8), "little") | 1
+                    self._words[slot] = rkey
+                    return slot, rkey
+        raise RuntimeError("stand-in MR table full")
+
+    def remove(self, slot: int) -> None:
+        """Invalidate the slot's rkey, then wait (bounded) until no copy holds it."""
+        with self._lock:
+            self._words[slot] = 0
+        deadline = time.monotonic() + DEREGISTER_TIMEOUT_S
+        while not _ofd_lock(self._fd, fcntl.F_WRLCK, slot * 8, 8):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"deregister_memory: a transfer still accesses the region "
+                                   f"after {DEREGISTER_TIMEOUT_S:g} s")
+            time.sleep(0.001)
+        _ofd_lock(self._fd, fcntl.F_UNLCK, slot * 8, 8)
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        _MR_FILES.discard(self.path)
+        self._words.release()
+        self._mm.close()
+        os.close(self._fd)
+
+
+class _MrView:
+    """Initiator side: a read-only view of a target's MR table."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._mm = mmap.mmap(self._fd, MR_SLOTS * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._words = memoryview(self._mm).cast("Q")
+
+    @contextlib.contextmanager
+    def hold(self, slot: int, rkey: int):  # noqa: ANN201
+        """Yield True while the slot holds ``rkey`` (shared lock held), False if it does not."""
+        while not _ofd_lock(self._fd, fcntl.F_RDLCK, slot * 8, 8):
+            time.sleep(0.0005)
+        try:
+            yield self._words[slot] == rkey
+        finally:
+            _ofd_lock(self._fd, fcntl.F_UNLCK, slot * 8, 8)
+
+    def close(self) -> None:
+        self._words.release()
+        self._mm.close()
+        os.close(self._fd)
+
+
 def _view(address: int, size: int) -> memoryview:
     """Writable byte view of ``size`` bytes at ``address`` in this process (no copy)."""
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
@@ -495,6 +606,7 @@ class _Link:
         self._sock: socket.socket | None = None
         self._ctrl = threading.Lock()
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self._mr_views: dict[str, _MrView] = {}
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -587,15 +699,25 @@ class _Link:
                 continue
             try:
                 target = self._target(job.remote)
+                where = json.loads(job.remote.ipc_handle.decode())
+                mr = self._mr_views.get(where["mr_table"])
+                if mr is None:
+                    mr = self._mr_views[where["mr_table"]] = _MrView(where["mr_table"])
             except LookupError as exc:
                 job.status.Update(StatusCode.ERR_BAD_STATE, f"No available backend: {exc}")
                 continue
-            except (OSError, ConnectionError) as exc:
+            except (OSError, ConnectionError, ValueError) as exc:
                 job.status.Update(StatusCode.ERR_RDMA_OP, f"remote access error: {exc}")
                 continue
-            for loff, roff, size in job.entries:
-                target[roff:roff + size] = _view(job.local.data + loff, size)
-            job.status.Update(StatusCode.SUCCESS, "")
+            with mr.hold(where["slot"], where["rkey"]) as valid:
+                if valid:
+                    for loff, roff, size in job.entries:
+                        target[roff:roff + size] = _view(job.local.data + loff, size)
+            if valid:
+                job.status.Update(StatusCode.SUCCESS, "")
+            else:
+                job.status.Update(StatusCode.ERR_RDMA_OP, "remote access error: invalid rkey "
+                                  "(the target deregistered the memory region)")
 
     def close(self) -> None:
         self._closed = True
@@ -615,6 +737,9 @@ class _Link:
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps.clear()
+        for mr in self._mr_views.values():
+            mr.close()
+        self._mr_views.clear()
 
 
 def _node_id() -> str:
@@ -669,6 +794,8 @@ class IOEngine:
         self._batch_log: list[list[tuple[int, int, int]]] = []
         self._stuck: list[TransferStatus] = []
         self._faults = _Faults.parse(os.environ.get("MORI_STANDIN_FAULTS", ""))
+        self._mr_table: _MrTable | None = None
+        self._mr_slots: dict[int, int] = {}  # memory id -> MR table slot
 
     # -- stand-in extension ---------------------------------------------------------------
     def standin_set_faults(self, spec: str) -> None:
@@ -728,6 +855,16 @@ class IOEngine:
             link.close()
         if server is not None:
             server.close()
+        # Without its RDMA backend the engine's regions are unreachable: invalidate every
+        # rkey (waiting for running copies) and remove the MR table.
+        with self._lock:
+            table, self._mr_table = self._mr_table, None
+            slots = list(self._mr_slots.values())
+            self._mr_slots.clear()
+        if table is not None:
+            for slot in slots:
+                table.remove(slot)
+            table.close()
 
     def register_remote_engine(self, engine_desc: EngineDesc) -> None:
         if not isinstance(engine_desc, EngineDesc):
@@ -757,9 +894,16 @@ class IOEngine:
         if not isinstance(ptr, int) or ptr <= 0 or not isinstance(size, int) or size <= 0:
             raise RuntimeError(f"invalid memory region ptr={ptr!r} size={size!r}")
         where = _shm_location(ptr, size)
-        handle = json.dumps(where).encode() if where else b""
         with self._lock:
-            desc = MemoryDesc(self._key, next(self._mem_ids), device_id, ptr, size, mem_loc,
+            mem_id = next(self._mem_ids)
+            if where:
+                if self._mr_table is None:
+                    self._mr_table = _MrTable(self._key)
+                slot, rkey = self._mr_table.add()
+                self._mr_slots[mem_id] = slot
+                where.update(mr_table=self._mr_table.path, slot=slot, rkey=rkey)
+            handle = json.dumps(where).encode() if where else b""
+            desc = MemoryDesc(self._key, mem_id, device_id, ptr, size, mem_loc,
                               ipc_handle=handle)
             self._mem[desc.id] = desc
         return desc
@@ -773,8 +917,14 @@ class IOEngine:
                                     -1, MemoryLocationType.CPU)
 
     def deregister_memory(self, mem_desc: MemoryDesc) -> None:
+        """Drop the region; its rkey is invalid for every initiator once this returns (it
+        waits, bounded, for copies still running into it; RuntimeError past the bound)."""
         with self._lock:
             self._mem.pop(mem_desc.id, None)
+            slot = self._mr_slots.pop(mem_desc.id, None)
+            table = self._mr_table
+        if slot is not None and table is not None:
+            table.remove(slot)
 
     def allocate_transfer_uid(self) -> int:
         with self._lock:
