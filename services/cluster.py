@@ -453,12 +453,15 @@ class LocalCluster:
             return uds_address(self.sockets[name.replace("-sidecar", "")])
         # A worker given --health-port (e.g. by tests running it with TLS through
         # prefill_args/decode_args) mirrors its status there in plain text.
+        # Where the worker listens: its own --host (on a link the prefill's is the link
+        # address in its namespace, reached over the veth pair).
+        host = argv[argv.index("--host") + 1] if "--host" in argv[:-1] else self.config.host
         if "--health-port" in argv[:-1]:
             port = argv[argv.index("--health-port") + 1]
             if port != "0":
-                return f"{self.config.host}:{port}"
+                return f"{host}:{port}"
         port = argv[argv.index("--port") + 1]
-        return f"{self.config.host}:{port}"
+        return f"{host}:{port}"
 
     def metrics_ports(self, names: list[str] | None = None) -> dict[str, int]:
         """Prometheus scrape port of each process ({} when ``metrics_port`` is 0): the four
