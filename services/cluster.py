@@ -15,10 +15,12 @@ it. A child
 * is stopped with SIGTERM, then SIGKILL after a bound.
 
 :class:`LocalCluster` is the cluster of ``deltakv up`` as a Python object, used by ``up``,
-``demo`` and the e2e tests: 1P1D by default (two sidecars, prefill and decode); with
-``decode_replicas``/``prefill_replicas`` an MxN shape where every decode uses every prefill
-(its prefill pool) and an affinity router (``deltakv serve router``) in front of the decode
-replicas takes the public ports.
+``demo``, ``bench multiturn --link`` and the e2e tests: 1P1D by default (two sidecars, prefill
+and decode); with ``decode_replicas``/``prefill_replicas`` an MxN shape where every decode uses
+every prefill (its prefill pool) and an affinity router (``deltakv serve router``) in front of
+the decode replicas takes the public ports; with ``link`` two hosts joined by a shaped link
+(:mod:`deltakv.services.netns`): every prefill and prefill sidecar on one, the rest on the
+other.
 It generates the cluster's pairing key (``pairing.key``, mode 0600, in the run directory)
 and passes ``--pairing-key-file`` to every sidecar and worker.
 """
@@ -40,8 +42,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltakv.errors import Unavailable
+from deltakv.errors import InvalidArgument, Unavailable
 from deltakv.rpc.channel import uds_address, wait_serving
+from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _KILL_WAIT_S = 10.0  # reaping a SIGKILLed child is immediate; bounded anyway
@@ -268,6 +271,8 @@ class ClusterConfig:
     wrap: dict[str, list[str]] = field(default_factory=dict)
     # End-to-end page digests in both sidecars (--page-digests on|off).
     page_digests: bool = True
+    # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
+    link: str | None = None
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -288,7 +293,10 @@ class LocalCluster:
         if config.decode_replicas < 1 or config.prefill_replicas < 1:
             raise ClusterError(f"replicas must be >= 1, got decode {config.decode_replicas}, "
                                f"prefill {config.prefill_replicas}")
-        for port in (config.decode_port, config.prefill_port, config.http_port):
+        self.link = self._plan_link(config)
+        # On a link the prefill host is a fresh namespace: every port there is free.
+        for port in (config.decode_port, 0 if self.link else config.prefill_port,
+                     config.http_port):
             if port:
                 check_port_free(config.host, port)
         if config.decode_port == 0:
@@ -304,8 +312,10 @@ class LocalCluster:
         host = config.host
         self.decode_address = f"{host}:{config.decode_port}"
         self.http_address = f"{host}:{config.http_port}" if config.http_port else None
-        self.prefill_addresses = [f"{host}:{config.prefill_port}"] + [
-            f"{host}:{free_port(host)}" for _ in range(1, config.prefill_replicas)]
+        # free_port() probes this namespace; on a link the prefill host's ports are all free,
+        # so the probe only serves to pick distinct numbers.
+        self.prefill_addresses = [f"{self._host('prefill')}:{config.prefill_port}"] + [
+            f"{self._host('prefill')}:{free_port(host)}" for _ in range(1, config.prefill_replicas)]
         self.prefill_address = self.prefill_addresses[0]
         routed = config.decode_replicas > 1
         # (gRPC, HTTP) of each decode replica; without a router replica 0 has the public ports.
@@ -333,6 +343,32 @@ class LocalCluster:
     # -- process plan ---------------------------------------------------------------------------
 
     @staticmethod
+    def _plan_link(config: ClusterConfig) -> TwoHostLink | None:
+        if config.link is None:
+            return None
+        if config.transport == "shm":
+            raise ClusterError("--link needs a network transport (mooncake): shm moves pages "
+                               "through shared memory, which no link shapes")
+        try:
+            link = TwoHostLink(config.link)
+            check_can_create()
+        except (InvalidArgument, LinkError) as exc:
+            raise ClusterError(str(exc)) from None
+        return link
+
+    def _host(self, side: str) -> str:
+        """Where ``side``'s engine and servers listen: the link's address of that side, or
+        ``config.host`` on one host. Decode's public port stays on ``config.host``."""
+        return self.link.host_for(side) if self.link else self.config.host
+
+    def _wrap(self, name: str) -> list[str]:
+        """Command prefix that runs process ``name`` on its host (prefills and their sidecars
+        on the prefill side of the link, everything else here)."""
+        if self.link is None:
+            return []
+        return self.link.wrap("prefill" if self.kind(name).startswith("prefill") else "decode")
+
+    @staticmethod
     def _cli(*words: str) -> list[str]:
         return [sys.executable, "-m", "deltakv.services.cli.main", *words]
 
@@ -356,7 +392,7 @@ class LocalCluster:
                 argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
                                  "--socket", self.sockets[name], "--model", c.model,
                                  "--page-size", str(c.page_size), "--num-pages", str(pages),
-                                 "--host", c.host, "--port", "0", "--shm-name",
+                                 "--host", self._host(role), "--port", "0", "--shm-name",
                                  self.shm_names[name], "--log-level", c.log_level,
                                  "--page-digests", "on" if c.page_digests else "off")
                 for opt in c.transport_options:
@@ -367,7 +403,7 @@ class LocalCluster:
             name = replica_name("prefill", i)
             argvs[name] = self._cli(
                 "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
-                "--host", c.host, "--port", address.rpartition(":")[2],
+                "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
                 "--log-level", c.log_level, "--log-format", "json", *c.prefill_args)
         for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
             name = replica_name("decode", i)
@@ -400,7 +436,8 @@ class LocalCluster:
             argv = [*c.wrap.get(name, []), *argv]
             if c.metrics_port:
                 argv += ["--metrics-port", str(ports[name])]
-            procs.append(ManagedProcess(name, argv, self.run_dir / f"{name}.log",
+            procs.append(ManagedProcess(name, self._wrap(name) + argv,
+                                        self.run_dir / f"{name}.log",
                                         health_target=self._health_target(name, argv), env=env,
                                         stop_timeout_s=c.stop_timeout_s))
         return procs
@@ -416,12 +453,15 @@ class LocalCluster:
             return uds_address(self.sockets[name.replace("-sidecar", "")])
         # A worker given --health-port (e.g. by tests running it with TLS through
         # prefill_args/decode_args) mirrors its status there in plain text.
+        # Where the worker listens: its own --host (on a link the prefill's is the link
+        # address in its namespace, reached over the veth pair).
+        host = argv[argv.index("--host") + 1] if "--host" in argv[:-1] else self.config.host
         if "--health-port" in argv[:-1]:
             port = argv[argv.index("--health-port") + 1]
             if port != "0":
-                return f"{self.config.host}:{port}"
+                return f"{host}:{port}"
         port = argv[argv.index("--port") + 1]
-        return f"{self.config.host}:{port}"
+        return f"{host}:{port}"
 
     def metrics_ports(self, names: list[str] | None = None) -> dict[str, int]:
         """Prometheus scrape port of each process ({} when ``metrics_port`` is 0): the four
@@ -450,6 +490,8 @@ class LocalCluster:
         start-up)."""
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
+            if self.link is not None:
+                self.link.create()
             for kinds in START_GROUPS:
                 group = [p for p in self.procs if self.kind(p.name) in kinds]
                 for proc in group:
@@ -458,7 +500,7 @@ class LocalCluster:
                     if progress:
                         progress(f"waiting for {proc.name}")
                     proc.wait_serving(deadline - time.monotonic(), interrupted)
-        except ProcessError as exc:
+        except (ProcessError, LinkError) as exc:
             self.stop()
             raise ClusterError(str(exc)) from None
         except BaseException:
@@ -488,6 +530,8 @@ class LocalCluster:
             self._stopped = True
             for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
                 proc.stop()
+            if self.link is not None:
+                self.link.destroy()  # after its processes: nothing left inside
             for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
