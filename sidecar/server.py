@@ -131,7 +131,7 @@ class SidecarServer:
         """Build and serve (see class docstring)."""
         from deltakv.sidecar.page_manager import PageManager
         from deltakv.sidecar.pool import SharedKVPool, incarnation_name, reclaim_incarnations
-        from deltakv.sidecar.transport.base import TransportOptions
+        from deltakv.sidecar.transport.base import Transport, TransportOptions
         from deltakv.sidecar.transport.registry import create_transport
 
         cfg = self.config
@@ -145,12 +145,17 @@ class SidecarServer:
             self.pool = SharedKVPool.create(cfg.layout, name=incarnation_name(base))
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
 
-            def make(port: int = 0):
-                # A recycled incarnation binds a free port: the retiring one still holds its.
+            def make() -> Transport:
+                # Every incarnation gets the sidecar's engine port block (cfg.port): a
+                # replacement built while the retiring one still listens takes the block's
+                # other slot (transport/ports.py), so the declared block and the
+                # NetworkPolicies naming it cover both. Only decode's pool is a destination;
+                # prefill's never needs remote access.
                 return create_transport(cfg.transport, TransportOptions(
-                    host=cfg.host, port=port, extra=dict(cfg.transport_extra)))
+                    host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra),
+                    remote_access=cfg.role == "decode"))
 
-            first = make(cfg.port)
+            first = make()
             try:
                 first.register_pool(self.pool)
                 self.engines = EngineSet(first, make, self.pool, cfg.layout, cfg.pairing_key,

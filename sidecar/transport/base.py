@@ -85,12 +85,19 @@ class TransportOptions:
     ``protocol``="tcp"|"rdma", ``device_name``; MORI RdmaBackendConfig fields).
 
     ``host``: address peers use to reach this engine (never loopback in a cluster);
-    ``port``: 0 picks a free port.
+    ``port``: 0 picks a free port; ``P``: the first port of this sidecar's engine port block
+    (:mod:`deltakv.sidecar.transport.ports`), inside which every engine the sidecar runs
+    listens, so a deployment can declare the block and name it in its NetworkPolicies.
+    ``remote_access``: peers write into this pool (decode's);
+    False for a pool that is only ever the source of this sidecar's own writes (prefill's),
+    which a backend then leaves unregistered for remote access where its engine allows it
+    (docs/security.md).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    remote_access: bool = True
 
 
 class PeerHandle:
@@ -123,6 +130,8 @@ class Transport(abc.ABC):
     """One backend instance per sidecar. Thread-safe for concurrent ``write`` calls on
     different rooms (the sidecar serialises nothing itself)."""
 
+    #: TCP ports one engine listens on (its share of the port block, :mod:`.ports`)
+    listeners: int = 0
     #: registry name, e.g. "shm"; also ``EndpointInfo.backend`` of what ``describe`` publishes
     name: str = ""
     #: batching limits the planner sizes this backend's batches to

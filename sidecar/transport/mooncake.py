@@ -1,11 +1,22 @@
 """Mooncake Transfer Engine backend (DESIGN §7): one-sided batch writes over TCP or RDMA.
 
-Engine set-up: ``P2PHANDSHAKE`` metadata (peers exchange segment descriptors directly, no
-etcd), protocol ``tcp`` by default or ``rdma`` via ``TransportOptions.extra["protocol"]``
-(``extra["device_name"]`` picks the NICs, comma-separated). The local pool is registered once
-(``data_ptr``, ``nbytes``). The descriptor published in ``EndpointInfo`` is JSON: the
-engine's session address ``host:rpc_port``, the pool's base virtual address and size, and
-the protocol.
+Engine set-up (:mod:`.mooncake_engine`): ``P2PHANDSHAKE`` metadata (peers exchange segment
+descriptors directly, no etcd), protocol ``tcp`` by default or ``rdma`` via
+``TransportOptions.extra["protocol"]`` (``extra["device_name"]`` picks the NICs,
+comma-separated). The engine binds every interface whatever ``host`` says (it only advertises
+it); ``port=P`` confines the listeners of every engine of the process to the block
+``P .. P + 3`` so they can be declared and named in a NetworkPolicy: the current engine and the
+replacement the decode sidecar builds while retiring it (fencing, below) each take two of them.
+The descriptor published in ``EndpointInfo`` is JSON: the engine's session address
+``host:rpc_port``, the pool's base virtual address and size, and the protocol.
+
+Registration (only what a peer needs, as far as the engine allows): a pool that peers write
+into (``TransportOptions.remote_access``, decode's) is registered, and Mooncake lets any engine
+that reaches the listeners read and write every registered byte of it. A pool that is only a
+source (prefill's) is left unregistered over TCP, where the engine reads a local source (and
+writes the connect probe's local byte) without a registration: no peer can read it. Over RDMA
+every local buffer needs a memory region, and the Python binding registers each one with remote
+read and write access, so prefill's pool is registered (and exposed) there too.
 
 Writes: one planned batch is one engine batch call, ``(local addr, remote addr, length)`` per
 run; the planner keeps batches within ``max_entries`` runs (the engine fails above a few
@@ -31,6 +42,16 @@ the responder's acknowledgement). So the decode sidecar keeps a current and a re
 (:mod:`deltakv.sidecar.fence`): pages of a room whose outcome is unknown stay quarantined until
 the engine incarnation that could receive them is closed.
 
+Open caveat (port reuse, not yet handled): an engine started after an earlier one retired may
+listen on the ports that one gave back — always with a fixed port block (``port=P``: four
+ports, two engines), by chance in the default range — and it registers the same pool at the
+same virtual address. A writer that reconnects later (e.g. a SIGSTOPped prefill sidecar
+resumed after decode's fence was proven) to the old session address reaches the new engine,
+which accepts the old addresses. Closing that hole needs an incarnation-specific address (a
+fresh mapping of the pool per engine, its address never reused) or a data-port authenticator;
+until then a Mooncake TCP writer stopped past decode's fence and resumed can still deliver
+into pages that were freed.
+
 Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
 hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
@@ -48,8 +69,8 @@ drains before tearing the engine down.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,7 +78,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
-from mooncake.engine import TransferEngine
 
 from deltakv.errors import (
     DeadlineExceeded,
@@ -75,7 +95,15 @@ from deltakv.sidecar.transport.base import (
     Transport,
     TransportOptions,
 )
+from deltakv.sidecar.transport.mooncake_engine import engine_module, start_engine
+from deltakv.sidecar.transport.registry import BackendUnavailable
 from deltakv.v1 import kv_pb2
+
+# The engine extension itself is imported when the first engine starts (its port range is
+# read at that import); a missing package still disables this backend at import, as the
+# registry expects.
+if importlib.util.find_spec("mooncake.engine") is None:
+    raise ModuleNotFoundError("No module named 'mooncake.engine'", name="mooncake")
 
 if TYPE_CHECKING:
     from deltakv.sidecar.rooms import RoomTicket
@@ -86,8 +114,6 @@ _DESCRIPTOR_VERSION = 1
 # batch_transfer_async_write returns 0 on a submit error, or (uint64)-1 when the peer's
 # segment cannot be opened (handshake failed).
 _BAD_BATCH_IDS = (0, (1 << 64) - 1)
-# Engine construction reads process-wide environment variables; serialise it.
-_ENGINE_INIT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -119,17 +145,23 @@ class MooncakeTransport(Transport):
     """Mooncake Transfer Engine transport.
 
     ``options.host``: the address peers use to reach this engine (never loopback in a
-    cluster); ``options.port`` must be 0 (the P2P handshake engine picks its own RPC and data
-    ports). ``options.extra``: ``protocol`` ("tcp" | "rdma", default "tcp"), ``device_name``
-    (RDMA NIC filter, default all), ``max_entries`` (runs per batch, default 1024),
-    ``transfer_timeout_s`` (engine-side bound of one batch, default 10, minimum 5),
-    ``connect_timeout_s`` (bound of the reachability probe in ``connect``, default 5).
+    cluster; advertised only, the engine binds every interface); ``options.port``: 0 lets the
+    engine pick its ports (15000-17000), ``P`` makes it listen on two ports of the sidecar's
+    block ``P .. P + 3`` (all below 32768 or above 60999); ``options.remote_access``: False for a pool that is
+    only a source (see the module docstring). ``options.extra``: ``protocol`` ("tcp" |
+    "rdma", default "tcp"), ``device_name`` (RDMA NIC filter, default all), ``max_entries``
+    (runs per batch, default 1024), ``transfer_timeout_s`` (engine-side bound of one batch,
+    default 10, minimum 5), ``connect_timeout_s`` (bound of the reachability probe in
+    ``connect``, default 5).
 
-    Raises InvalidArgument for bad options and Unavailable if the engine fails to start.
-    Thread-safe: concurrent ``write`` calls run their batches independently.
+    Raises InvalidArgument for bad options (a port the engine would ignore included),
+    BackendUnavailable if the engine extension cannot be loaded, Unavailable if the engine
+    fails to start or cannot listen on the requested ports. Thread-safe: concurrent ``write``
+    calls run their batches independently.
     """
 
     name = "mooncake"
+    listeners = 2  # the handshake RPC port and the TCP data port
 
     def __init__(self, options: TransportOptions | None = None) -> None:
         options = options or TransportOptions()
@@ -151,59 +183,60 @@ class MooncakeTransport(Transport):
         # The engine clamps its timeout to >= 5 s; record what it will really use.
         self.transfer_timeout_s = max(5, int(round(transfer_timeout_s)))
         self.host = options.host
-        self._engine = self._start_engine(options, device_name)
+        self.remote_access = options.remote_access
+        self._engine = start_engine(options.host, options.port, self.protocol, device_name,
+                                    self.transfer_timeout_s)
         self.session = f"{self.host}:{self._engine.get_rpc_port()}"
         self._pool: SharedKVPool | None = None
         # Target of connect's 1-byte test read (never the pool: that holds live KV).
         self._scratch = torch.zeros(64, dtype=torch.uint8)
+        # Addresses registered with the engine (unregistered by close).
+        self._registered: list[int] = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._closed = False
 
-    def _start_engine(self, options: TransportOptions, device_name: str) -> TransferEngine:
-        if options.port:
-            # With P2PHANDSHAKE the engine always picks its own RPC and data ports.
-            raise InvalidArgument(f"mooncake picks its own ports (P2P handshake); set port=0, "
-                                  f"got {options.port}")
-        with _ENGINE_INIT_LOCK:
-            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(self.transfer_timeout_s)
-            try:
-                engine = TransferEngine()
-                rc = engine.initialize(options.host, "P2PHANDSHAKE", self.protocol, device_name)
-            finally:
-                if saved is None:
-                    os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-                else:
-                    os.environ["MC_TRANSFER_TIMEOUT"] = saved
-        if rc != 0:
-            raise Unavailable(f"mooncake engine failed to start on {options.host!r} with "
-                              f"protocol {self.protocol!r} (rc={rc}); see the engine log")
-        return engine
-
     @classmethod
     def probe(cls) -> str | None:
-        """None: importing this module already loaded the engine and libibverbs."""
+        """None if the engine extension loads here (it links libibverbs even for TCP), else
+        why not. Loading it fixes Mooncake's listener port range for this process (see
+        :mod:`.mooncake_engine`): sidecars never probe, they start their engine directly."""
+        try:
+            engine_module()
+        except BackendUnavailable as exc:
+            return exc.message
         return None
 
     # ------------------------------------------------------------------ local side
 
     def register_pool(self, pool: SharedKVPool) -> None:
-        """Register ``[pool.data_ptr(), + pool.nbytes)`` with the engine (once). The sidecar
-        keeps owning the pool; it must outlive this transport. InvalidArgument if called
-        twice, Unavailable if the engine refuses the registration."""
+        """Make ``pool`` this transport's pool (once) and register with the engine what the
+        engine needs: the pool when peers write into it (``remote_access``) or the protocol
+        needs local memory regions (``rdma``), and the probe buffer for ``rdma``. A registered
+        region is readable and writable by any engine that reaches this one (Mooncake has no
+        peer authentication). The sidecar keeps owning the pool; it must outlive this
+        transport. InvalidArgument if called twice, Unavailable if the engine refuses a
+        registration."""
         if self._pool is not None:
             raise InvalidArgument("mooncake transport already has a registered pool")
-        rc = self._engine.register_memory(pool.data_ptr(), pool.nbytes)
-        if rc != 0:
-            raise Unavailable(f"mooncake register_memory of {pool.nbytes} bytes failed "
-                              f"(rc={rc})")
-        rc = self._engine.register_memory(self._scratch.data_ptr(), self._scratch.numel())
-        if rc != 0:
-            self._engine.unregister_memory(pool.data_ptr())
-            raise Unavailable(f"mooncake register_memory of the probe buffer failed (rc={rc})")
+        regions = []
+        if self.remote_access or self.protocol == "rdma":
+            regions.append((pool.data_ptr(), pool.nbytes, "the KV pool"))
+        if self.protocol == "rdma":
+            regions.append((self._scratch.data_ptr(), self._scratch.numel(), "the probe buffer"))
+        for addr, nbytes, what in regions:
+            rc = self._engine.register_memory(addr, nbytes)
+            if rc != 0:
+                self._unregister_all()
+                raise Unavailable(f"mooncake register_memory of {what} ({nbytes} bytes) "
+                                  f"failed (rc={rc})")
+            self._registered.append(addr)
         self._pool = pool
+
+    def _unregister_all(self) -> None:
+        while self._registered:
+            self._engine.unregister_memory(self._registered.pop())
 
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
         """EndpointInfo with ``address`` = session ``host:rpc_port`` and the JSON descriptor
@@ -395,10 +428,8 @@ class MooncakeTransport(Transport):
             log.warning("mooncake_close_leaks_engine", in_flight=self.in_flight,
                         reason="batches still in the engine past its bound")
             return False
-        if self._pool is not None:
-            self._engine.unregister_memory(self._pool.data_ptr())
-            self._engine.unregister_memory(self._scratch.data_ptr())
-            self._pool = None
+        self._unregister_all()
+        self._pool = None
         # The only reference: the C++ destructor runs here, synchronously.
         self._engine = None  # type: ignore[assignment]
         return True

@@ -193,3 +193,60 @@ def test_restarted_decode_sidecar_old_endpoint_fails_new_one_works(env: Env) -> 
         check_idle(prefill)
     finally:
         factory.close()
+
+
+def _free_pair() -> int:
+    """P with P and P + 1 free on 127.0.0.1 now (a MORI-IO sidecar's engine port block)."""
+    import socket
+
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for p in (base, base + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port pair")
+
+
+@pytest.mark.timeout(120)
+def test_fencing_recycles_decodes_engine_inside_its_port_block() -> None:
+    """The sidecar as the chart starts it (``--port P``): each engine the decode fence builds
+    to replace a revoked incarnation binds a port of the block ``P, P + 1`` (MORI-IO binds
+    exactly the port it is given: the first free one of the block), so the declared block and
+    its NetworkPolicy keep covering every incarnation; twice, the second reusing the port
+    the retired first engine gave back."""
+    factory = SidecarFactory()
+    try:
+        port = _free_pair()
+        decode = factory.start("decode", transport="mori", extra_args=[
+            *QUICK_CLOSE, "--host", "127.0.0.1", "--port", str(port)], env=STANDIN_ENV)
+        endpoint = decode.describe().endpoint
+        assert endpoint.address == f"127.0.0.1:{port}"
+        seen = []
+        for round_ in range(2):
+            owner = f"r{round_}"
+            dst = allocate(decode, owner, 2)
+            info = grant(decode, owner, kv_pb2.TransferInfo(
+                request_id=f"{owner}-write", dst_page_indices=dst, decode_prefix_len=0,
+                prompt_len=2 * PAGE, lease_ms=60_000))
+            assert info.decode_endpoint.incarnation == endpoint.incarnation
+            # The request ends with its grant open: revoked, fenced by a new engine.
+            decode.stub().Release(sidecar_pb2.ReleaseRequest(request_id=owner), timeout=10)
+            deadline = time.monotonic() + 30.0
+            while True:
+                fresh = decode.describe().endpoint
+                stats = decode.stub().GetStats(kv_pb2.GetStatsRequest(), timeout=10)
+                if fresh.incarnation != endpoint.incarnation and stats.pool.quarantined == 0:
+                    break
+                assert time.monotonic() < deadline, (fresh, stats)
+                time.sleep(0.05)
+            seen.append(fresh.address)
+            endpoint = fresh
+        assert seen == [f"127.0.0.1:{port + 1}", f"127.0.0.1:{port}"]
+    finally:
+        factory.close()

@@ -404,9 +404,12 @@ def test_run_multiturn_compare_against_live_stream(tmp_path: Path) -> None:
     json.loads(json.dumps(report))
     assert report_ok(report) and report["page_size"] == PAGE_SIZE
     assert len(reqs) == 2 * 3 * 3
-    # full ran first, and every full request disabled decode prefix reuse.
-    assert all(r.disable_decode_prefix_reuse for r in reqs[:9])
-    assert not any(r.disable_decode_prefix_reuse for r in reqs[9:])
+    # The modes interleave per round (full first in round 0, then alternating), and every
+    # full request disabled decode prefix reuse.
+    modes = [r.request_id.split("-")[1] for r in reqs]
+    assert modes == ["full"] * 3 + ["incr"] * 6 + ["full"] * 6 + ["incr"] * 3
+    assert all(r.disable_decode_prefix_reuse == (m == "full") for r, m in zip(reqs, modes,
+                                                                              strict=True))
     assert all(r.sampling.ignore_eos and r.sampling.max_new_tokens == 8 for r in reqs)
     # Each round-r prompt is the round-(r-1) prompt + its generated ids + a question.
     by_client: dict[tuple[bool, int], list[list[int]]] = {}

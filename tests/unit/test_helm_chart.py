@@ -12,7 +12,6 @@ Cases: the chart's defaults plus every ``helm/deltakv/ci/*-values.yaml`` file.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -22,50 +21,45 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import helm_python
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from deltakv.layout import KVLayout
-from tests.support.crd_schemas import SCHEMAS as CRD_SCHEMAS
+from tests.support.helm import (
+    CASES,
+    CHART,
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    StrictValidationError,
+    deployment,
+    env_of,
+    flag_value,
+    flag_values,
+    leaf_parser,
+    named,
+    of_kind,
+    ports_by_name,
+    render,
+    validate_strictly,
+    values_of,
+    with_choice,
+    workload_containers,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "deltakv"
-CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
-CASES = ["defaults", *(p.name.removesuffix("-values.yaml") for p in CI_VALUES)]
-# Native sidecars are GA in 1.33, DRA (resource.k8s.io/v1) in 1.34: validate against 1.34.
-KUBE_VERSION = "1.34.0"
-RELEASE, NAMESPACE = "demo", "ml"
 MiB = 1 << 20
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def values_of(case: str) -> dict[str, Any] | None:
-    if case == "defaults":
-        return None
-    return yaml.safe_load((CHART / "ci" / f"{case}-values.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
 def chart():
     with helm_python.Chart.load(CHART) as loaded:
         yield loaded
-
-
-def render(chart, values: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Rendered Kubernetes objects (NOTES.txt and empty documents dropped)."""
-    manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
-    objects = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return objects
 
 
 @pytest.fixture(scope="module")
@@ -76,49 +70,6 @@ def rendered(chart):
         values = values_of(case)
         out[case] = (chart.merge_values(values), render(chart, values))
     return out
-
-
-def of_kind(objects, kind: str) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def named(objects, kind: str, name: str) -> dict[str, Any]:
-    matches = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
-    assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
-    return matches[0]
-
-
-def deployment(objects, role: str) -> dict[str, Any]:
-    return named(objects, "Deployment", f"{RELEASE}-deltakv-{role}")
-
-
-def flag_values(args: list[str], flag: str) -> list[str]:
-    """Values following every occurrence of ``flag`` in an argv list."""
-    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-
-
-def flag_value(args: list[str], flag: str) -> str:
-    values = flag_values(args, flag)
-    assert len(values) == 1, f"{flag} appears {len(values)} times in {args}"
-    return values[0]
-
-
-def ports_by_name(container) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-
-
-def env_of(container) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
-
-
-def workload_containers(objects):
-    """(deployment role, container, is_sidecar) for every deltakv container of both pools."""
-    for role in ("prefill", "decode"):
-        spec = deployment(objects, role)["spec"]["template"]["spec"]
-        for c in spec.get("initContainers", []):
-            yield role, c, True
-        for c in spec["containers"]:
-            yield role, c, False
 
 
 # --------------------------------------------------------------------------- lint and validate
@@ -137,15 +88,10 @@ def test_every_manifest_validates_strictly(case, rendered):
     _, objects = rendered[case]
     assert objects, "the chart rendered nothing"
     for obj in objects:
-        crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
-        if crd is not None:  # a custom resource: its documented schema, strictly
-            jsonschema.validate(obj, crd)
-            continue
         try:
-            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{case}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} "
-                        f"at {list(exc.absolute_path)}")
+            validate_strictly(obj)
+        except StrictValidationError as exc:
+            pytest.fail(f"{case}: {obj['kind']}/{obj['metadata']['name']}: {exc}")
 
 
 def test_strict_validation_rejects_an_unknown_field(rendered):
@@ -164,7 +110,10 @@ def test_rendered_kinds(rendered):
         ("ConfigMap", f"{RELEASE}-deltakv-test-multiturn"),
         ("Deployment", f"{RELEASE}-deltakv-decode"),
         ("Deployment", f"{RELEASE}-deltakv-prefill"),
+        ("NetworkPolicy", f"{RELEASE}-deltakv-decode"),
+        ("NetworkPolicy", f"{RELEASE}-deltakv-prefill"),
         ("Pod", f"{RELEASE}-deltakv-test-multiturn"),
+        ("Secret", f"{RELEASE}-deltakv-pairing"),
         ("Service", f"{RELEASE}-deltakv-decode"),
         ("Service", f"{RELEASE}-deltakv-prefill"),
         ("ServiceAccount", f"{RELEASE}-deltakv"),
@@ -258,17 +207,26 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
     decode_svc = named(objects, "Service", f"{RELEASE}-deltakv-decode")
     assert decode_svc["spec"].get("clusterIP") != "None"
     assert decode_svc["spec"]["ports"][0]["port"] == values["decode"]["service"]["port"]
-    # Every sidecar's engine port is the one it is told to listen on, and declared when networked.
+    # Every sidecar declares exactly the port block its engines really listen in (a current and
+    # a replacement engine: mooncake 2 ports each, tests/integration/test_mooncake_exposure.py;
+    # mori 1 each, tests/unit/test_transport_ports.py; shm: none).
+    backend = values["transport"]["backend"]
     for _, c, is_sidecar in workload_containers(objects):
         all_ports = [p["containerPort"] for p in c.get("ports", [])]
         assert len(all_ports) == len(set(all_ports))
         if not is_sidecar:
             continue
         rank = int(c["name"].removeprefix("sidecar-"))
+        declared = {n: p for n, p in ports_by_name(c).items() if n.startswith("xfer-")}
+        if backend == "shm":
+            assert "--port" not in c["args"] and declared == {}
+            continue
         engine_port = int(flag_value(c["args"], "--port"))
-        assert engine_port == values["sidecar"]["enginePort"] + rank
-        if values["transport"]["backend"] != "shm":
-            assert ports_by_name(c)[f"xfer-{rank}"] == engine_port
+        per_rank = {"mooncake": 4, "mori": 2}[backend]
+        assert engine_port == values["sidecar"]["enginePort"] + per_rank * rank
+        expected = {f"xfer-{rank}": engine_port}
+        expected.update({f"xfer-{rank}-{i}": engine_port + i for i in range(1, per_rank)})
+        assert declared == expected
     for role in ("prefill", "decode"):
         spec = deployment(objects, role)["spec"]["template"]["spec"]
         pod_ports = [p["containerPort"] for c in [*spec["initContainers"], *spec["containers"]]
@@ -501,8 +459,8 @@ def test_helm_test_pod_runs_the_multiturn_check(rendered):
 
 def test_image_tag_follows_the_accelerator_variant(chart):
     for accel, variant in (("cpu", "cpu"), ("nvidia", "cuda"), ("amd", "rocm")):
-        values = {"accelerator": {"type": accel},
-                  "transport": {"backend": "mooncake" if accel != "cpu" else "shm"}}
+        values = with_choice({"accelerator": {"type": accel},
+                              "transport": {"backend": "mooncake" if accel != "cpu" else "shm"}})
         objects = render(chart, values)
         image = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == f"deltakv:{chart.metadata['appVersion']}-{variant}"
@@ -534,6 +492,17 @@ SCHEMA_REJECTIONS = [
     ({"model": {"kvBytesPerToken": -1}}, "/model/kvBytesPerToken"),
     ({"transport": {"options": {"bad key": 1}}}, "'bad key' not allowed"),
     ({"rdma": {"resources": {"rdma hca": 1}}}, "'rdma hca' not allowed"),
+    ({"insecure": "yes"}, "/insecure"),
+    ({"networkPolicy": {"frontend": [{}]}}, "/networkPolicy/frontend/0"),
+    ({"networkPolicy": {"frontend": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                      "podSelector": {}}]}}, "/networkPolicy/frontend/0"),
+    ({"networkPolicy": {"metricsFrom": [{"podSelecter": {}}]}},
+     "additional properties 'podSelecter' not allowed"),
+    ({"tls": {"certManager": {"issuerRef": {"kind": "Issuer"}}}}, "/tls/certManager/issuerRef"),
+    ({"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "CA"}}}},
+     "/tls/certManager/issuerRef/kind"),
+    ({"tls": {"certManager": {"duration": "90 days"}}}, "/tls/certManager/duration"),
+    ({"pairing": {"existingSecret": "Bad_Name"}}, "/pairing/existingSecret"),
 ]
 
 
@@ -547,19 +516,30 @@ def test_schema_rejects_bad_values(chart, values, where):
     assert report["errors"], "helm lint accepted a value outside the schema"
 
 
+SCRAPERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}]
+# Each on top of the defaults' certificate choice (tests/support/helm.py: DEFAULTS_CHOICE).
 CROSS_FIELD_REJECTIONS = [
     ({"model": {"name": "/models/llama"}}, "model.kvBytesPerToken is required"),
-    ({"tls": {"enabled": True}}, "tls.secretName"),
+    ({"tls": {"secretName": ""}}, "tls.enabled=true (the default) needs a certificate"),
+    ({"tls": {"enabled": False}}, "tls.enabled=false serves decode's DecodeService"),
+    ({"networkPolicy": {"enabled": False}}, "networkPolicy.enabled=false lets every pod"),
     ({"telemetry": {"otel": {"enabled": True}}}, "telemetry.otel.endpoint"),
+    ({"telemetry": {"metrics": {"enabled": True}}}, "needs networkPolicy.metricsFrom"),
     ({"rdma": {"enabled": True}}, "transport.backend=shm"),
     ({"accelerator": {"type": "nvidia"}}, "transport.backend=shm"),
     ({"accelerator": {"type": "nvidia"}, "transport": {"backend": "mori"}}, "MORI-IO"),
-    ({"prefill": {"port": 17000}}, "port 17000 is used twice"),
-    ({"sidecar": {"healthPort": 17000}}, "is used twice"),
-    ({"tls": {"enabled": True, "secretName": "s", "healthPort": 50060}},
-     "prefill pods: port 50061 is used twice"),
+    ({"transport": {"backend": "mooncake"}, "sidecar": {"enginePort": 40000}},
+     "Mooncake silently picks random ports"),
+    ({"transport": {"backend": "mooncake"}, "sidecar": {"enginePort": 32765}},
+     "engines listen on 32765-32768"),
+    ({"transport": {"backend": "mooncake"}, "prefill": {"port": 17003}},
+     "port 17003 is used twice"),
+    ({"transport": {"backend": "mori"}, "prefill": {"port": 17001}}, "port 17001 is used twice"),
+    ({"sidecar": {"healthPort": 50051}}, "is used twice"),
+    ({"tls": {"healthPort": 50060}}, "prefill pods: port 50061 is used twice"),
     ({"termination": {"gracePeriodSeconds": 30}}, "must exceed sidecar.drainTimeoutSeconds"),
-    ({"telemetry": {"metrics": {"enabled": True, "port": 65535}}}, "past 65535"),
+    ({"telemetry": {"metrics": {"enabled": True, "port": 65535}},
+      "networkPolicy": {"metricsFrom": SCRAPERS}}, "past 65535"),
 ]
 
 
@@ -567,8 +547,19 @@ CROSS_FIELD_REJECTIONS = [
                          ids=[m for _, m in CROSS_FIELD_REJECTIONS])
 def test_cross_field_rules_fail_rendering_with_a_clear_message(chart, values, message):
     with pytest.raises(helm_python.HelmRenderError) as info:
-        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+        chart.render(values=with_choice(values), name=RELEASE, namespace=NAMESPACE)
     assert message in str(info.value), str(info.value)
+
+
+def test_values_yaml_alone_refuses_to_render_without_a_certificate(chart):
+    """Secure by default: TLS is on, so a bare install must say where the certificate comes
+    from (or accept plain text explicitly). (`helm lint` renders in Helm's lint mode, which
+    logs a template's `fail` instead of failing: install, upgrade and template do fail.)"""
+    with pytest.raises(helm_python.HelmRenderError) as info:
+        chart.render(values=None, name=RELEASE, namespace=NAMESPACE)
+    text = str(info.value)
+    for words in ("tls.certManager.issuerRef", "tls.secretName", "insecure=true"):
+        assert words in text, text
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -597,19 +588,6 @@ def test_more_than_one_gpu_per_pod_is_refused_with_the_reason(chart, role, tmp_p
 # --------------------------------------------------------------------------- the CLI contract
 
 
-def _leaf_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
-    """The subparser for ``words`` (e.g. ["serve", "decode"]); fails naming what is missing."""
-    current = parser
-    for depth, word in enumerate(words):
-        subparsers = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
-        choices = subparsers[0].choices if subparsers else {}
-        if word not in choices:
-            pytest.fail(f"`deltakv {' '.join(words[:depth + 1])}` is not in the CLI "
-                        f"(deltakv.services.cli.main.build_parser()); the chart renders it")
-        current = choices[word]
-    return current
-
-
 def _cli_containers():
     """(case, role, container name) of every rendered container that runs `deltakv`."""
     with helm_python.Chart.load(CHART) as loaded:
@@ -630,7 +608,7 @@ def test_rendered_args_are_accepted_by_the_cli(rendered, case, role, container):
     args = c["args"]
     words = list(args[:2])
     parser = build_parser()
-    leaf = _leaf_parser(parser, words)
+    leaf = leaf_parser(parser, words)
     flags = [a for a in args[2:] if a.startswith("--")]
     unknown = sorted({f for f in flags if f not in leaf._option_string_actions})
     if unknown:

@@ -2,7 +2,8 @@
 the Gateway API Inference Extension InferencePool (+ HTTPRoute) and the Envoy ring-hash
 affinity router. Rendering, strict schema validation (built-in kinds by kubernetes-validate,
 the custom resources by tests/support/crd_schemas.py) and lint run in test_helm_chart.py for
-every ci values file; here: the objects point at each other and at the right ports."""
+every ci values file; here: the objects point at each other and at the right ports, and the
+router gets the same TLS and NetworkPolicy treatment as decode (it holds no pairing key)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import helm_python
 import pytest
 import yaml
 
-from tests.unit.test_helm_chart import (
+from tests.support.helm import (
     CHART,
     NAMESPACE,
     RELEASE,
+    deep_merge,
     deployment,
     flag_value,
     named,
+    of_kind,
     ports_by_name,
     render,
     values_of,
+    with_choice,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +38,7 @@ def routing():
 
 def test_defaults_render_no_routing_objects():
     with helm_python.Chart.load(CHART) as chart:
-        kinds = {o["kind"] for o in render(chart, None)}
+        kinds = {o["kind"] for o in render(chart, with_choice(None))}
     assert not kinds & {"InferencePool", "HTTPRoute"}
 
 
@@ -99,14 +103,12 @@ def test_envoy_ring_hash_on_the_session_header_over_every_decode_pod(routing):
 @pytest.mark.parametrize(("values", "message"), [
     ({"inferencePool": {"enabled": True}, "decode": {"httpPort": 0}}, "needs decode.httpPort"),
     ({"inferencePool": {"enabled": True, "httpRoute": {"enabled": True}}}, "gatewayName"),
-    ({"affinityRouter": {"enabled": True}, "tls": {"enabled": True, "secretName": "s"}},
-     "not supported"),
     ({"affinityRouter": {"enabled": True}, "decode": {"httpPort": 0}}, "decode.httpPort"),
 ])
 def test_routing_rules_fail_rendering_with_a_clear_message(routing, values, message):
     _, _, chart = routing
     with pytest.raises(helm_python.HelmRenderError, match=message):
-        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+        chart.render(values=with_choice(values), name=RELEASE, namespace=NAMESPACE)
 
 
 def test_schema_rejects_a_bad_session_header(routing):
@@ -114,3 +116,104 @@ def test_schema_rejects_a_bad_session_header(routing):
     with pytest.raises(helm_python.HelmValuesError, match="sessionHeader"):
         chart.render(values={"affinityRouter": {"sessionHeader": "X Bad"}}, name=RELEASE,
                      namespace=NAMESPACE)
+
+
+def _router_config(objects):
+    return yaml.safe_load(named(objects, "ConfigMap", f"{RELEASE}-deltakv-router")
+                          ["data"]["envoy.yaml"])
+
+
+TLS_DIR = "/etc/deltakv/tls"
+OWN_CERT = [{"certificate_chain": {"filename": f"{TLS_DIR}/tls.crt"},
+             "private_key": {"filename": f"{TLS_DIR}/tls.key"}}]
+
+
+@pytest.mark.parametrize("client_certs", [False, True])
+def test_router_speaks_tls_on_both_sides_like_decode(routing, client_certs):
+    values, objects, chart = routing
+    if client_certs:
+        values = deep_merge(values_of("routing"), {"tls": {"requireClientCert": True}})
+        objects = render(chart, values)
+        values = chart.merge_values(values)
+    config = _router_config(objects)
+    decode_fqdn = f"{RELEASE}-deltakv-decode.{NAMESPACE}.svc.{values['clusterDomain']}"
+    for listener in config["static_resources"]["listeners"]:
+        (chain,) = listener["filter_chains"]
+        context = chain["transport_socket"]["typed_config"]
+        assert context["@type"].endswith("DownstreamTlsContext")
+        assert context["require_client_certificate"] is client_certs
+        common = context["common_tls_context"]
+        assert common["tls_certificates"] == OWN_CERT
+        assert ("validation_context" in common) is client_certs
+        if client_certs:
+            assert common["validation_context"] == {"trusted_ca": {"filename": f"{TLS_DIR}/ca.crt"}}
+        assert "h2" in common["alpn_protocols"]
+    for cluster in config["static_resources"]["clusters"]:
+        context = cluster["transport_socket"]["typed_config"]
+        assert context["@type"].endswith("UpstreamTlsContext")
+        assert context["sni"] == decode_fqdn
+        common = context["common_tls_context"]
+        assert common["tls_certificates"] == OWN_CERT  # decode may require a client certificate
+        assert common["validation_context"] == {
+            "trusted_ca": {"filename": f"{TLS_DIR}/ca.crt"},
+            "match_typed_subject_alt_names": [{"san_type": "DNS",
+                                               "matcher": {"exact": decode_fqdn}}]}
+    pod = named(objects, "Deployment", f"{RELEASE}-deltakv-router")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(volumes) == {"config", "tls"}  # no pairing key: the router never meets a sidecar
+    assert volumes["tls"]["secret"]["secretName"] == f"{RELEASE}-deltakv-tls"
+    (envoy,) = pod["containers"]
+    assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in envoy["volumeMounts"]
+    service = named(objects, "Service", f"{RELEASE}-deltakv-router")
+    assert all("appProtocol" not in p for p in service["spec"]["ports"])  # not h2c: TLS
+    decode_http = [p for p in named(objects, "Service", f"{RELEASE}-deltakv-decode")
+                   ["spec"]["ports"] if p["name"] == "http"]
+    assert [p["appProtocol"] for p in decode_http] == ["https"]
+    (certificate,) = of_kind(objects, "Certificate")
+    assert f"{RELEASE}-deltakv-router.{NAMESPACE}.svc.{values['clusterDomain']}" in \
+        certificate["spec"]["dnsNames"]
+    worker = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]
+    assert flag_value(worker["args"], "--tls-cert") == f"{TLS_DIR}/tls.crt"  # HTTPS on --http-port
+
+
+def test_router_in_plain_text_only_when_insecure(routing):
+    _, _, chart = routing
+    values = deep_merge(values_of("routing"), {"insecure": True, "tls": {"enabled": False}})
+    objects = render(chart, values)
+    config = _router_config(objects)
+    assert all("transport_socket" not in c for c in config["static_resources"]["clusters"])
+    assert all("transport_socket" not in chain for listener in
+               config["static_resources"]["listeners"] for chain in listener["filter_chains"])
+    pod = named(objects, "Deployment", f"{RELEASE}-deltakv-router")["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"config"}
+    service = named(objects, "Service", f"{RELEASE}-deltakv-router")
+    assert {p["name"]: p.get("appProtocol") for p in service["spec"]["ports"]} == {
+        "grpc": "kubernetes.io/h2c", "http": None}
+
+
+def _policy(objects, name):
+    return named(objects, "NetworkPolicy", f"{RELEASE}-deltakv-{name}")["spec"]
+
+
+def test_network_policies_admit_the_router_to_decode_and_the_front_end_to_the_router(routing):
+    values, objects, chart = routing
+    r, decode = values["affinityRouter"], values["decode"]
+    router_pods = {"podSelector": {"matchLabels": {
+        "app.kubernetes.io/component": "router", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/name": "deltakv"}}}
+    front = _policy(objects, "decode")["ingress"][0]
+    assert router_pods in front["from"]
+    assert {p["port"] for p in front["ports"]} == {decode["port"], decode["httpPort"]}
+    router = _policy(objects, "router")
+    labels = named(objects, "Deployment", f"{RELEASE}-deltakv-router")[
+        "spec"]["template"]["metadata"]["labels"]
+    assert router["podSelector"]["matchLabels"].items() <= labels.items()
+    (rule,) = router["ingress"]
+    assert rule["from"] == values["networkPolicy"]["frontend"]
+    assert {p["port"] for p in rule["ports"]} == {r["grpcPort"], r["httpPort"]}
+    # The router reaches no sidecar: no rule names it on prefill or on decode's engine ports.
+    prefill_sources = [s for rule in _policy(objects, "prefill")["ingress"] for s in rule["from"]]
+    assert router_pods not in prefill_sources
+    # Without a front end the router accepts nobody (an empty `from` would allow everyone).
+    closed = render(chart, deep_merge(values_of("routing"), {"networkPolicy": {"frontend": []}}))
+    assert _policy(closed, "router")["ingress"] == []

@@ -142,8 +142,13 @@ def test_mooncake_rejects_bad_options_before_starting_an_engine():
         create_transport("mooncake", TransportOptions(extra={"protocol": "carrier-pigeon"}))
     with pytest.raises(InvalidArgument, match="unknown mooncake options"):
         create_transport("mooncake", TransportOptions(extra={"protocl": "tcp"}))
-    with pytest.raises(InvalidArgument, match="port=0"):
-        create_transport("mooncake", TransportOptions(port=1234))
+    # Blocks Mooncake would silently replace by random ports (privileged, ephemeral range),
+    # and one past 65535: the sidecar's block is 4 ports (two engines, two listeners each).
+    for port in (1000, 40000, 32765):
+        with pytest.raises(InvalidArgument, match="ignores ports"):
+            create_transport("mooncake", TransportOptions(port=port))
+    with pytest.raises(InvalidArgument, match="65533-65536, which must lie in 1-65535"):
+        create_transport("mooncake", TransportOptions(port=65533))
 
 
 # ---------------------------------------------------------------------------- module:Class

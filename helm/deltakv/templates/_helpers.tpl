@@ -122,6 +122,50 @@ Argument: dict "root" $ "pool" <pool values>.
 {{- end }}
 {{- end }}
 
+{{/*
+Transfer-engine port block of one sidecar rank, as a JSON list: dict "root" $ "rank" r.
+A sidecar may run two engines at once (its current one and the replacement it builds while
+retiring it: issue 13's engine recycling), each listening inside this block
+(sidecar/transport/ports.py), so the whole block is declared and named in the NetworkPolicy.
+shm: none (pages move through /dev/shm). mori: one control port per engine, bound to the pod
+IP: 2. mooncake: a handshake and a TCP data port per engine, on every interface: 4.
+Rank r's block starts at enginePort + r * size; the sidecar is given its first port (--port).
+*/}}
+{{- define "deltakv.enginePorts" -}}
+{{- $v := .root.Values }}
+{{- $count := int (get (dict "shm" 0 "mooncake" 4 "mori" 2) $v.transport.backend) }}
+{{- $first := add (int64 $v.sidecar.enginePort) (mul (int64 .rank) (max $count 1)) }}
+{{- $ports := list }}
+{{- range $i := until $count }}
+{{- $ports = append $ports (add $first $i) }}
+{{- end }}
+{{- toJson $ports }}
+{{- end }}
+
+{{/* Container port name of a rank's i-th engine port: xfer-<rank>, then xfer-<rank>-<i>. */}}
+{{- define "deltakv.enginePortName" -}}
+{{- if eq (int .index) 0 }}xfer-{{ .rank }}{{ else }}xfer-{{ .rank }}-{{ .index }}{{ end }}
+{{- end }}
+
+{{/* Secret with tls.crt, tls.key and ca.crt: tls.secretName, or the cert-manager Certificate's. */}}
+{{- define "deltakv.tlsSecretName" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "deltakv.fullname" .)) }}
+{{- end }}
+
+{{/* Secret and key of the cluster pairing key. */}}
+{{- define "deltakv.pairingSecretName" -}}
+{{- .Values.pairing.existingSecret | default (printf "%s-pairing" (include "deltakv.fullname" .)) }}
+{{- end }}
+
+{{- define "deltakv.pairingSecretKey" -}}
+{{- if .Values.pairing.existingSecret }}{{ .Values.pairing.existingSecretKey }}{{ else }}pairing.key{{ end }}
+{{- end }}
+
+{{/* Where every deltakv process reads the pairing key (the Secret, mounted read-only). */}}
+{{- define "deltakv.pairingKeyFile" -}}
+/etc/deltakv/pairing/pairing.key
+{{- end }}
+
 {{/* Decode's --prefill-target: dns:///<prefill headless Service>:port, so decode keeps one
      backend per prefill pod address (re-resolved), pins each request to one and sends its
      AbortTransfer to the same pod. */}}
@@ -166,20 +210,37 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- fail (printf "transport.backend=shm moves host-memory pools; with accelerator.type=%s choose mooncake or mori" $v.accelerator.type) }}
 {{- end }}
 {{- end }}
+{{- /* Secure by default: plain text and open pod networks only when asked for. */}}
+{{- if not $v.insecure }}
+{{- if not $v.tls.enabled }}
+{{- fail "tls.enabled=false serves decode's DecodeService and prefill's internal PrefillService in plain text, so anyone on the pod network can call Prefill and read prompts and tokens. Keep TLS on (tls.certManager.issuerRef or tls.secretName), or set insecure=true to accept plain text (throw-away test clusters; see docs/security.md)" }}
+{{- end }}
+{{- if not $v.networkPolicy.enabled }}
+{{- fail "networkPolicy.enabled=false lets every pod network peer reach every port, the transfer engines' included (they authenticate no writer). Keep the NetworkPolicies, or set insecure=true to accept that (see docs/security.md)" }}
+{{- end }}
+{{- end }}
+{{- if and $v.tls.enabled (not $v.tls.secretName) (not $v.tls.certManager.issuerRef.name) }}
+{{- fail "tls.enabled=true (the default) needs a certificate naming both Services, with ca.crt: set tls.certManager.issuerRef (the chart renders a cert-manager Certificate) or tls.secretName (an existing Secret with tls.crt, tls.key and ca.crt); or set tls.enabled=false and insecure=true for plain text" }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled $v.telemetry.metrics.enabled (not $v.networkPolicy.metricsFrom) }}
+{{- fail "telemetry.metrics.enabled=true with networkPolicy.enabled=true needs networkPolicy.metricsFrom: the peers allowed to scrape (e.g. your Prometheus namespace)" }}
+{{- end }}
+{{- if eq $v.transport.backend "mooncake" }}
+{{- $block := fromJsonArray (include "deltakv.enginePorts" (dict "root" $ "rank" 0)) }}
+{{- $first := int64 (first $block) }}
+{{- $last := int64 (last $block) }}
+{{- if or (lt $first 1024) (gt $last 65535) (and (ge $last 32768) (le $first 60999)) }}
+{{- fail (printf "sidecar.enginePort=%d: with transport.backend=mooncake this sidecar's engines listen on %d-%d, and Mooncake silently picks random ports instead of any below 1024 or inside 32768-60999; choose enginePort in 1024-%d or 61000-%d" $first $first $last (sub 32768 (len $block)) (sub 65536 (len $block))) }}
+{{- end }}
+{{- end }}
 {{- if and $v.inferencePool.enabled (eq (int64 $v.decode.httpPort) 0) }}
 {{- fail "inferencePool.enabled=true needs decode.httpPort (the OpenAI API the gateway routes to); it is 0" }}
 {{- end }}
 {{- if and $v.inferencePool.enabled $v.inferencePool.httpRoute.enabled (not $v.inferencePool.httpRoute.gatewayName) }}
 {{- fail "inferencePool.httpRoute.enabled=true needs inferencePool.httpRoute.gatewayName (the Gateway to attach to)" }}
 {{- end }}
-{{- if and $v.affinityRouter.enabled $v.tls.enabled }}
-{{- fail "affinityRouter.enabled=true with tls.enabled=true is not supported: the rendered Envoy speaks plain text to decode; terminate TLS at your own gateway" }}
-{{- end }}
 {{- if and $v.affinityRouter.enabled (eq (int64 $v.decode.httpPort) 0) }}
 {{- fail "affinityRouter.enabled=true routes gRPC and HTTP; it needs decode.httpPort (0 here)" }}
-{{- end }}
-{{- if and $v.tls.enabled (not $v.tls.secretName) }}
-{{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt" }}
 {{- end }}
 {{- if and $v.telemetry.otel.enabled (not $v.telemetry.otel.endpoint) }}
 {{- fail "telemetry.otel.enabled=true needs telemetry.otel.endpoint (the OTLP collector URL)" }}
@@ -196,7 +257,9 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- $add = append $add (list "tls.healthPort" (int64 (include "deltakv.workerHealthPort" (dict "root" $ "role" $role "pool" $pool)))) }}
 {{- end }}
 {{- range $rank := until (int $pool.gpusPerPod) }}
-{{- $add = append $add (list (printf "sidecar.enginePort+%d" $rank) (add (int64 $v.sidecar.enginePort) $rank)) }}
+{{- range $port := fromJsonArray (include "deltakv.enginePorts" (dict "root" $ "rank" $rank)) }}
+{{- $add = append $add (list (printf "sidecar.enginePort+%d" (sub (int64 $port) (int64 $v.sidecar.enginePort))) (int64 $port)) }}
+{{- end }}
 {{- $add = append $add (list (printf "sidecar.healthPort+%d" $rank) (add (int64 $v.sidecar.healthPort) $rank)) }}
 {{- end }}
 {{- if $v.telemetry.metrics.enabled }}

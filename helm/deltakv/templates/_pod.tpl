@@ -105,18 +105,23 @@ spec:
       {{- end }}
       initContainers:
         {{- range $rank := until $gpus }}
-        {{- $enginePort := add (int64 $v.sidecar.enginePort) $rank }}
+        {{- $enginePorts := fromJsonArray (include "deltakv.enginePorts" (dict "root" $root "rank" $rank)) }}
         {{- $healthPort := add (int64 $v.sidecar.healthPort) $rank }}
         {{- $args := list "serve" "sidecar" "--role" $role "--transport" $v.transport.backend
               "--socket" (printf "%s/sidecar-%d.sock" $socketDir $rank)
               "--page-size" (toString (int64 $v.kvCache.pageSize))
               "--num-pages" (toString (int64 $pool.numPages))
               "--model" $v.model.name
-              "--host" "$(POD_IP)"
-              "--port" (toString $enginePort)
-              "--health-port" (toString $healthPort)
+              "--host" "$(POD_IP)" }}
+        {{- /* The engine's listeners are fixed so the pod can declare them and policies name
+               them; shm has none (pages move through /dev/shm). */}}
+        {{- if $enginePorts }}
+        {{- $args = concat $args (list "--port" (toString (int64 (first $enginePorts)))) }}
+        {{- end }}
+        {{- $args = concat $args (list "--health-port" (toString $healthPort)
               "--drain-timeout-s" (toString (int64 $v.sidecar.drainTimeoutSeconds))
-              "--log-level" $v.logLevel }}
+              "--pairing-key-file" (include "deltakv.pairingKeyFile" $root)
+              "--log-level" $v.logLevel) }}
         {{- if not $onGpu }}
         {{- /* Unique per pod and rank: with transport shm every pod of the node shares /dev/shm. */}}
         {{- $args = concat $args (list "--shm-name" (printf "deltakv-$(POD_NAME)-r%d" $rank)) }}
@@ -155,9 +160,9 @@ spec:
               value: {{ $nic | quote }}
             {{- end }}
           ports:
-            {{- if ne $v.transport.backend "shm" }}
-            - name: xfer-{{ $rank }}
-              containerPort: {{ $enginePort }}
+            {{- range $i, $port := $enginePorts }}
+            - name: {{ include "deltakv.enginePortName" (dict "rank" $rank "index" $i) }}
+              containerPort: {{ int64 $port }}
               protocol: TCP
             {{- end }}
             - name: health-{{ $rank }}
@@ -205,7 +210,7 @@ spec:
         {{- if eq $role "decode" }}
         {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs))) }}
         {{- end }}
-        {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--log-level" $v.logLevel) }}
+        {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--pairing-key-file" (include "deltakv.pairingKeyFile" $root) "--log-level" $v.logLevel) }}
         {{- if $metrics.enabled }}
         {{- $wargs = concat $wargs (list "--metrics-port" (toString (int64 $metrics.port))) }}
         {{- end }}
@@ -290,9 +295,18 @@ spec:
         {{- if $v.tls.enabled }}
         - name: tls
           secret:
-            secretName: {{ $v.tls.secretName }}
+            secretName: {{ include "deltakv.tlsSecretName" $root }}
             defaultMode: 0440
         {{- end }}
+        # The cluster pairing key, readable by the pod's user only (the kubelet adds group
+        # read for fsGroup).
+        - name: pairing
+          secret:
+            secretName: {{ include "deltakv.pairingSecretName" $root }}
+            defaultMode: 0400
+            items:
+              - key: {{ include "deltakv.pairingSecretKey" $root }}
+                path: {{ base (include "deltakv.pairingKeyFile" $root) }}
 {{- end }}
 
 {{/* Env shared by every deltakv process: dict "root" "role" "process" (worker|sidecar) "rank". */}}
@@ -352,6 +366,9 @@ spec:
   mountPath: /etc/deltakv/tls
   readOnly: true
 {{- end }}
+- name: pairing
+  mountPath: {{ dir (include "deltakv.pairingKeyFile" .) }}
+  readOnly: true
 {{- end }}
 
 {{/* Native gRPC probes (grpc.health.v1, overall server status) on the pod IP: dict "root" "port". */}}

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
     parser.add_argument("--http-port", type=port_number, default=None,
                         help="serve the OpenAI-compatible HTTP API on this port too (0 = a "
-                             "free port; default: off)")
+                             "free port; default: off); HTTPS with --tls-cert/--tls-key, "
+                             "requiring client certificates with --tls-ca, like the gRPC port")
     parser.add_argument("--served-model-name", default=None,
                         help="model name of the OpenAI API (default: --model)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
@@ -162,6 +163,7 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     SERVING; a drain turns both health endpoints unhealthy first, then drains both."""
     import asyncio
 
+    from deltakv.rpc import tls
     from deltakv.services.openai.app import create_app
     from deltakv.services.openai.server import HttpServer
     from deltakv.services.runtime.lifecycle import Service
@@ -169,7 +171,9 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     serving = {"on": False}
     app = create_app(servicer, args.served_model_name or args.model,
                      serving=lambda: serving["on"])
-    http = HttpServer(app, args.host, args.http_port)
+    # The same certificate and client-certificate rule as the gRPC port (TLS flags checked
+    # by build() already).
+    http = HttpServer(app, args.host, args.http_port, tls=tls.files_from_args(args))
 
     async def start() -> None:
         await http.start()
@@ -184,4 +188,5 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
         await asyncio.gather(http.drain(grace_s), server.stop(grace_s))
 
     return Service(start, drain, {"address": server.address, "http_address": http.address,
+                                  "http_scheme": http.scheme,
                                   "health_address": server.health_address, **fields})

@@ -71,6 +71,7 @@ from deltakv.sidecar.transport.mori.completion import Completions
 from deltakv.sidecar.transport.mori.library import load_mori_io
 from deltakv.sidecar.transport.mori.options import rdma_config_kwargs, resolve_options
 from deltakv.sidecar.transport.mori.wire import pack_descriptor, unpack_descriptor
+from deltakv.sidecar.transport.ports import block, first_free
 from deltakv.sidecar.transport.registry import BackendUnavailable
 from deltakv.v1 import kv_pb2
 
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     from deltakv.sidecar.rooms import RoomTicket
 
 log = structlog.get_logger(__name__)
+
 
 class MoriPeer(PeerHandle):
     """A connected MORI-IO peer: its engine and pool descriptors (unpacked ``EngineDesc`` /
@@ -105,15 +107,16 @@ class MoriTransport(Transport):
     """
 
     name = "mori"
+    listeners = 1  # the control-plane TCP port (RDMA itself uses no TCP port)
 
     def __init__(self, options: TransportOptions | None = None) -> None:
         options = options or TransportOptions()
         self.options = resolve_options(options.extra, os.environ)
         if not options.host:
             raise InvalidArgument("mori transport needs a host address peers can reach")
-        if not 0 <= options.port <= 65535:
-            raise InvalidArgument(f"mori transport port must be in [0, 65535], got "
-                                  f"{options.port}")
+        if options.port < 0:
+            raise InvalidArgument(f"mori transport port must be >= 0, got {options.port}")
+        ports = block(options.port, self.listeners)  # InvalidArgument past 65535
         if not (self.options["rdma"] or self.options["xgmi"]):
             raise InvalidArgument("mori transport needs rdma=1 or xgmi=1")
         self.limits = BatchLimits(max_entries=self.options["max_entries"],
@@ -124,11 +127,14 @@ class MoriTransport(Transport):
                     f"{uuid.uuid4().hex[:8]}")
         if self.options["log_level"]:
             io.set_log_level(self.options["log_level"])
+        # MORI-IO binds exactly the host and port it is given (TCPContext::Listen): the first
+        # free port of the block, since a replacement starts while the old engine holds its.
+        port = first_free(options.host, ports)
         try:
             self._engine = io.IOEngine(self.key, io.IOEngineConfig(host=options.host,
-                                                                    port=options.port))
+                                                                    port=port))
         except Exception as exc:  # noqa: BLE001 - any engine start failure is Unavailable
-            raise Unavailable(f"MORI-IO engine failed to start on {options.host}:{options.port}"
+            raise Unavailable(f"MORI-IO engine failed to start on {options.host}:{port}"
                               f": {type(exc).__name__}: {exc}") from exc
         self._backends: list[Any] = []
         self.rdma_config: Any = None
