@@ -15,7 +15,8 @@
    deadline on one backend of the prefill pool, ``CloseGrant`` once prefill reported every
    page written, then ``Commit`` the prompt's full pages. A RESOURCE_EXHAUSTED from prefill
    (its pool is full) is retried with a new room and a new grant while the admission budget
-   lasts, after the old grant was closed as abandoned (its fence proven);
+   lasts, after the old grant was closed as abandoned (its fence proven) —
+   :mod:`deltakv.services.decode.prefill_call`;
 4. **stream** — the first token, then the continuous batch's typed stream events;
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
@@ -44,16 +45,15 @@ import grpc
 from deltakv import metrics as deltakv_metrics
 from deltakv import telemetry
 from deltakv.errors import (
-    DeadlineExceeded,
     DeltaKVError,
     ResourceExhausted,
     Unavailable,
-    from_rpc_error,
 )
 from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.admission import AdmissionQueue
 from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.prefill_call import PrefillCall
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import (
     ParsedRequest,
@@ -74,15 +74,9 @@ from deltakv.services.model.sampling import should_stop
 from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
-from deltakv.sidecar.grants import prompt_digest
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 
 log = get_logger()
-
-# Back-off between Prefill tries while prefill's pool is full (seconds, doubling).
-_PREFILL_RETRY_FIRST_S = 0.05
-_PREFILL_RETRY_MAX_S = 1.0
-
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """The public decode service over one worker (model + sidecar) and a pool of prefill
@@ -104,6 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.admission = AdmissionQueue("decode", max_waiting=config.max_waiting)
         self.teardown = Teardown(worker, self.scheduler, self.admission, config,
                                  remember=self._remember_answer)
+        self.prefill_call = PrefillCall(worker, prefill, config, self.teardown)
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
 
@@ -267,7 +262,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             decode_prefix_len=state.decode_prefix_len,
                             delta_pages=len(state.delta_pages),
                             lease_ms=self.config.lease_ms) as span:
-            response = await self._prefill_with_retries(state, parsed, time_remaining)
+            response = await self.prefill_call.run(state, parsed, time_remaining)
             await self.worker.sidecar.close_grant(state.room)
             # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
             # nothing cached, and the pages go through this request's normal release.
@@ -300,75 +295,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         decode_request.finish_reason = stop_rule(first, 1)
         state.decode_request = decode_request
         return decode_request
-
-    async def _prefill_with_retries(self, state: RequestState, parsed: ParsedRequest,
-                                    time_remaining: Callable[[], float | None]
-                                    ) -> prefill_pb2.PrefillResponse:
-        """``Prefill`` for a freshly granted room, again with a new room and a new grant while
-        prefill answers RESOURCE_EXHAUSTED (its pool is full; prefill.proto: sent before the
-        room's transfer could start) and the admission budget lasts. Before the delta pages
-        are granted again, prefill is asked to stop the old room (advisory) and its grant is
-        closed as abandoned: the sidecar proves its fence as for a revocation (prefill's word
-        that nothing was written is no proof). A grant that cannot be closed ends the retries
-        (prefill's error goes to the client; the Release fences the pages)."""
-        backoff_s = _PREFILL_RETRY_FIRST_S
-        digest = prompt_digest(parsed.prompt)
-        while True:
-            info = await self.worker.sidecar.issue_grant(
-                state.sidecar_id, kv_pb2.TransferInfo(
-                    request_id=state.request_id, dst_page_indices=state.delta_pages,
-                    decode_prefix_len=state.decode_prefix_len, prompt_len=state.prompt_len,
-                    lease_ms=self.config.lease_ms), digest)
-            state.room = info.room
-            bind_request(state.request_id, state.room)
-            timeout_s = self.config.prefill_timeout_ms / 1000.0
-            remaining = time_remaining()
-            if remaining is not None:
-                timeout_s = min(timeout_s, remaining)
-            queue_ms = int(max(state.admission_deadline - time.monotonic(), 0.0) * 1000)
-            try:
-                return await self._call_prefill(state, prefill_pb2.PrefillRequest(
-                    token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
-                    queue_timeout_ms=max(queue_ms, 1)), timeout_s)
-            except ResourceExhausted as exc:
-                await self.teardown.abort_transfer(state)
-                try:
-                    await self.worker.sidecar.close_grant(state.room, abandoned=True)
-                except DeltaKVError as close_error:
-                    log.warning("prefill_retry_grant_not_closed", reason=str(close_error))
-                    raise exc from None
-                state.transfer_pending = False
-                if time.monotonic() + backoff_s >= state.admission_deadline:
-                    raise ResourceExhausted(f"prefill has no room for the prompt: {exc}"
-                                            ) from None
-                log.info("prefill_retry", reason=str(exc), backoff_s=backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, _PREFILL_RETRY_MAX_S)
-
-    async def _call_prefill(self, state: RequestState, request: prefill_pb2.PrefillRequest,
-                            timeout_s: float) -> prefill_pb2.PrefillResponse:
-        """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
-        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
-        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
-        send until prefill answered."""
-        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
-        state.prefill = backend
-        state.sent_at = time.monotonic()
-        state.transfer_pending = True
-        try:
-            response = await backend.stub.Prefill(request, timeout=timeout_s)
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
-                                         f"{timeout_s:.1f} s")
-            elif isinstance(error, Unavailable):
-                error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
-            raise error from None
-        finally:
-            self.prefill.done(backend)
-        state.transfer_pending = False
-        return response
 
     async def _stream(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest
