@@ -1,24 +1,12 @@
-"""Local deltakv processes, supervised: :class:`ManagedProcess` and :class:`LocalCluster`.
+"""The local cluster of ``deltakv up`` as a Python object: :class:`LocalCluster`.
 
-:class:`ManagedProcess` is the one way deltakv starts a child: ``deltakv up``'s four processes,
-``deltakv demo``'s cluster, ``deltakv bench transfer``'s sidecars and the test fixtures all use
-it. A child
-
-* runs in its own session (Ctrl-C in a terminal reaches the parent only, which stops the
-  children in order) and gets SIGTERM when the thread that started it dies, whatever the cause
-  (Linux ``PR_SET_PDEATHSIG``), so no child outlives its parent — start children from a
-  long-lived thread (the main thread);
-* writes stdout and stderr to its own log file (no pipe to fill up), whose tail goes into
-  every error;
-* is ready when its ``grpc.health.v1`` answers SERVING (:func:`deltakv.rpc.channel.wait_serving`,
-  bounded, ended early by the child's death or the caller's interruption);
-* is stopped with SIGTERM, then SIGKILL after a bound.
-
-:class:`LocalCluster` is the cluster of ``deltakv up`` as a Python object, used by ``up``,
-``demo`` and the e2e tests: 1P1D by default (two sidecars, prefill and decode); with
-``decode_replicas``/``prefill_replicas`` an MxN shape where every decode uses every prefill
-(its prefill pool) and an affinity router (``deltakv serve router``) in front of the decode
-replicas takes the public ports.
+Used by ``up``, ``demo``, ``bench multiturn --link`` and the e2e tests; every process is a
+:class:`~deltakv.services.process.ManagedProcess`. 1P1D by default (two sidecars, prefill
+and decode); with ``decode_replicas``/``prefill_replicas`` an MxN shape where every decode uses
+every prefill (its prefill pool) and an affinity router (``deltakv serve router``) in front of
+the decode replicas takes the public ports; with ``link`` two hosts joined by a shaped link
+(:mod:`deltakv.services.netns`): every prefill and prefill sidecar on one, the rest on the
+other.
 It generates the cluster's pairing key (``pairing.key``, mode 0600, in the run directory)
 and passes ``--pairing-key-file`` to every sidecar and worker.
 """
@@ -26,162 +14,26 @@ and passes ``--pairing-key-file`` to every sidecar and worker.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltakv.errors import Unavailable
-from deltakv.rpc.channel import uds_address, wait_serving
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_KILL_WAIT_S = 10.0  # reaping a SIGKILLed child is immediate; bounded anyway
-
-
-class ProcessError(RuntimeError):
-    """A child failed to start, was not healthy in time, or start-up was interrupted; the
-    message carries the tail of its log."""
+from deltakv.errors import InvalidArgument
+from deltakv.rpc.channel import uds_address
+from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
+from deltakv.services.process import ManagedProcess, ProcessError, free_port
 
 
 class ClusterError(ProcessError):
     """The local cluster cannot start (a port taken, a transport missing, a child failed)."""
-
-
-def sigterm_on_parent_death() -> None:
-    """``preexec_fn``: the child gets SIGTERM when the thread that started it dies (Linux
-    ``PR_SET_PDEATHSIG``)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _detach_and_die_with_parent() -> None:
-    sigterm_on_parent_death()
-    os.setsid()
-
-
-class ManagedProcess:
-    """One supervised child process (see the module docstring).
-
-    ``name``: used in errors and log tails. ``argv``: the command. ``log_path``: stdout and
-    stderr are appended there. ``health_target``: gRPC address whose health service says the
-    child is ready (None: :meth:`wait_serving` is not available). ``env``: the child's whole
-    environment (default: this process's), ``PYTHONUNBUFFERED=1`` added so log tails are
-    current. ``stop_timeout_s``: how long :meth:`stop` waits after SIGTERM before SIGKILL.
-    """
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: str | os.PathLike[str], *,
-                 health_target: str | None = None, env: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike[str] | None = None, stop_timeout_s: float = 20.0) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = Path(log_path)
-        self.health_target = health_target
-        self.env = dict(os.environ if env is None else env)
-        self.cwd = cwd
-        self.stop_timeout_s = stop_timeout_s
-        self.popen: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id (None before :meth:`start`)."""
-        return self.popen.pid if self.popen is not None else None
-
-    @property
-    def returncode(self) -> int | None:
-        """Exit status once exited (negative: killed by that signal), else None."""
-        return self.popen.poll() if self.popen is not None else None
-
-    def alive(self) -> bool:
-        """True while the child runs."""
-        return self.popen is not None and self.popen.poll() is None
-
-    def start(self) -> ManagedProcess:
-        """Spawn the child (again, if it exited). Raises ProcessError if it is running."""
-        if self.alive():
-            raise ProcessError(f"{self.name} is already running (pid {self.pid})")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "ab") as log:  # the child holds its own descriptor
-            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                          preexec_fn=_detach_and_die_with_parent)
-        return self
-
-    def wait_serving(self, timeout_s: float,
-                     interrupted: Callable[[], bool] | None = None) -> None:
-        """Block until the child's health is SERVING. Raises ProcessError (with the log tail)
-        if it exits first, is not SERVING within ``timeout_s``, or ``interrupted()`` turns
-        true (e.g. SIGTERM to the parent during start-up); the child keeps running."""
-        if self.health_target is None:
-            raise ProcessError(f"{self.name} has no health target to wait for")
-        stopped = interrupted or (lambda: False)
-        try:
-            wait_serving(self.health_target, timeout_s=max(timeout_s, 0.05),
-                         alive=lambda: self.alive() and not stopped(), what=self.name)
-        except Unavailable as exc:
-            if stopped():
-                raise ProcessError(f"start-up interrupted while waiting for {self.name}") from None
-            if not self.alive():
-                raise ProcessError(f"{self.name} exited with code {self.returncode} during "
-                                   f"start-up\n{self.log_tail()}") from None
-            raise ProcessError(f"{self.name} not healthy within {timeout_s:.0f} s ({exc})\n"
-                               f"{self.log_tail()}") from None
-
-    def log_text(self) -> str:
-        """The child's whole log so far ("" if there is none yet)."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The last ``lines`` lines of the child's log, indented and prefixed with its name."""
-        text = self.log_text().splitlines()[-lines:]
-        if not text:
-            return "  (no log)"
-        return "\n".join(f"  {self.name}| {line}" for line in text)
-
-    def send_signal(self, sig: int) -> None:
-        """Send ``sig`` if the child is running (no wait)."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(sig)
-
-    def wait(self, timeout_s: float) -> int:
-        """Wait at most ``timeout_s`` for the child to exit; its exit status.
-        ``subprocess.TimeoutExpired`` if it is still running; ProcessError if never started."""
-        if self.popen is None:
-            raise ProcessError(f"{self.name} was never started")
-        return self.popen.wait(timeout_s)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int | None:
-        """Send ``sig`` and wait up to ``timeout_s`` (default ``stop_timeout_s``), then SIGKILL.
-        Returns the exit status (None if never started). Idempotent."""
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(sig)
-            try:
-                self.popen.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.popen.returncode
-
-    def kill(self) -> None:
-        """SIGKILL and reap (what a crash leaves behind stays behind)."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(_KILL_WAIT_S)
 
 
 # -- the local 1P1D cluster -----------------------------------------------------------------------
@@ -227,13 +79,6 @@ def check_transport(name: str) -> None:
         raise ClusterError(reason)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (bind to 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class ClusterConfig:
     """Options of a local cluster (flags of ``deltakv up``; seconds unless named otherwise)."""
@@ -268,6 +113,8 @@ class ClusterConfig:
     wrap: dict[str, list[str]] = field(default_factory=dict)
     # End-to-end page digests in both sidecars (--page-digests on|off).
     page_digests: bool = True
+    # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
+    link: str | None = None
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -288,7 +135,10 @@ class LocalCluster:
         if config.decode_replicas < 1 or config.prefill_replicas < 1:
             raise ClusterError(f"replicas must be >= 1, got decode {config.decode_replicas}, "
                                f"prefill {config.prefill_replicas}")
-        for port in (config.decode_port, config.prefill_port, config.http_port):
+        self.link = self._plan_link(config)
+        # On a link the prefill host is a fresh namespace: every port there is free.
+        for port in (config.decode_port, 0 if self.link else config.prefill_port,
+                     config.http_port):
             if port:
                 check_port_free(config.host, port)
         if config.decode_port == 0:
@@ -304,8 +154,10 @@ class LocalCluster:
         host = config.host
         self.decode_address = f"{host}:{config.decode_port}"
         self.http_address = f"{host}:{config.http_port}" if config.http_port else None
-        self.prefill_addresses = [f"{host}:{config.prefill_port}"] + [
-            f"{host}:{free_port(host)}" for _ in range(1, config.prefill_replicas)]
+        # free_port() probes this namespace; on a link the prefill host's ports are all free,
+        # so the probe only serves to pick distinct numbers.
+        self.prefill_addresses = [f"{self._host('prefill')}:{config.prefill_port}"] + [
+            f"{self._host('prefill')}:{free_port(host)}" for _ in range(1, config.prefill_replicas)]
         self.prefill_address = self.prefill_addresses[0]
         routed = config.decode_replicas > 1
         # (gRPC, HTTP) of each decode replica; without a router replica 0 has the public ports.
@@ -335,6 +187,32 @@ class LocalCluster:
     # -- process plan ---------------------------------------------------------------------------
 
     @staticmethod
+    def _plan_link(config: ClusterConfig) -> TwoHostLink | None:
+        if config.link is None:
+            return None
+        if config.transport == "shm":
+            raise ClusterError("--link needs a network transport (mooncake): shm moves pages "
+                               "through shared memory, which no link shapes")
+        try:
+            link = TwoHostLink(config.link)
+            check_can_create()
+        except (InvalidArgument, LinkError) as exc:
+            raise ClusterError(str(exc)) from None
+        return link
+
+    def _host(self, side: str) -> str:
+        """Where ``side``'s engine and servers listen: the link's address of that side, or
+        ``config.host`` on one host. Decode's public port stays on ``config.host``."""
+        return self.link.host_for(side) if self.link else self.config.host
+
+    def _wrap(self, name: str) -> list[str]:
+        """Command prefix that runs process ``name`` on its host (prefills and their sidecars
+        on the prefill side of the link, everything else here)."""
+        if self.link is None:
+            return []
+        return self.link.wrap("prefill" if self.kind(name).startswith("prefill") else "decode")
+
+    @staticmethod
     def _cli(*words: str) -> list[str]:
         return [sys.executable, "-m", "deltakv.services.cli.main", *words]
 
@@ -358,7 +236,7 @@ class LocalCluster:
                 argv = self._cli("serve", "sidecar", "--role", role, "--transport", c.transport,
                                  "--socket", self.sockets[name], "--model", c.model,
                                  "--page-size", str(c.page_size), "--num-pages", str(pages),
-                                 "--host", c.host, "--port", "0", "--shm-name",
+                                 "--host", self._host(role), "--port", "0", "--shm-name",
                                  self.shm_names[name], "--log-level", c.log_level,
                                  "--page-digests", "on" if c.page_digests else "off")
                 for opt in c.transport_options:
@@ -369,7 +247,7 @@ class LocalCluster:
             name = replica_name("prefill", i)
             argvs[name] = self._cli(
                 "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
-                "--host", c.host, "--port", address.rpartition(":")[2],
+                "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
                 "--log-level", c.log_level, "--log-format", "json", *c.prefill_args)
         for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
             name = replica_name("decode", i)
@@ -402,7 +280,8 @@ class LocalCluster:
             argv = [*c.wrap.get(name, []), *argv]
             if c.metrics_port:
                 argv += ["--metrics-port", str(ports[name])]
-            procs.append(ManagedProcess(name, argv, self.run_dir / f"{name}.log",
+            procs.append(ManagedProcess(name, self._wrap(name) + argv,
+                                        self.run_dir / f"{name}.log",
                                         health_target=self._health_target(name, argv), env=env,
                                         stop_timeout_s=c.stop_timeout_s))
         return procs
@@ -418,12 +297,15 @@ class LocalCluster:
             return uds_address(self.sockets[name.replace("-sidecar", "")])
         # A worker given --health-port (e.g. by tests running it with TLS through
         # prefill_args/decode_args) mirrors its status there in plain text.
+        # Where the worker listens: its own --host (on a link the prefill's is the link
+        # address in its namespace, reached over the veth pair).
+        host = argv[argv.index("--host") + 1] if "--host" in argv[:-1] else self.config.host
         if "--health-port" in argv[:-1]:
             port = argv[argv.index("--health-port") + 1]
             if port != "0":
-                return f"{self.config.host}:{port}"
+                return f"{host}:{port}"
         port = argv[argv.index("--port") + 1]
-        return f"{self.config.host}:{port}"
+        return f"{host}:{port}"
 
     def metrics_ports(self, names: list[str] | None = None) -> dict[str, int]:
         """Prometheus scrape port of each process ({} when ``metrics_port`` is 0): the four
@@ -452,6 +334,8 @@ class LocalCluster:
         start-up)."""
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
+            if self.link is not None:
+                self.link.create()
             for kinds in START_GROUPS:
                 group = [p for p in self.procs if self.kind(p.name) in kinds]
                 for proc in group:
@@ -460,7 +344,7 @@ class LocalCluster:
                     if progress:
                         progress(f"waiting for {proc.name}")
                     proc.wait_serving(deadline - time.monotonic(), interrupted)
-        except ProcessError as exc:
+        except (ProcessError, LinkError) as exc:
             self.stop()
             raise ClusterError(str(exc)) from None
         except BaseException:
@@ -490,6 +374,8 @@ class LocalCluster:
             self._stopped = True
             for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
                 proc.stop()
+            if self.link is not None:
+                self.link.destroy()  # after its processes: nothing left inside
             for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

@@ -147,6 +147,16 @@ class SidecarClient:
             request_id=request_id, num_pages=num_pages))
         return list(resp.page_indices)
 
+    async def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
+                    max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
+        """Lock the cached prefix of ``token_ids`` and allocate the rest of ``total_pages``
+        in one step: ``(matched_len, prefix_pages, new_pages)``. ResourceExhausted if the
+        pages do not fit now (nothing is held then), Aborted for a released request id."""
+        resp = await self._call("Admit", sidecar_pb2.AdmitRequest(
+            request_id=request_id, token_ids=token_ids, total_pages=total_pages,
+            max_match_tokens=max_match_tokens))
+        return resp.matched_len, list(resp.prefix_pages), list(resp.new_pages)
+
     async def commit(self, request_id: str, token_ids: Sequence[int],
                      page_table: Sequence[int], verify_pages: Sequence[int] = (),
                      verify_digests: Sequence[int] = ()) -> tuple[list[int], int]:
@@ -198,10 +208,13 @@ class SidecarClient:
             prompt_digest=prompt_digest))
         return resp.transfer_info
 
-    async def close_grant(self, room: int) -> None:
+    async def close_grant(self, room: int, abandoned: bool = False) -> None:
         """Close the grant of a completed transfer (its fence proven); NotFound,
-        FailedPrecondition (revoked before) or Unavailable (proof not in time)."""
-        await self._call("CloseGrant", sidecar_pb2.CloseGrantRequest(room=room))
+        FailedPrecondition (revoked before) or Unavailable (proof not in time).
+        ``abandoned``: prefill refused the room before writing; its pages are fenced as on a
+        revocation before they can be granted again."""
+        await self._call("CloseGrant", sidecar_pb2.CloseGrantRequest(room=room,
+                                                                     abandoned=abandoned))
 
     # -- transfers ------------------------------------------------------------------------
 

@@ -244,10 +244,13 @@ class GrantAuthority:
 
     # -- close / revoke ---------------------------------------------------------------------
 
-    def close(self, room: int) -> None:
+    def close(self, room: int, completed: bool = True) -> None:
         """The room's transfer completed (prefill reported every batch done): end its grant.
         Returns once the fence proved that no writer of the room is still inside its pages;
-        the pages then stay live pages of their request, free to enter the index.
+        the pages then stay live pages of their request, free to enter the index (or to be
+        granted to a new room). ``completed=False``: the transfer was abandoned before it
+        completed (prefill refused the room) — the proof is then a revocation's (an engine
+        recycle on Mooncake/MORI-IO), since prefill's word that nothing was written is no proof.
 
         Raises NotFound (NOT_FOUND) for an unknown room, FailedPrecondition
         (FAILED_PRECONDITION) if the grant was already revoked (expired or released),
@@ -263,10 +266,10 @@ class GrantAuthority:
                                          f"({grant.revoke_reason}) before the transfer was "
                                          f"reported complete")
             grant.state = GrantState.FENCING
-            grant.completed = True
-            grant.revoke_reason = "closed"
+            grant.completed = completed
+            grant.revoke_reason = "closed" if completed else "abandoned"
             grant.revoked_at = self._clock()
-        if not self.fencer.settle(grant, completed=True, timeout_s=self.close_timeout_s):
+        if not self.fencer.settle(grant, completed=completed, timeout_s=self.close_timeout_s):
             raise Unavailable(f"room {room}: a writer still holds its pages "
                               f"{self.close_timeout_s:g} s after the transfer completed; the "
                               f"pages stay quarantined until the fence is proven")

@@ -16,9 +16,11 @@ Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
 ``free + cached + live + quarantined == num_pages`` always; :meth:`PageManager.stats`
 exposes the counts and :meth:`PageManager.check_invariants` verifies them from scratch.
 
-A request's life: ``match_prefix`` (locks the cached prefix) → ``allocate`` (live pages for
-the rest) → ``commit`` (full pages move into the index, locked by the request) →
-``release`` (every lock dropped exactly once; remaining live pages freed or quarantined).
+A request's life: ``admit`` (lock the cached prefix and allocate the rest in one step, or
+change nothing, so a request that must wait for pages waits holding nothing: docs/admission.md)
+— or its halves ``match_prefix``, ``allocate`` — → ``commit`` (full pages move into the index,
+locked by the request) → ``release`` (every lock dropped exactly once; remaining live pages
+freed or quarantined; the id stays fenced, :mod:`deltakv.sidecar.requests`).
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
 from deltakv.sidecar.page_holds import PageHolds
-from deltakv.sidecar.radix import RadixIndex, RadixNode
-
-_MAX_REQUEST_ID_LEN = 256
+from deltakv.sidecar.radix import RadixIndex
+from deltakv.sidecar.requests import RequestRecord, RequestTable, check_request_id
 
 
 @dataclass(frozen=True)
@@ -56,17 +57,6 @@ class PoolCounts:
     live_requests: int
 
 
-@dataclass
-class _Request:
-    # Live pages in allocation order (dict as an ordered set).
-    live: dict[int, None] = field(default_factory=dict)
-    # One entry per lock taken (match_prefix or commit); release unlocks each once.
-    locks: list[list[RadixNode]] = field(default_factory=list)
-
-    def locked_nodes(self) -> dict[int, RadixNode]:
-        return {node.id: node for group in self.locks for node in group}
-
-
 class PageManager:
     """Thread-safe owner of one pool's page states (one lock around every method).
 
@@ -83,7 +73,7 @@ class PageManager:
         self._index = RadixIndex(page_size)
         self._clock = clock
         self._lock = threading.RLock()
-        self._requests: dict[str, _Request] = {}
+        self._requests = RequestTable(clock)
         self._live_total = 0
         # (deadline_s, seq, pages) min-heap; seq keeps ordering total without comparing lists.
         self._quarantine: list[tuple[float, int, list[int]]] = []
@@ -93,13 +83,7 @@ class PageManager:
 
     # ------------------------------------------------------------------ validation
 
-    @staticmethod
-    def _check_request_id(request_id: object) -> str:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"request_id must be a non-empty string, got {request_id!r}")
-        if len(request_id) > _MAX_REQUEST_ID_LEN:
-            raise InvalidArgument(f"request_id longer than {_MAX_REQUEST_ID_LEN} characters")
-        return request_id
+    _check_request_id = staticmethod(check_request_id)
 
     @staticmethod
     def _check_count(name: str, value: object) -> int:
@@ -117,12 +101,8 @@ class PageManager:
                 raise InvalidArgument(f"token id {t!r} is not a non-negative int")
         return tokens
 
-    def _get(self, request_id: str) -> _Request:
-        req = self._requests.get(request_id)
-        if req is None:
-            raise NotFound(f"unknown request {request_id!r} (never seen, or already released)",
-                           request_id=request_id)
-        return req
+    def _get(self, request_id: str) -> RequestRecord:
+        return self._requests.get(request_id)
 
     # ------------------------------------------------------------------ request life
 
@@ -136,64 +116,100 @@ class PageManager:
         their ``matched_len // page_size`` pages in prefix order. Creates the request record
         if needed; a second call adds a second lock, also dropped by :meth:`release`.
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad request id, token ids
-        or ``max_tokens``; nothing changes then.
+        or ``max_tokens``, :class:`~deltakv.errors.Aborted` (ABORTED) for a released id;
+        nothing changes then.
         """
         self._check_request_id(request_id)
         tokens = self._check_tokens(token_ids)
         self._check_count("max_tokens", max_tokens)
         with self._lock:
+            self._requests.check_open(request_id)
             matched_len, pages, nodes = self._index.match(tokens, max_tokens)
-            req = self._requests.setdefault(request_id, _Request())
+            req = self._requests.open(request_id)
             self._index.lock(nodes)
             req.locks.append(nodes)
             return matched_len, pages
 
     def allocate(self, request_id: str, num_pages: int) -> list[int]:
         """``num_pages`` new pages owned (live) by ``request_id``, in increasing index order,
-        preferring consecutive indices.
+        preferring consecutive indices: :meth:`admit` with nothing to match.
 
         Frees expired quarantine first, then evicts unlocked LRU leaves of the index if the
         free list is short. Raises :class:`ResourceExhausted` (RESOURCE_EXHAUSTED) if the
         pages cannot fit even after eviction (details: needed, free, evictable) — including
-        ``num_pages > num_pages of the pool`` — and :class:`InvalidArgument`
-        (INVALID_ARGUMENT) for a bad id or count. Nothing changes on failure (no eviction,
-        no request record). Creates the request record if needed.
+        ``num_pages > num_pages of the pool`` — :class:`InvalidArgument`
+        (INVALID_ARGUMENT) for a bad id or count, and :class:`~deltakv.errors.Aborted`
+        (ABORTED) for a released id. Nothing changes on failure (no eviction, no request
+        record). Creates the request record if needed.
+        """
+        self._check_count("num_pages", num_pages)
+        return self.admit(request_id, [], num_pages)[2]
+
+    def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
+              max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
+        """Lock the longest cached page-aligned prefix of ``token_ids`` (at most
+        ``max_match_tokens`` tokens if > 0; none for empty ``token_ids``) AND allocate the
+        rest of a ``total_pages``-page page table — or change nothing. Fits iff the new pages
+        fit in ``free + evictable`` once the prefix is locked; expired quarantine is freed
+        first, unlocked LRU leaves are evicted as needed.
+
+        Returns ``(matched_len, prefix_pages, new_pages)``: ``matched_len`` tokens (a
+        multiple of ``page_size``), their pages in prefix order (locked for the request), and
+        ``total_pages - len(prefix_pages)`` new live pages in increasing order. Raises
+        :class:`ResourceExhausted` (RESOURCE_EXHAUSTED; details ``needed``, ``free``,
+        ``evictable``, ``never_fits``) if the pages do not fit now — ``never_fits`` when
+        ``total_pages > num_pages`` —, :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad
+        id, token ids or count, or a ``total_pages`` smaller than the matched prefix, and
+        :class:`~deltakv.errors.Aborted` (ABORTED) for a released id. On any error no lock,
+        page or request record is left behind (the matched nodes count as recently used).
         """
         self._check_request_id(request_id)
-        self._check_count("num_pages", num_pages)
+        tokens = self._check_tokens(token_ids)
+        self._check_count("total_pages", total_pages)
+        self._check_count("max_match_tokens", max_match_tokens)
         with self._lock:
+            self._requests.check_open(request_id)
             self._reap_locked()
-            free = self._alloc.num_free
-            if num_pages > self.num_pages:
+            if total_pages > self.num_pages:
                 raise ResourceExhausted(
-                    f"request {request_id!r} needs {num_pages} pages but the pool only has "
-                    f"{self.num_pages}", needed=num_pages, free=free,
-                    evictable=self._index.num_evictable_pages)
-            if num_pages > free:
-                evictable = self._index.num_evictable_pages
-                if num_pages > free + evictable:
+                    f"request {request_id!r} needs {total_pages} pages but the pool only has "
+                    f"{self.num_pages}", needed=total_pages, free=self._alloc.num_free,
+                    evictable=self._index.num_evictable_pages, never_fits=True)
+            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens) if tokens
+                                          else (0, [], []))
+            need = total_pages - len(prefix)
+            if need < 0:
+                raise InvalidArgument(f"total_pages={total_pages} is less than the "
+                                      f"{len(prefix)} pages of the matched prefix")
+            self._index.lock(nodes)  # the prefix is no longer evictable, for anyone
+            free, evictable = self._alloc.num_free, self._index.num_evictable_pages
+            if need > free + evictable:
+                self._index.unlock(nodes)
+                raise ResourceExhausted(
+                    f"request {request_id!r} needs {need} new pages (+{len(prefix)} cached): "
+                    f"{free} free, {evictable} evictable, {self._index.num_locked_pages} "
+                    f"locked, {self._live_total} live, {self._quarantined_total} quarantined",
+                    needed=need, free=free, evictable=evictable, never_fits=False)
+            # A held page that eviction reclaims waits for its hold instead of being freed;
+            # evict on until enough pages are free (bounded by what is evictable).
+            while self._alloc.num_free < need:
+                evicted = self._index.evict(need - self._alloc.num_free)
+                if not evicted:
+                    self._index.unlock(nodes)
                     raise ResourceExhausted(
-                        f"request {request_id!r} needs {num_pages} pages: {free} free, "
-                        f"{evictable} evictable, {self._index.num_locked_pages} locked, "
-                        f"{self._live_total} live, {self._quarantined_total} quarantined",
-                        needed=num_pages, free=free, evictable=evictable)
-                # A held page that eviction reclaims waits for its hold instead of being
-                # freed; evict on until enough pages are free (bounded by what is evictable).
-                while self._alloc.num_free < num_pages:
-                    evicted = self._index.evict(num_pages - self._alloc.num_free)
-                    if not evicted:
-                        raise ResourceExhausted(
-                            f"request {request_id!r} needs {num_pages} pages: "
-                            f"{self._alloc.num_free} free after evicting every unlocked page "
-                            f"({len(self._holds.parked)} wait for a transfer)",
-                            needed=num_pages, free=self._alloc.num_free, evictable=0)
-                    self._free_pages(evicted)
-            pages = self._alloc.alloc(num_pages)
-            req = self._requests.setdefault(request_id, _Request())
+                        f"request {request_id!r} needs {need} new pages: "
+                        f"{self._alloc.num_free} free after evicting every unlocked page "
+                        f"({len(self._holds.parked)} wait for a transfer)",
+                        needed=need, free=self._alloc.num_free, evictable=0,
+                        never_fits=False)
+                self._free_pages(evicted)
+            pages = self._alloc.alloc(need)
+            req = self._requests.open(request_id)
+            req.locks.append(nodes)
             for p in pages:
                 req.live[p] = None
             self._live_total += len(pages)
-            return pages
+            return matched_len, prefix, pages
 
     def commit(self, request_id: str, token_ids: Sequence[int],
                page_table: Sequence[int]) -> tuple[list[int], int]:
@@ -211,8 +227,8 @@ class PageManager:
         Returns ``(canonical_table, cached_len)``: the page table of the full pages and the
         tokens cached for this prefix (``len(token_ids) // page_size * page_size``). The
         partial last page stays live. Raises :class:`NotFound` (NOT_FOUND) for an unknown
-        request, :class:`InvalidArgument` (INVALID_ARGUMENT) otherwise; nothing changes on
-        error.
+        request, :class:`~deltakv.errors.Aborted` (ABORTED) for a released one,
+        :class:`InvalidArgument` (INVALID_ARGUMENT) otherwise; nothing changes on error.
         """
         self._check_request_id(request_id)
         tokens = self._check_tokens(token_ids)
@@ -265,18 +281,25 @@ class PageManager:
         might still land in them), after which :meth:`reap` frees them.
 
         Pages under a hold (:meth:`hold`) are quarantined until their last hold is lifted,
-        whatever ``quarantine_ms`` says. Returns ``(freed, quarantined)`` page counts.
-        Raises :class:`NotFound` (NOT_FOUND) for an unknown request (including a second
-        release) and :class:`InvalidArgument` (INVALID_ARGUMENT) for a negative
-        ``quarantine_ms``; nothing changes then.
+        whatever ``quarantine_ms`` says. Returns ``(freed, quarantined)`` page counts. The id
+        stays fenced afterwards (a later :meth:`match_prefix`/:meth:`allocate`/:meth:`admit`/
+        :meth:`commit` of it is ABORTED). Raises :class:`NotFound` (NOT_FOUND) for a request
+        that holds nothing — released before, or never seen (which fences the id all the same,
+        so a call of it still on its way cannot take pages) — and :class:`InvalidArgument`
+        (INVALID_ARGUMENT) for a negative ``quarantine_ms``, changing nothing.
         """
         self._check_request_id(request_id)
         self._check_count("quarantine_ms", quarantine_ms)
         with self._lock:
-            req = self._get(request_id)
+            known = self._requests.released(request_id)
+            req = self._requests.close(request_id)
+            if req is None:
+                raise NotFound(
+                    f"unknown request {request_id!r}: it holds nothing "
+                    f"({'already released' if known else 'never seen; fenced from now on'})",
+                    request_id=request_id)
             for group in req.locks:
                 self._index.unlock(group)
-            del self._requests[request_id]
             pages = list(req.live)
             self._live_total -= len(pages)
             held = len(pages)
@@ -440,7 +463,7 @@ class PageManager:
                 return "free"
             if self._index.node_of_page(page) is not None:
                 return "cached"
-            if any(page in req.live for req in self._requests.values()):
+            if any(page in req.live for req in self._requests.records()):
                 return "live"
             if page in self._holds.parked or any(page in pages
                                                  for _, _, pages in self._quarantine):
@@ -454,7 +477,7 @@ class PageManager:
             out = ["quarantined"] * self.num_pages
             for p in self._index.cached_pages():
                 out[p] = "cached"
-            for req in self._requests.values():
+            for req in self._requests.records():
                 for p in req.live:
                     out[p] = "live"
             for p in range(self.num_pages):

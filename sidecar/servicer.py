@@ -32,6 +32,7 @@ import structlog
 
 from deltakv import metrics as deltakv_metrics
 from deltakv.errors import (
+    Aborted,
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
@@ -61,6 +62,16 @@ def _request_id(value: str, rpc: str) -> str:
     if not value:
         raise InvalidArgument(f"{rpc}: request_id must not be empty")
     return value
+
+
+def _still_wanted(context: grpc.ServicerContext, rpc: str, request_id: str) -> None:
+    """Aborted (ABORTED) if the caller cancelled this call or its deadline passed before the
+    handler ran (a saturated thread pool runs calls late): such a call must not take pages or
+    locks, since its worker may already have released the request (see
+    :mod:`deltakv.sidecar.requests` for the case where it is still active)."""
+    if not context.is_active():
+        raise Aborted(f"{rpc} for request {request_id!r}: the call was cancelled or timed out "
+                      "before it ran")
 
 
 class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
@@ -185,6 +196,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         """Longest cached page-aligned prefix of ``token_ids`` (at most ``max_tokens`` tokens,
         0 = no cap), locked for ``request_id``. INVALID_ARGUMENT for an empty request_id."""
         rid = _request_id(request.request_id, "MatchPrefix")
+        _still_wanted(context, "MatchPrefix", rid)
         with self._pm_lock:
             matched, pages = self.page_manager.match_prefix(rid, list(request.token_ids),
                                                   max_tokens=request.max_tokens)
@@ -196,9 +208,26 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         evicting unlocked LRU leaves; RESOURCE_EXHAUSTED if they cannot fit, INVALID_ARGUMENT
         for an empty request_id."""
         rid = _request_id(request.request_id, "Allocate")
+        _still_wanted(context, "Allocate", rid)
         with self._pm_lock:
             pages = self.page_manager.allocate(rid, request.num_pages)
         return sidecar_pb2.AllocateResponse(page_indices=pages)
+
+    def Admit(self, request: sidecar_pb2.AdmitRequest,
+              context: grpc.ServicerContext) -> sidecar_pb2.AdmitResponse:
+        """Match and lock the cached prefix of ``token_ids`` (at most ``max_match_tokens``)
+        and allocate the rest of ``total_pages``, in one step or not at all
+        (:meth:`PageManager.admit`). RESOURCE_EXHAUSTED if the pages do not fit now (nothing
+        held, no record; "can never fit" says so), INVALID_ARGUMENT for bad fields, ABORTED
+        for a released request id or a call cancelled before it ran."""
+        rid = _request_id(request.request_id, "Admit")
+        _still_wanted(context, "Admit", rid)
+        with self._pm_lock:
+            matched, prefix, pages = self.page_manager.admit(
+                rid, list(request.token_ids), request.total_pages,
+                max_match_tokens=request.max_match_tokens)
+        return sidecar_pb2.AdmitResponse(matched_len=matched, prefix_pages=prefix,
+                                         new_pages=pages)
 
     def Commit(self, request: sidecar_pb2.CommitRequest,
                context: grpc.ServicerContext) -> sidecar_pb2.CommitResponse:
@@ -275,8 +304,9 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
                 context: grpc.ServicerContext) -> sidecar_pb2.ReleaseResponse:
         """End of a request: revoke its open grants (decode: their pages stay quarantined
         until the fence proves no byte of the room can land), unlock its locks and free (or
-        quarantine for ``quarantine_ms``) the pages it still owns. NOT_FOUND for a request
-        that holds nothing."""
+        quarantine for ``quarantine_ms``) the pages it still owns; the id stays fenced (a late
+        call for it is ABORTED). NOT_FOUND for a request that holds nothing (already released,
+        or never seen)."""
         rid = _request_id(request.request_id, "Release")
         if self.authority is not None:
             self.authority.revoke_owner(rid)
@@ -320,8 +350,9 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
                    context: grpc.ServicerContext) -> sidecar_pb2.CloseGrantResponse:
         """End the grant of a completed transfer once the fence proves no writer is inside
         (:meth:`GrantAuthority.close`): NOT_FOUND, FAILED_PRECONDITION (revoked before) or
-        UNAVAILABLE (proof not in time; the pages stay quarantined until it comes)."""
-        self._authority("CloseGrant").close(request.room)
+        UNAVAILABLE (proof not in time; the pages stay quarantined until it comes).
+        ``abandoned``: the transfer did not complete; fenced as a revocation."""
+        self._authority("CloseGrant").close(request.room, completed=not request.abandoned)
         return sidecar_pb2.CloseGrantResponse()
 
     def _authority(self, rpc: str) -> GrantAuthority:
@@ -382,7 +413,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
                 num_pages=stats.num_pages, free=stats.free, cached=stats.cached,
                 live=stats.live, quarantined=stats.quarantined, locked=stats.locked,
                 evictable=stats.evictable, page_bytes=self.layout.page_bytes,
-                fence_pending=pending),
+                fence_pending=pending, live_requests=stats.live_requests),
             live_requests=stats.live_requests, rooms_in_flight=self.rooms.in_flight,
             grants_open=grants_open, fence_recycles=self.engines.recycles,
             page_digests=self.digester.enabled, **counters)

@@ -20,7 +20,7 @@ Usage::
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -129,8 +129,11 @@ class GenerateStream:
 
     Iteration raises a typed :class:`DeltaKVError` if the RPC fails (mapped from its gRPC
     status), :class:`DeadlineExceeded` past the call's deadline, and :class:`Internal` if the
-    stream ends without a usage message (a server bug). Leaving ``async with`` early, or
-    :meth:`cancel`, cancels the RPC so the server releases the request's pages.
+    stream ends without a usage message (a server bug). Leaving the stream before its end
+    cancels the RPC so the server stops generating and releases the request's pages at once:
+    leaving ``async with`` early, :meth:`cancel`, ``break`` out of ``async for`` (the dropped
+    iterator is closed), ``aclose()`` of the iterator, a cancelled consumer task, or dropping
+    the unfinished stream.
     """
 
     _call: grpc.aio.UnaryStreamCall
@@ -161,9 +164,12 @@ class GenerateStream:
                     self.client_total_ms = (time.perf_counter() - self._t0) * 1e3
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
-        except asyncio.CancelledError:
-            self._call.cancel()
-            raise
+        finally:
+            # Left before the end — ``break`` out of ``async for`` (the iterator is closed when
+            # dropped), ``aclose()``, the consumer's task cancelled: the server must stop
+            # generating and free the request's pages now, not when the call is collected.
+            if not self._call.done():
+                self._call.cancel()
         if self.usage is None:
             raise Internal(f"request {self.request_id}: Generate stream ended without a Usage "
                            "message")
@@ -178,6 +184,13 @@ class GenerateStream:
     async def __aexit__(self, *exc: object) -> None:
         if not self._call.done():
             self._call.cancel()
+
+    def __del__(self) -> None:
+        # Dropped unfinished (never iterated, or iterated only in part): cancel the call.
+        call = self.__dict__.get("_call")
+        if call is not None and not call.done():
+            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
+                call.cancel()
 
     async def result(self) -> GenerateResult:
         """Drain the remaining stream and return the :class:`GenerateResult` (errors as above)."""

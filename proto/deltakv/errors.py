@@ -28,6 +28,11 @@ NotFound                    NOT_FOUND              unknown lock / request / room
 Internal                    INTERNAL               a bug: never expected
 ==========================  =====================  ==========================================
 
+A status message never echoes unbounded input: :func:`status_of` clips every message to
+:data:`~deltakv.limits.MAX_STATUS_DETAILS_BYTES` as sent (:func:`clip_details`), so a long
+bad field still reaches the client as its own code (not RESOURCE_EXHAUSTED "Stream removed");
+messages that quote a caller's value use :func:`shown`, which clips the quote itself.
+
 HTTP front ends (the decode service's OpenAI API) answer with :func:`http_status_of`, the
 HTTP status google/rpc/code.proto assigns to each gRPC code, so the one mapping above also
 decides HTTP statuses.
@@ -36,6 +41,11 @@ decides HTTP statuses.
 from __future__ import annotations
 
 import grpc
+
+from deltakv.limits import MAX_STATUS_DETAILS_BYTES
+
+# Room kept for the "... (N more characters)" note a clipped message ends with.
+_CLIP_NOTE_BYTES = 40
 
 
 class DeltaKVError(Exception):
@@ -162,6 +172,31 @@ _BY_CODE: dict[grpc.StatusCode, type[DeltaKVError]] = {
 }
 
 
+def shown(value: object, limit: int = 64) -> str:
+    """``repr(value)`` for an error message, cut to at most ``limit`` characters plus a note
+    of how long it was: a message may quote what a caller sent, never all of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip_details(text: str, limit: int = MAX_STATUS_DETAILS_BYTES) -> str:
+    """``text`` cut so that gRPC's percent-encoding of it (the ``grpc-message`` trailer: one
+    byte per printable ASCII character other than ``%``, three per other UTF-8 byte) takes at
+    most ``limit`` bytes, ending with a note of what was cut. Unchanged if it fits."""
+    costs = [1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "replace"))
+             for ch in text[:limit + 1]]  # a character costs at least 1 byte
+    if len(text) <= limit and sum(costs) <= limit:
+        return text
+    cost = 0
+    for i, c in enumerate(costs):
+        cost += c
+        if cost > limit - _CLIP_NOTE_BYTES:
+            return f"{text[:i]}... ({len(text) - i} more characters)"
+    return text  # unreachable: the loop cuts before limit + 1 characters
+
+
 #: HTTP status of each gRPC code: the "HTTP Mapping" lines of google/rpc/code.proto.
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OK: 200,
@@ -191,12 +226,15 @@ def http_status_of(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """gRPC (code, details) for any exception; non-deltakv exceptions are INTERNAL."""
+    """gRPC (code, details) for any exception; non-deltakv exceptions are INTERNAL. The
+    details are clipped (:func:`clip_details`)."""
     if isinstance(exc, DeltaKVError):
-        return exc.code, exc.message
+        return exc.code, clip_details(exc.message)
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return exc.code(), exc.details() or ""  # propagate a peer's status unchanged
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        # A peer's status, propagated unchanged (but clipped).
+        return exc.code(), clip_details(exc.details() or "")
+    return grpc.StatusCode.INTERNAL, clip_details(
+        f"internal error: {type(exc).__name__}: {exc}")
 
 
 def from_rpc_error(err: grpc.RpcError) -> DeltaKVError:

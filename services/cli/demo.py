@@ -33,16 +33,14 @@ from typing import TextIO
 from deltakv.client import DecodeClient, GenerateResult
 from deltakv.errors import DeltaKVError, InvalidArgument
 from deltakv.services.cli.bench.multiturn import (
-    FULL,
-    INCREMENTAL,
     MultiturnConfig,
     add_workload_arguments,
     config_from_args,
-    format_table,
     run_multiturn,
 )
+from deltakv.services.cli.bench.multiturn_report import FULL, INCREMENTAL, format_table
 from deltakv.services.cli.chat import ChatSession, format_turn_stats
-from deltakv.services.cluster import ClusterError, LocalCluster, check_transport
+from deltakv.services.cluster import ClusterError, LocalCluster
 
 # Incremental rounds >= 1 must move at most this fraction of the full-transfer bytes.
 MAX_BYTES_RATIO = 1 / 3
@@ -69,21 +67,12 @@ CHAT_MAX_NEW_TOKENS = 48
 def start_cluster(model: str, transport: str, run_dir: Path, up_args: list[str],
                   startup_timeout_s: float, progress: Callable[[str], None]) -> LocalCluster:
     """A started local cluster from ``deltakv up``'s own flags (``up_args`` after the demo's
-    model, transport, run dir and free ports), each process waited for at most
-    ``startup_timeout_s`` in total. Raises ClusterError (everything stopped, logs kept in
-    ``run_dir``) or InvalidArgument (bad ``up`` flags); argparse exits 2 on unknown flags."""
+    model, transport, run dir and free ports); see :func:`deltakv.services.cli.up.start_cluster`."""
     from deltakv.services.cli import up
 
-    parser = argparse.ArgumentParser(prog="deltakv up")
-    up.add_arguments(parser)
-    args = parser.parse_args(["--model", model, "--transport", transport, "--run-dir",
-                              str(run_dir), "--decode-port", "0", "--prefill-port", "0", "--http-port", "0",
-                              "--start-timeout-s", str(startup_timeout_s), *up_args])
-    config = up.cluster_config(args)
-    check_transport(config.transport)
-    cluster = LocalCluster(config)
-    cluster.start(progress)
-    return cluster
+    return up.start_cluster(["--model", model, "--transport", transport, "--run-dir",
+                             str(run_dir), "--decode-port", "0", "--prefill-port", "0",
+                             "--http-port", "0", *up_args], startup_timeout_s, progress)
 
 
 def _chat_turn_record(question: str, result: GenerateResult) -> dict:
@@ -158,7 +147,8 @@ async def run_demo(target: str, config: MultiturnConfig, out: TextIO,
         chat_turns = await run_demo_chat(client, out)
     progress(f"bench multiturn --compare: {config.clients} clients x {config.rounds} rounds, "
              f"request {config.request_length} tok, question {config.sub_question_length} tok, "
-             f"output {config.output_length} tok ({FULL} first, then {INCREMENTAL})")
+             f"output {config.output_length} tok ({FULL} and {INCREMENTAL} interleaved per "
+             f"round)")
     report = await run_multiturn(target, config, progress)
     return {"target": target, "chat": chat_turns, "bench": report,
             "verdict": verdict(chat_turns, report)}

@@ -98,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
                         help="end-to-end page digests in both sidecars (default on)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="two hosts on this machine (root): prefill and its sidecar in a "
+                             "fresh network namespace, joined to decode's by a veth pair shaped "
+                             "to RATE each way (tc rate, e.g. 1gbit, 10gbit); needs "
+                             "--transport mooncake")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"])
     from deltakv.services.runtime import otel
@@ -151,7 +156,27 @@ def cluster_config(args: argparse.Namespace):
                          telemetry_args=otel.forwarded_args(args),
                          decode_args=_decode_bounds(args),
                          page_digests=getattr(args, "page_digests", "on") == "on",
+                         link=getattr(args, "link", None),
                          metrics_port=_metrics_base_port(args))
+
+
+def start_cluster(up_args: list[str], startup_timeout_s: float,
+                  progress=None):
+    """A started :class:`~deltakv.services.cluster.LocalCluster` from ``deltakv up``'s own
+    flags (``deltakv demo`` and ``deltakv bench multiturn --link`` use it), waited for at
+    most ``startup_timeout_s`` in total. Raises ClusterError (everything stopped, logs kept
+    in its run dir) or InvalidArgument (bad ``up`` flags); argparse exits 2 on unknown
+    flags."""
+    from deltakv.services.cluster import LocalCluster, check_transport
+
+    parser = argparse.ArgumentParser(prog="deltakv up")
+    add_arguments(parser)
+    args = parser.parse_args([*up_args, "--start-timeout-s", str(startup_timeout_s)])
+    config = cluster_config(args)
+    check_transport(config.transport)
+    cluster = LocalCluster(config)
+    cluster.start(progress)
+    return cluster
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,8 +216,9 @@ def run(args: argparse.Namespace) -> int:
     shape = (f" decode_replicas={config.decode_replicas} prefill_replicas="
              f"{config.prefill_replicas}" if cluster.config.decode_replicas > 1
              or config.prefill_replicas > 1 else "")
+    link = f" {cluster.link.describe()}" if cluster.link else ""
     print(f"deltakv ready at {cluster.decode_address}{http} (model={config.model} "
-          f"transport={config.transport} page_size={config.page_size}{shape} "
+          f"transport={config.transport} page_size={config.page_size}{shape}{link} "
           f"logs={cluster.run_dir})", flush=True)
     code = 0
     while not stop.wait(0.5):

@@ -14,6 +14,9 @@ class DecodeConfig:
     the life of the transfer's grant). No timer frees pages: after a failed or cancelled
     transfer they wait for the decode sidecar's fence (docs/architecture.md, "Fencing");
     ``abort_timeout_ms`` only bounds the advisory AbortTransfer call to prefill.
+    ``admission_timeout_s``: a request's budget for waiting for pages, decode's and prefill's,
+    from its start; ``max_waiting``: requests queued for pages at most (one more is refused
+    at once); ``release_retry_s``: how long a transiently failing ``Release`` is retried.
     """
 
     max_batch_size: int = 8
@@ -24,3 +27,5 @@ class DecodeConfig:
     abort_timeout_ms: int = 5_000
     prefill_connect_timeout_ms: int = 3_000
     admission_timeout_s: float = 30.0
+    max_waiting: int = 1024
+    release_retry_s: float = 30.0

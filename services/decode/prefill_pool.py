@@ -67,7 +67,8 @@ ChannelFactory = Callable[[str, "str | None"], grpc.aio.Channel]
 class PrefillBackend:
     """One prefill worker: ``target`` (as dialled), its channel and stub, whether it
     ``paired``, and ``in_flight`` Prefill calls (for stats and logs). ``source``: the
-    ``--prefill-target`` value it came from."""
+    ``--prefill-target`` value it came from. ``num_pages``: its pool's size, from its last
+    handshake (0 = not paired yet)."""
 
     target: str
     source: str
@@ -77,6 +78,7 @@ class PrefillBackend:
     refused: str = ""
     in_flight: int = 0
     sent: int = 0
+    num_pages: int = 0
     pairing: asyncio.Task | None = field(default=None, repr=False)
 
     def ready(self) -> bool:
@@ -191,6 +193,7 @@ class PrefillPool:
             from deltakv.sidecar.pairing import verify_endpoint
 
             verify_endpoint(reply.prefill_endpoint, self.key)
+        backend.num_pages = reply.prefill_endpoint.layout.num_pages
         backend.paired = True
         log.info("paired_with_prefill", target=backend.target,
                  prefill_endpoint=reply.prefill_endpoint.endpoint_id, model=reply.model)
@@ -329,6 +332,12 @@ class PrefillPool:
     def done(self, backend: PrefillBackend) -> None:
         """The request's Prefill call ended (answered or failed)."""
         backend.in_flight -= 1
+
+    def max_num_pages(self) -> int:
+        """The largest pool among the paired backends, in pages (0 = none paired yet): a
+        prompt needing more can never be prefilled here, so decode refuses it at once instead
+        of retrying (issue 12)."""
+        return max((b.num_pages for b in self.backends if b.paired), default=0)
 
     def describe(self) -> list[dict[str, Any]]:
         """Per backend: target, paired, refusal reason, calls in flight and sent."""

@@ -14,11 +14,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltakv.errors import InvalidArgument
+from deltakv.errors import InvalidArgument, shown
+from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.decode.chat_reuse import CompletionMemory, encode_chat_reusing
 from deltakv.services.decode.scheduler import DecodeRequest
 from deltakv.services.decode.stop import check_stop_strings
-from deltakv.services.model.sampling import Sampler
+from deltakv.services.model.sampling import Sampler, validate_sampling
 from deltakv.services.model.tokenizer import encode_text
 from deltakv.v1 import decode_pb2, kv_pb2, prefill_pb2
 
@@ -45,11 +46,17 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     A chat's earlier assistant messages get the ids decode generated for them from ``memory``
     (:func:`~deltakv.services.decode.chat_reuse.encode_chat_reusing`).
 
-    Raises InvalidArgument (INVALID_ARGUMENT) for: no input, an empty prompt or chat, an unknown
-    chat role, bad stop strings (more than 4, empty, over 256 characters), a token id outside the vocabulary, ``max_new_tokens`` over
-    ``max_new_tokens_limit``, a negative temperature, ``top_p`` outside [0, 1], or prompt +
-    ``max_new_tokens`` beyond the model's context. Pure: touches no page and no peer.
+    Raises InvalidArgument (INVALID_ARGUMENT) for: a ``request_id`` over
+    :data:`~deltakv.limits.MAX_REQUEST_ID_CHARS` characters, no input, an empty prompt or chat,
+    an unknown chat role, bad stop strings (more than 4, empty, over 256 characters), a token
+    id outside the vocabulary, ``max_new_tokens`` over ``max_new_tokens_limit``, sampling
+    parameters outside their ranges (:func:`~deltakv.services.model.sampling.validate_sampling`),
+    or prompt + ``max_new_tokens`` beyond the model's context. Messages quote at most a clipped
+    part of what was sent. Pure: touches no page and no peer.
     """
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id has {len(request.request_id)} characters; the limit "
+                              f"is {MAX_REQUEST_ID_CHARS}")
     kind = request.WhichOneof("input")
     if kind == "text":
         prompt = encode_text(model.tokenizer, request.text)
@@ -59,7 +66,8 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         for message in messages:
             if message["role"] not in CHAT_ROLES:
-                raise InvalidArgument(f"unknown chat role {message['role']!r}")
+                raise InvalidArgument(f"unknown chat role {shown(message['role'])}; use one of "
+                                      f"{', '.join(CHAT_ROLES)}")
         prompt, _ = encode_chat_reusing(model.tokenizer, messages, memory)
     elif kind == "token_ids":
         prompt = list(request.token_ids.ids)
@@ -78,10 +86,7 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     if sampling.max_new_tokens > max_new_tokens_limit:
         raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
                               f"{max_new_tokens_limit}")
-    if sampling.temperature < 0:
-        raise InvalidArgument(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0.0 <= sampling.top_p <= 1.0:
-        raise InvalidArgument(f"top_p must be in [0, 1], got {sampling.top_p}")
+    validate_sampling(sampling)
     positions = getattr(model.config, "max_position_embeddings", 0)
     if positions and len(prompt) + sampling.max_new_tokens > positions:
         raise InvalidArgument(
@@ -116,7 +121,9 @@ class RequestState:
     room (``AbortTransfer``) and the sidecar fences it on Release. ``sent_at``: monotonic
     send time.
     ``decode_request``: set once prefill answered; ``in_scheduler``: it joined the batch.
-    ``lease``: the pool incarnation it uses (``SidecarPairing.enter``), released after cleanup.
+    ``admission_deadline``: until when the request may wait for pages (decode's and, through
+    Prefill retries, prefill's). ``lease``: the pool incarnation it uses
+    (``SidecarPairing.enter``), released after cleanup.
     ``prefill``: the prefill backend the request is pinned to (its AbortTransfer goes there).
     ``answer_ids`` / ``answer_pieces``: the generated ids streamed so far and the text streamed
     for each (what the completion memory remembers). Times are ``time.monotonic()`` seconds;
@@ -126,6 +133,7 @@ class RequestState:
     request_id: str
     sidecar_id: str
     started_at: float
+    admission_deadline: float = 0.0
     prompt_len: int = 0
     decode_prefix_len: int = 0
     page_table: list[int] = field(default_factory=list)
@@ -139,6 +147,7 @@ class RequestState:
     in_scheduler: bool = False
     ttft_ms: float = 0.0
     cleanup: asyncio.Future | None = None
+    counted: bool = False  # in exactly one of requests_ok / _failed / _cancelled
     lease: Any = None
     prefill: Any = None
     answer_ids: list[int] = field(default_factory=list)

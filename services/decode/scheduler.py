@@ -9,7 +9,13 @@ in-flight step can still write its KV — the caller waits for it before releasi
 
 Each request's ``events`` queue carries typed events (:data:`StreamEvent`): a :class:`TokenEvent` per
 generated token, then exactly one :class:`FinishEvent` (stopped) or :class:`ErrorEvent` (its
-batch failed, or the service is stopping) — nothing after a cancellation.
+own step failed, or the service is stopping) — nothing after a cancellation.
+
+Isolation (issue 12): a failure of one sequence fails that sequence alone. Sampling runs per
+sequence; a forward over the batch that raises is re-run one sequence at a time, so the
+sequences that compute alone go on (re-running a step rewrites the same KV rows from the same
+inputs, so a partly written first attempt leaves nothing wrong behind) and only the ones that
+fail alone get their :class:`ErrorEvent`.
 """
 
 from __future__ import annotations
@@ -157,28 +163,47 @@ class DecodeScheduler:
             samplers = [r.sampler for r in batch]
             self.in_step = set(batch)
             try:
-                next_tokens = await loop.run_in_executor(self.executor, self._step, items,
-                                                         samplers)
-            except Exception as exc:  # a failed forward fails its batch, not the server
-                log.error("decode_step_failed", error=repr(exc), batch=len(batch))
-                error = exc if isinstance(exc, DeltaKVError) else Internal(f"decode step: {exc}")
+                results = await loop.run_in_executor(self.executor, self._step, items, samplers)
+            finally:
                 self.in_step = set()
-                for request in batch:
-                    self._drop(request, ErrorEvent(error))
-                continue
-            self.in_step = set()
             self.steps += 1
-            for request, token in zip(batch, next_tokens, strict=True):
+            for request, result in zip(batch, results, strict=True):
                 if request.cancelled:
                     self._drop(request, None)
-                    continue
-                request.tokens.append(token)
-                request.events.put_nowait(TokenEvent(token))
-                reason = request.should_stop(token, len(request.generated))
-                if reason is not None:
-                    request.finish_reason = reason
-                    self._drop(request, FinishEvent(reason))
+                elif isinstance(result, DeltaKVError):
+                    log.error("decode_step_failed", request_id=request.request_id,
+                              error=str(result), batch=len(batch))
+                    self._drop(request, ErrorEvent(result))
+                else:
+                    self._advance(request, result)
 
-    def _step(self, items: list[DecodeSeq], samplers: list[Sampler]) -> list[int]:
-        logits = self.runner.decode_step(items)
-        return [sampler.sample(logits[i]) for i, sampler in enumerate(samplers)]
+    def _advance(self, request: DecodeRequest, token: int) -> None:
+        request.tokens.append(token)
+        request.events.put_nowait(TokenEvent(token))
+        reason = request.should_stop(token, len(request.generated))
+        if reason is not None:
+            request.finish_reason = reason
+            self._drop(request, FinishEvent(reason))
+
+    def _step(self, items: list[DecodeSeq], samplers: list[Sampler]
+              ) -> list[int | DeltaKVError]:
+        """One decode step on the executor thread: per sequence, its next token or the typed
+        error of its own failure (see the module docstring)."""
+        try:
+            logits = self.runner.decode_step(items)
+        except Exception as exc:  # one bad sequence must not fail the others: isolate it
+            if len(items) == 1:
+                return [_typed(exc)]
+            return [self._step([item], [sampler])[0]
+                    for item, sampler in zip(items, samplers, strict=True)]
+        out: list[int | DeltaKVError] = []
+        for i, sampler in enumerate(samplers):
+            try:
+                out.append(sampler.sample(logits[i]))
+            except Exception as exc:
+                out.append(_typed(exc))
+        return out
+
+
+def _typed(exc: Exception) -> DeltaKVError:
+    return exc if isinstance(exc, DeltaKVError) else Internal(f"decode step: {exc}")

@@ -6,16 +6,23 @@ Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
    decode's grant against the tokens received (UNAUTHENTICATED / PERMISSION_DENIED,
    :func:`deltakv.sidecar.grants.verify_grant` — the sidecar checks it again before writing)
    before anything is allocated or computed;
-2. ``MatchPrefix`` on prefill's own sidecar (prefill-side reuse; at most ``prompt_len - 1`` tokens
-   so the last position is computed and yields the first token's logits), ``Allocate`` the rest;
+2. ``Admit`` on prefill's own sidecar: the cached prefix (prefill-side reuse; at most
+   ``prompt_len - 1`` tokens so the last position is computed and yields the first token's
+   logits) locked and the rest allocated in one step — queued FIFO behind the attempts already
+   waiting, holding nothing, for at most the smallest of ``admission_timeout_s``, the
+   request's ``queue_timeout_ms``, its lease and its RPC deadline
+   (:class:`~deltakv.services.admission.AdmissionQueue`); then RESOURCE_EXHAUSTED, before any
+   write for the room could start (decode retries with a new room and a new grant);
 3. the forward pass on one dedicated thread (torch never blocks the event loop; forwards are
    serialised), then the first token is sampled;
 4. ``WritePages`` on the sidecar writes pages ``[decode_prefix_len / page_size, ...)`` into the
    decode pool and returns only when every write completed;
 5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every
    path, exactly once, even when the sidecar did not answer the abort (the sidecar itself keeps
-   the pages of a write still reading them quarantined until it ends); a Release the sidecar
-   does not answer (stopped) is retried until it does, bounded by ``release_retry_s``.
+   the pages of a write still reading them quarantined until it ends), and only after no
+   forward can still touch the pages; a Release the sidecar does not answer (stopped, or the
+   call cut) is retried until it does, bounded by ``release_retry_s``; the queue's head is
+   then woken.
 
 ``AbortTransfer(room)`` stops the room in the sidecar (a later write is ABORTED) and returns
 when this sidecar runs no write for it. It is advisory for decode, whose own fence proves that
@@ -39,13 +46,17 @@ from deltakv.errors import (
     AlreadyExists,
     DeadlineExceeded,
     DeltaKVError,
-    FailedPrecondition,
     InvalidArgument,
-    NotFound,
     SidecarRestarted,
+    Unavailable,
 )
 from deltakv.layout import KVLayout
-from deltakv.services.model.sampling import Sampler
+from deltakv.limits import MAX_REQUEST_ID_CHARS
+from deltakv.services.admission import (
+    AdmissionQueue,
+    release_retried,
+)
+from deltakv.services.model.sampling import Sampler, validate_sampling
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
 from deltakv.sidecar.grants import prompt_digest, verify_grant
@@ -60,8 +71,11 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, layout: KVLayo
                              vocab_size: int) -> None:
     """INVALID_ARGUMENT unless the request is well formed (checked before any work).
 
-    Prefill's own rules: a non-empty prompt, every token id < vocab_size, a TransferInfo,
-    ``prompt_len == len(token_ids)``. The TransferInfo's rules (room, ``decode_prefix_len``
+    Prefill's own rules: a non-empty prompt, every token id < vocab_size, sampling parameters
+    in their ranges (:func:`~deltakv.services.model.sampling.validate_sampling`), a
+    TransferInfo whose ``request_id`` has at most
+    :data:`~deltakv.limits.MAX_REQUEST_ID_CHARS` characters, ``prompt_len ==
+    len(token_ids)``. The TransferInfo's rules (room, ``decode_prefix_len``
     alignment and bound, one destination page per delta page, ``lease_ms``) are the
     planner's, :func:`deltakv.sidecar.planner.validate_transfer`, run here early so a bad
     request costs no allocation or forward pass.
@@ -72,9 +86,13 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, layout: KVLayo
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    validate_sampling(request.sampling)
     if not request.HasField("transfer_info"):
         raise InvalidArgument("transfer_info is required")
     info = request.transfer_info
+    if len(info.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"transfer_info.request_id has {len(info.request_id)} "
+                              f"characters; the limit is {MAX_REQUEST_ID_CHARS}")
     if info.prompt_len != len(tokens):
         raise InvalidArgument(
             f"transfer_info.prompt_len={info.prompt_len} but {len(tokens)} token ids were sent")
@@ -100,17 +118,25 @@ class _Attempt:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    """The internal prefill service over one worker (model + sidecar)."""
+    """The internal prefill service over one worker (model + sidecar).
+
+    ``key``: the cluster's pairing key (grants are checked before any compute);
+    ``admission_timeout_s``: the longest an attempt queues for prefill pages (a request's
+    ``queue_timeout_ms`` may shorten it); ``max_waiting``: attempts queued at most (one more
+    is refused at once); ``release_retry_s``: how long an unanswered ``Release`` of an attempt
+    is retried (long: a stopped sidecar may come back and must get its pages back).
+    """
 
     def __init__(self, worker: Worker, model_name: str, key: PairingKey,
+                 admission_timeout_s: float = 30.0, max_waiting: int = 1024,
                  release_retry_s: float = 600.0) -> None:
-        """``key``: the cluster's pairing key (grants are checked before any compute);
-        ``release_retry_s``: how long an unanswered Release of an attempt is retried."""
         self.worker = worker
         self.model_name = model_name
         self.key = key
+        self.admission_timeout_s = admission_timeout_s
         self.release_retry_s = release_retry_s
-        self._retries: set[asyncio.Task] = set()
+        self.admission = AdmissionQueue("prefill", max_waiting=max_waiting)
+        self._cleanups: set[asyncio.Future] = set()
         # One thread: forwards are serialised (torch already uses every core per forward).
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
         self.attempts: dict[int, _Attempt] = {}
@@ -139,9 +165,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         Errors: INVALID_ARGUMENT, UNAUTHENTICATED (no grant, or one or an endpoint not sealed
         with the cluster's pairing key), PERMISSION_DENIED (a grant for another write or
         prompt, or expired) — these before any compute —, ALREADY_EXISTS (room in flight or
-        used: a replay), RESOURCE_EXHAUSTED (prefill pool), FAILED_PRECONDITION (decode
-        endpoint), UNAVAILABLE (transfer failed), DEADLINE_EXCEEDED (lease or RPC deadline),
-        ABORTED (AbortTransfer won)."""
+        used: a replay), RESOURCE_EXHAUSTED (prefill pool full after the bounded queue wait, or
+        the queue full: no write for the room was started), FAILED_PRECONDITION (decode
+        endpoint), UNAVAILABLE (transfer failed, or draining), DEADLINE_EXCEEDED (lease or RPC
+        deadline), ABORTED (AbortTransfer won)."""
         receipt = time.monotonic()
         info = request.transfer_info
         bind_request(info.request_id, info.room)
@@ -181,7 +208,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             # Shielded: a cancelled handler must still drain its forward/write and free pages.
-            await asyncio.shield(self._cleanup(attempt))
+            cleanup = asyncio.ensure_future(self._cleanup(attempt))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(cleanup)
 
     async def AbortTransfer(self, request: prefill_pb2.AbortTransferRequest,
                             context: grpc.aio.ServicerContext) -> prefill_pb2.AbortTransferResponse:
@@ -202,6 +232,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillStats(pool=stats.pool, live_requests=len(self.attempts),
                                         **self.counters)
 
+    def begin_drain(self) -> None:
+        """Draining: attempts still queued for pages (and later ones) fail at once with
+        UNAVAILABLE."""
+        self.admission.close(Unavailable("prefill is draining"))
+
     # -- internals --------------------------------------------------------------------------
 
     async def _prefill(self, attempt: _Attempt, request: prefill_pb2.PrefillRequest,
@@ -212,12 +247,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.token_ids)
         lease_end = receipt + info.lease_ms / 1000.0
 
-        cached_len, cached_pages = await sidecar.match_prefix(
-            attempt.sidecar_request_id, tokens, max_tokens=len(tokens) - 1)
-        attempt.holds_pages = True
-        new_pages = await sidecar.allocate(
-            attempt.sidecar_request_id, self.worker.layout.pages_for(len(tokens))
-            - len(cached_pages))
+        queue_s = min(self.admission_timeout_s, lease_end - time.monotonic())
+        if request.queue_timeout_ms:
+            queue_s = min(queue_s, request.queue_timeout_ms / 1000.0)
+        rpc_left = context.time_remaining()
+        if rpc_left is not None:
+            queue_s = min(queue_s, rpc_left)
+        # At most prompt_len - 1 tokens from the index: the last one is computed (its logits
+        # give the first token); a one-token prompt matches nothing.
+        match = tokens if len(tokens) > 1 else []
+
+        async def admit() -> tuple[int, list[int], list[int]]:
+            return await sidecar.admit(attempt.sidecar_request_id, match,
+                                       self.worker.layout.pages_for(len(tokens)),
+                                       max_match_tokens=len(tokens) - 1)
+
+        attempt.holds_pages = True  # from the first Admit on, a Release is owed exactly once
+        try:
+            cached_len, cached_pages, new_pages = await self.admission.admit(admit, queue_s)
+        except Aborted as exc:
+            if context.done():
+                raise
+            # The sidecar id is "<request_id>/<room>": released means an earlier attempt of
+            # this very room ran here — a replay of a used room (prefill.proto: ALREADY_EXISTS).
+            raise AlreadyExists(f"room {attempt.room} was already prefilled here (a replay): "
+                                f"{exc}") from None
         page_table = cached_pages + new_pages
         self._check_alive(attempt, lease_end, context, "before the forward pass")
 
@@ -300,41 +354,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     await sidecar.abort_write(attempt.room)
                 except DeltaKVError as exc:
                     log.warning("abort_write_unanswered", room=attempt.room, reason=str(exc))
-            if attempt.holds_pages:
-                try:
-                    await sidecar.release(attempt.sidecar_request_id)
-                except DeltaKVError as exc:
-                    if not isinstance(exc, NotFound):
-                        self._retry_release(attempt, exc)
+        except DeltaKVError as exc:
+            log.error("room_cleanup_failed", room=attempt.room, reason=str(exc))
         finally:
+            if attempt.holds_pages:
+                await release_retried(sidecar, attempt.sidecar_request_id, 0,
+                                      self.release_retry_s, log)
+                attempt.holds_pages = False
+                self.admission.pages_freed()
             self.attempts.pop(attempt.room, None)
             if attempt.lease is not None:
                 attempt.lease.release()
 
-    def _retry_release(self, attempt: _Attempt, first: DeltaKVError) -> None:
-        """Release the attempt's pages in the background until the sidecar answers (it may
-        be stopped), every second, for at most ``release_retry_s``."""
-        log.warning("release_unanswered_retrying", room=attempt.room, reason=str(first))
-
-        async def retry() -> None:
-            deadline = time.monotonic() + self.release_retry_s
-            while time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                try:
-                    await self.worker.sidecar.release(attempt.sidecar_request_id)
-                except (NotFound, FailedPrecondition):
-                    return  # released meanwhile, or a new pool incarnation (nothing to free)
-                except DeltaKVError:
-                    continue
-                log.info("release_retried", room=attempt.room)
-                return
-            log.error("release_gave_up", room=attempt.room, retry_s=self.release_retry_s)
-
-        task = asyncio.ensure_future(retry())
-        self._retries.add(task)
-        task.add_done_callback(self._retries.discard)
+    async def wait_cleanups(self, timeout_s: float) -> int:
+        """At shutdown, after the server stopped: wait up to ``timeout_s`` for the cleanups of
+        cancelled attempts (their pages go back to the sidecar, which outlives this worker);
+        how many were left unfinished."""
+        self.begin_drain()
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=timeout_s)
+        if self._cleanups:
+            log.error("cleanup_unfinished", attempts=len(self._cleanups))
+        return len(self._cleanups)
 
     def close(self) -> None:
-        for task in list(self._retries):
-            task.cancel()
+        self.begin_drain()
         self.compute.shutdown(wait=True, cancel_futures=True)

@@ -69,14 +69,23 @@ class Service:
     failed: asyncio.Future | None = None
 
     @classmethod
-    def of_server(cls, server: Any, **fields: Any) -> Service:
-        """The :class:`Service` of one :class:`deltakv.rpc.server.AioServer`."""
+    def of_server(cls, server: Any, on_drain: Callable[[], None] | None = None,
+                  **fields: Any) -> Service:
+        """The :class:`Service` of one :class:`deltakv.rpc.server.AioServer`. ``on_drain``
+        runs once health is NOT_SERVING and before in-flight calls get their grace (decode
+        fails the requests still waiting for pages there, so a drain never waits for them)."""
         async def start() -> None:
             await server.start()
             await server.set_serving()
 
-        return cls(start, server.drain, {"address": server.address,
-                                         "health_address": server.health_address, **fields})
+        async def drain(grace_s: float) -> None:
+            await server.enter_graceful_shutdown()
+            if on_drain is not None:
+                on_drain()
+            await server.stop(grace_s)
+
+        return cls(start, drain, {"address": server.address,
+                                  "health_address": server.health_address, **fields})
 
 
 Build = Callable[[argparse.Namespace, contextlib.AsyncExitStack, Any], Awaitable[Service]]

@@ -57,7 +57,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from deltakv.services.cluster import ManagedProcess, ProcessError
+from deltakv.services.process import ManagedProcess, ProcessError
 from tests.support.helm import (
     CASES,
     CHART,

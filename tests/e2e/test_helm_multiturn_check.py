@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from deltakv.services.cluster import ClusterConfig, LocalCluster, free_port
+from deltakv.services.cluster import ClusterConfig, LocalCluster
+from deltakv.services.process import free_port
 from deltakv.v1 import decode_pb2
 
 SCRIPT = Path(__file__).resolve().parents[2] / "helm" / "deltakv" / "files" / "multiturn_check.py"

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(300)
 GENERATE = "/deltakv.v1.DecodeService/Generate"
 PREFILL = "/deltakv.v1.PrefillService/Prefill"
 WRITE_PAGES = "/deltakv.v1.SidecarService/WritePages"
-MATCH_PREFIX = "/deltakv.v1.SidecarService/MatchPrefix"
+ADMIT = "/deltakv.v1.SidecarService/Admit"
 FAILED_REQUEST = "otel-failed-transfer"
 
 
@@ -144,7 +144,7 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
 
     spans = _trace_of(receiver, "otel-g2", names=(
         "kv.transfer", "decode.finish", "prefill.forward", f"{PREFILL}@deltakv-prefill",
-        f"{MATCH_PREFIX}@deltakv-sidecar/decode", f"{WRITE_PAGES}@deltakv-sidecar/prefill"))
+        f"{ADMIT}@deltakv-sidecar/decode", f"{WRITE_PAGES}@deltakv-sidecar/prefill"))
     # decode, prefill, and both sidecars (one service name, told apart by deltakv.role)
     processes = {(s.service, s.role, s.process) for s in spans}
     assert processes == {("deltakv-decode", "decode", "worker"),
@@ -163,17 +163,14 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
     assert root.attributes["deltakv.decode_prefix_len"] == 32
     assert root.attributes["deltakv.ttft_ms"] > 0
 
-    # decode -> its sidecar (UDS): decode.match_prefix -> client span -> sidecar server span
-    match = one(spans, "decode.match_prefix")
-    assert parent(match) is root
-    assert match.attributes["deltakv.decode_prefix_len"] == 32
-    match_client = one(spans, MATCH_PREFIX, **{"deltakv.role": "decode",
-                                                "deltakv.process": "worker"})
-    assert match_client.kind == KIND_CLIENT and parent(match_client) is match
-    match_server = one(spans, MATCH_PREFIX, **{"deltakv.role": "decode",
-                                                "deltakv.process": "sidecar"})
-    assert match_server.kind == KIND_SERVER and parent(match_server) is match_client
-    assert parent(one(spans, "decode.allocate")) is root
+    # decode -> its sidecar (UDS): decode.admit -> client span -> sidecar server span
+    admit = one(spans, "decode.admit")
+    assert parent(admit) is root
+    assert admit.attributes["deltakv.decode_prefix_len"] == 32
+    admit_client = one(spans, ADMIT, **{"deltakv.role": "decode", "deltakv.process": "worker"})
+    assert admit_client.kind == KIND_CLIENT and parent(admit_client) is admit
+    admit_server = one(spans, ADMIT, **{"deltakv.role": "decode", "deltakv.process": "sidecar"})
+    assert admit_server.kind == KIND_SERVER and parent(admit_server) is admit_client
 
     # decode -> prefill (TCP) -> prefill sidecar (UDS) -> kv.transfer
     first = one(spans, "decode.first_token")

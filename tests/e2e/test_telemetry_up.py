@@ -3,7 +3,7 @@ sends the traces of every request to that collector, and ``--metrics-port`` serv
 on four ports.
 
 ``deltakv up`` runs as a subprocess, as a user would run it, under the process supervisor
-(``deltakv.services.cluster.ManagedProcess``: ready when decode's health answers SERVING) with a
+(``deltakv.services.process.ManagedProcess``: ready when decode's health answers SERVING) with a
 tiny-random model. The span batch delay is set far beyond the test's length, so every span
 that arrives was flushed by the processes' graceful shutdown: stopping ``up`` loses nothing.
 """
@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from deltakv.services.cluster import ManagedProcess, free_port
+from deltakv.services.process import ManagedProcess, free_port
 from tests.e2e.conftest import generate, run
 from tests.e2e.test_telemetry import GENERATE, _free_port_block
 from tests.otlp_receiver import OtlpReceiver

@@ -12,7 +12,7 @@ Reusable by integration and e2e tests::
 
 Each process runs ``sys.executable -m deltakv.services.cli.serve.sidecar ...`` (the same as
 ``deltakv serve sidecar``, without importing the other subcommands) under the one process
-supervisor, :class:`deltakv.services.cluster.ManagedProcess`, with its socket in a short private
+supervisor, :class:`deltakv.services.process.ManagedProcess`, with its socket in a short private
 directory under /tmp (a Unix socket path must stay under 107 bytes, pytest's tmp paths often do
 not), logs to a file beside it (no pipe to fill up), and is stopped by the fixture's
 finalizer: SIGTERM, then SIGKILL after a bounded wait. Use :func:`start_sidecar`
@@ -34,7 +34,7 @@ import pytest
 
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import uds_address
-from deltakv.services.cluster import ManagedProcess, ProcessError
+from deltakv.services.process import ManagedProcess, ProcessError
 from deltakv.sidecar.server import default_shm_name
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 from tests.support.faults import sidecar_args as fault_args
@@ -58,7 +58,7 @@ def short_tmp_dir(prefix: str = "dkv-") -> str:
 
 
 class SidecarProcess:
-    """One running sidecar process: a :class:`~deltakv.services.cluster.ManagedProcess` (own
+    """One running sidecar process: a :class:`~deltakv.services.process.ManagedProcess` (own
     session, SIGTERM when the test process dies, SIGTERM then SIGKILL on stop) plus a cached
     sync stub. ``socket_path``: its UDS; ``log_path``: its stdout+stderr (JSON log lines)."""
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from deltakv.services.cluster import ClusterConfig, LocalCluster, ManagedProcess
+from deltakv.services.cluster import ClusterConfig, LocalCluster
+from deltakv.services.process import ManagedProcess
 from tests.integration.sidecar_proc import short_tmp_dir
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from deltakv.services.cluster import ManagedProcess, free_port
+from deltakv.services.process import ManagedProcess, free_port
 from tests.e2e.sidecars import NOT_SERVING, SERVING, health_of
 from tests.integration.sidecar_proc import REPO_ROOT, short_tmp_dir, start_sidecar
 

@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.client import DecodeClient, TLSFiles
 from deltakv.errors import InvalidArgument, Unavailable
-from deltakv.services.cluster import LocalCluster, free_port
+from deltakv.services.cluster import LocalCluster
+from deltakv.services.process import free_port
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
 from tests.e2e.conftest import TOY_PAGE_BYTES, make_cluster, run
 from tests.tls_certs import PKI, make_pki

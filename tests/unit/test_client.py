@@ -67,7 +67,8 @@ class ReferenceDecode(decode_pb2_grpc.DecodeServiceServicer):
 
     ``fault``: None, "exhausted" (RESOURCE_EXHAUSTED before any token), "hang" (never
     answers), "no_usage" (stream ends without Usage), "extra_page" (reports one page more than
-    the delta). ``fail_request_ids``: ids answered with UNAVAILABLE.
+    the delta), "slow" (one token per 100 ms; a cancellation is recorded in
+    ``cancelled_after``). ``fail_request_ids``: ids answered with UNAVAILABLE.
     """
 
     def __init__(self) -> None:
@@ -75,6 +76,8 @@ class ReferenceDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.fault: str | None = None
         self.fail_request_ids: set[str] = set()
         self.requests: list[decode_pb2.GenerateRequest] = []
+        # "slow" streams: request id -> tokens sent before the client cancelled the call.
+        self.cancelled_after: dict[str, int] = {}
 
     def _match(self, prompt: list[int]) -> int:
         best = 0
@@ -108,7 +111,13 @@ class ReferenceDecode(decode_pb2_grpc.DecodeServiceServicer):
         cached = 0 if request.disable_decode_prefix_reuse else self._match(prompt)
         n_out = request.sampling.max_new_tokens or 8
         generated = [BYTE_BASE + ord("a") + (sum(prompt) + i) % 26 for i in range(n_out)]
-        for tok in generated:
+        for sent, tok in enumerate(generated):
+            if self.fault == "slow":
+                try:
+                    await asyncio.sleep(0.1)
+                except asyncio.CancelledError:
+                    self.cancelled_after[request.request_id] = sent
+                    raise
             yield decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(
                 token_ids=[tok], text=chr(tok - BYTE_BASE)))
         if self.fault == "no_usage":
@@ -207,6 +216,44 @@ def test_failures_become_typed_errors(tmp_path: Path, fault: str, exc: type) -> 
                 await client.generate(token_ids=[VOCAB + 1], max_new_tokens=2)
 
     _with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_leaving_a_stream_early_cancels_the_call(tmp_path: Path) -> None:
+    """Issue 12: ``break`` out of ``async for`` over ``DecodeClient.stream(...)`` left the call
+    running (decode generated to the end holding its pages). Every way of leaving a stream
+    early now cancels it at once: the server sees the cancellation after exactly the tokens
+    the client took (2), not after all 500."""
+    async def body(target, servicer, health):
+        servicer.fault = "slow"
+        async with DecodeClient(target, timeout_s=30) as client:
+            kept = client.stream(token_ids=[2000] * 20, max_new_tokens=500, request_id="brk")
+            async for _chunk in kept:  # ``kept`` stays referenced: only the iterator is dropped
+                if len(kept.token_ids) == 2:
+                    break
+            closed = client.stream(token_ids=[2000] * 20, max_new_tokens=500, request_id="acl")
+            iterator = aiter(closed)
+            await anext(iterator), await anext(iterator)
+            await iterator.aclose()
+            consumer = asyncio.ensure_future(client.generate(
+                token_ids=[2000] * 20, max_new_tokens=500, request_id="task"))
+            while "task" not in {r.request_id for r in servicer.requests}:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.25)  # two tokens at 100 ms each
+            consumer.cancel()
+            dropped = client.stream(token_ids=[2000] * 20, max_new_tokens=500, request_id="drop")
+            await asyncio.sleep(0.05)
+            del dropped  # never iterated, dropped unfinished
+            t0 = asyncio.get_running_loop().time()
+            while len(servicer.cancelled_after) < 4:
+                assert asyncio.get_running_loop().time() - t0 < 2.0, servicer.cancelled_after
+                await asyncio.sleep(0.01)
+            return dict(servicer.cancelled_after)
+
+    cancelled = _with_server(tmp_path, body)
+    assert cancelled["brk"] == 2 and cancelled["acl"] == 2
+    assert set(cancelled) == {"brk", "acl", "task", "drop"}
+    assert all(sent < 10 for sent in cancelled.values())
 
 
 @pytest.mark.timeout(60)
@@ -357,9 +404,12 @@ def test_run_multiturn_compare_against_live_stream(tmp_path: Path) -> None:
     json.loads(json.dumps(report))
     assert report_ok(report) and report["page_size"] == PAGE_SIZE
     assert len(reqs) == 2 * 3 * 3
-    # full ran first, and every full request disabled decode prefix reuse.
-    assert all(r.disable_decode_prefix_reuse for r in reqs[:9])
-    assert not any(r.disable_decode_prefix_reuse for r in reqs[9:])
+    # The modes interleave per round (full first in round 0, then alternating), and every
+    # full request disabled decode prefix reuse.
+    modes = [r.request_id.split("-")[1] for r in reqs]
+    assert modes == ["full"] * 3 + ["incr"] * 6 + ["full"] * 6 + ["incr"] * 3
+    assert all(r.disable_decode_prefix_reuse == (m == "full") for r, m in zip(reqs, modes,
+                                                                              strict=True))
     assert all(r.sampling.ignore_eos and r.sampling.max_new_tokens == 8 for r in reqs)
     # Each round-r prompt is the round-(r-1) prompt + its generated ids + a question.
     by_client: dict[tuple[bool, int], list[list[int]]] = {}

@@ -1,6 +1,7 @@
 """DecodeScheduler's typed stream events on a real paged runner (tiny-random weights): a
 request's tokens equal transformers' own greedy continuation, every stream ends with exactly
-one FinishEvent or ErrorEvent, and a cancelled request gets neither and is detached."""
+one FinishEvent or ErrorEvent, a sequence that fails (forward or sampling) fails alone, and a
+cancelled request gets neither and is detached."""
 
 from __future__ import annotations
 
@@ -97,8 +98,12 @@ def test_two_requests_stream_the_reference_tokens_then_finish(tiny) -> None:
         assert request.detached.is_set()
 
 
-def test_a_failed_step_ends_every_stream_of_its_batch_with_an_error(tiny) -> None:
-    _, model = tiny
+def test_a_sequence_whose_forward_fails_fails_alone(tiny) -> None:
+    """Issue 12: one sequence's failure in a batched step used to fail its whole batch. Here
+    ``short``'s page table ends where its prompt does, so the batched forward raises at its
+    first step; the batch is re-run one sequence at a time: ``short`` ends with its own
+    INVALID_ARGUMENT, ``fine`` streams exactly transformers' greedy tokens."""
+    hf_model, model = tiny
     runner = ModelRunner(model, model.new_pool(PAGE_SIZE, NUM_PAGES))
     prompt = list(range(10, 42))  # two full pages
 
@@ -106,7 +111,6 @@ def test_a_failed_step_ends_every_stream_of_its_batch_with_an_error(tiny) -> Non
         scheduler = DecodeScheduler(runner, max_batch_size=8)
         scheduler.start()
         try:
-            # Its page table ends where the prompt does: the first step's position has no page.
             short = admitted(runner, prompt, 0, 4, pages=2)
             fine = admitted(runner, prompt, 8, 4)
             scheduler.add(short)
@@ -116,10 +120,54 @@ def test_a_failed_step_ends_every_stream_of_its_batch_with_an_error(tiny) -> Non
             await scheduler.stop()
 
     short_events, fine_events, fine = asyncio.run(main())
-    for events in (short_events, fine_events):  # one batch, one failure
-        (event,) = events
-        assert isinstance(event, ErrorEvent) and isinstance(event.error, InvalidArgument)
-    assert fine.detached.is_set() and fine.finish_reason is None
+    (event,) = short_events
+    assert isinstance(event, ErrorEvent) and isinstance(event.error, InvalidArgument)
+    assert str(event.error) == ("sequence 0 page table too short: 2 pages for 33 tokens "
+                                "(page_size 16 needs 3)")
+    assert fine_events[-1] == FinishEvent("length")
+    assert fine.generated == greedy_reference(hf_model, prompt, 4)
+
+
+class BrokenSampler(Sampler):
+    """Greedy, but its draw raises after ``good`` tokens (a fault double for the sampler)."""
+
+    def __init__(self, good: int) -> None:
+        super().__init__()
+        self.good = good
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.good == 0:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        self.good -= 1
+        return super().sample(logits)
+
+
+def test_a_sequence_whose_sampling_fails_fails_alone(tiny) -> None:
+    hf_model, model = tiny
+    runner = ModelRunner(model, model.new_pool(PAGE_SIZE, NUM_PAGES))
+    prompts = [list(range(20, 45)), list(range(50, 70)), list(range(90, 120))]
+
+    async def main():
+        scheduler = DecodeScheduler(runner, max_batch_size=8)
+        scheduler.start()
+        try:
+            requests = [admitted(runner, p, 8 * i, 6) for i, p in enumerate(prompts)]
+            requests[1].sampler = BrokenSampler(good=2)
+            for request in requests:
+                scheduler.add(request)
+            return requests, [await drain(r) for r in requests]
+        finally:
+            await scheduler.stop()
+
+    requests, streams = asyncio.run(main())
+    broken = streams[1]
+    assert [type(e) for e in broken] == [TokenEvent, TokenEvent, ErrorEvent]
+    assert str(broken[-1].error) == ("decode step: probability tensor contains either `inf`, "
+                                     "`nan` or element < 0")
+    assert broken[-1].error.code.name == "INTERNAL"
+    for i in (0, 2):
+        assert streams[i][-1] == FinishEvent("length")
+        assert requests[i].generated == greedy_reference(hf_model, prompts[i], 6)
 
 
 def test_a_cancelled_request_gets_no_further_event_and_is_detached(tiny) -> None:

@@ -5,6 +5,7 @@ a previous worker left)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import grpc
@@ -36,9 +37,14 @@ def toks(n: int, salt: int = 0) -> list[int]:
     return [(salt * 1000 + i) % 30_000 for i in range(n)]
 
 
+_RIDS = itertools.count()
+
+
 def cached_request(pm: PageManager, digester: PageDigester, tokens: list[int],
-                   rid: str = "r") -> list[int]:
-    """A request that caches ``tokens``'s full pages with their digests, then releases."""
+                   rid: str | None = None) -> list[int]:
+    """A request that caches ``tokens``'s full pages with their digests, then releases (a
+    fresh request id each time: a released id stays fenced)."""
+    rid = rid or f"r{next(_RIDS)}"
     pages = pm.allocate(rid, -(-len(tokens) // PS))
     canonical, _ = pm.commit(rid, tokens, pages)
     pm.set_digests(dict(zip(canonical, digester.digest(canonical), strict=True)))
@@ -102,10 +108,10 @@ def test_audit_finds_corrupt_cached_pages_and_evicts_their_subtrees(pool) -> Non
     assert report.corrupt == [a[1]] and sorted(report.evicted) == sorted(a[1:])
     counts = pm.stats()
     assert counts.cached == 3 and counts.free == TOY_LAYOUT.num_pages - 3
-    assert pm.match_prefix("probe", toks(4 * PS, salt=1))[1] == a[:1]
-    pm.release("probe")
-    assert pm.match_prefix("probe", toks(2 * PS, salt=2))[1] == b
-    pm.release("probe")
+    assert pm.match_prefix("probe-1", toks(4 * PS, salt=1))[1] == a[:1]
+    pm.release("probe-1")
+    assert pm.match_prefix("probe-2", toks(2 * PS, salt=2))[1] == b
+    pm.release("probe-2")
     assert audit_cache(digester, pm, lock).corrupt == []
     pm.check_invariants()
 

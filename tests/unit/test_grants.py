@@ -210,6 +210,29 @@ def test_close_that_cannot_be_proven_revokes_and_keeps_the_pages(decode: Decode)
     view.close()
 
 
+def test_abandoned_grant_is_fenced_before_its_pages_are_granted_again(decode: Decode) -> None:
+    """Decode's retry after prefill's RESOURCE_EXHAUSTED: the old room's grant is closed as
+    abandoned (fenced like a revocation, not on prefill's word), then the same pages go to a
+    new room; a writer still inside the old room keeps them from being granted again."""
+    pages = decode.pm.allocate("owner", 2)
+    first = decode.authority.issue("owner", template(pages), DIGEST)
+    decode.authority.close(first.room, completed=False)
+    table = decode.engines.current.fence_table
+    assert table.words(pages) == [0, 0] and decode.authority.counts() == (0, 0)
+    second = decode.authority.issue("owner", template(pages), DIGEST)
+    assert second.room != first.room and decode.authority.covered(pages) == pages
+    view = FenceView.open(table.name, TOY_LAYOUT.num_pages, table.inode)
+    with view.hold(pages[0], 2, ticket(room=second.room)):
+        with pytest.raises(Unavailable, match="still holds"):
+            decode.authority.close(second.room, completed=False)
+        with pytest.raises(InvalidArgument, match="already granted"):
+            decode.authority.issue("owner", template(pages), DIGEST)
+    decode.wait(lambda: decode.authority.counts() == (0, 0))
+    assert decode.pm.release("owner") == (2, 0)
+    decode.pm.check_invariants()
+    view.close()
+
+
 def test_expired_grant_is_revoked_by_the_fencer(decode: Decode) -> None:
     pages = decode.pm.allocate("owner", 2)
     info = decode.authority.issue("owner", template(pages, lease_ms=100), DIGEST)

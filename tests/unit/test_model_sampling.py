@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltakv.errors import InvalidArgument
-from deltakv.services.model.sampling import Sampler, should_stop
+from deltakv.services.model.sampling import Sampler, should_stop, validate_sampling
 from deltakv.v1 import kv_pb2
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 as logits.
@@ -122,6 +122,46 @@ def test_from_proto_defaults_and_seed():
 def test_bad_parameters_raise_invalid_argument(kwargs, message):
     with pytest.raises(InvalidArgument, match=message):
         Sampler(**kwargs)
+
+
+@pytest.mark.parametrize("params, message", [
+    # Issue 12's degenerate but "valid-looking" values: each overflowed float32 logits in the
+    # batched decode step (inf/NaN probabilities) and failed the whole batch.
+    ({"temperature": 1e-38}, "temperature must be 0 (greedy) or a finite number >= 0.01, got "
+                             "9.99999935"),
+    ({"temperature": 1e-45}, "temperature must be 0 (greedy) or a finite number >= 0.01, got "
+                             "1.40129846"),
+    ({"temperature": 0.005}, "temperature must be 0 (greedy) or a finite number >= 0.01, got "
+                             "0.00499999"),
+    ({"temperature": float("inf")}, "temperature must be 0 (greedy) or a finite number >= 0.01,"
+                                    " got inf"),
+    ({"temperature": float("nan")}, "temperature must be 0 (greedy) or a finite number >= 0.01,"
+                                    " got nan"),
+    ({"temperature": -1.0}, "temperature must be 0 (greedy) or a finite number >= 0.01, got "
+                            "-1.0"),
+    ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
+    ({"top_p": -0.5}, "top_p must be in (0, 1], got -0.5"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+])
+def test_validate_sampling_names_the_field_and_value(params, message):
+    wire = kv_pb2.SamplingParams(**params)
+    with pytest.raises(InvalidArgument) as err:
+        validate_sampling(wire)
+    assert str(err.value).startswith(message)
+    with pytest.raises(InvalidArgument):
+        Sampler.from_proto(wire)  # the sampler applies the same rules
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"temperature": 0.01}, {"temperature": 3e38, "top_k": 2**32 - 1},
+    {"temperature": 1.0, "top_p": 1e-30, "seed": 2**64 - 1}, {"top_p": 0.0},
+])
+def test_extreme_but_valid_parameters_sample_a_token(params):
+    wire = kv_pb2.SamplingParams(**params)
+    validate_sampling(wire)
+    logits = torch.tensor([3e38, -3e38, 0.0, 1e30])  # float32 extremes
+    assert Sampler.from_proto(wire).sample(logits) in {0, 1, 2, 3}
+    assert Sampler.from_proto(wire).sample(torch.tensor([-1e30, 1e30, 0.0, 0.0])) in {0, 1, 2, 3}
 
 
 def test_bad_proto_parameters_raise_invalid_argument():

@@ -12,20 +12,22 @@ import pytest
 from deltakv.client import Usage, delta_pages
 from deltakv.errors import InvalidArgument
 from deltakv.services.cli.bench.multiturn import (
-    FULL,
-    INCREMENTAL,
     MultiturnConfig,
-    RequestRecord,
-    build_report,
     client_rng,
     expected_prompt_lengths,
     first_prompt,
+    next_prompt,
+    random_tokens,
+)
+from deltakv.services.cli.bench.multiturn_report import (
+    FULL,
+    INCREMENTAL,
+    RequestRecord,
+    build_report,
     format_table,
     improvement,
     min_bytes,
-    next_prompt,
     percentile,
-    random_tokens,
     report_ok,
     summarize,
 )
@@ -69,7 +71,7 @@ def test_expected_prompt_lengths_grow_by_output_plus_question() -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("clients", 0), ("rounds", 0), ("request_length", 0), ("sub_question_length", -1),
-    ("output_length", 0), ("max_parallel", -1), ("seed", -1), ("vocab_high", 1000),
+    ("output_length", 0), ("max_parallel", -1), ("runs", 0), ("seed", -1), ("vocab_high", 1000),
     ("timeout_s", 0.0), ("connect_timeout_s", -1.0),
 ])
 def test_config_rejects_out_of_range(field: str, value: object) -> None:
@@ -79,7 +81,6 @@ def test_config_rejects_out_of_range(field: str, value: object) -> None:
 
 def test_config_modes_and_parallel() -> None:
     assert MultiturnConfig().modes() == (INCREMENTAL,)
-    # The baseline runs first: the incremental mode never runs on caches the baseline warmed.
     assert MultiturnConfig(compare=True).modes() == (FULL, INCREMENTAL)
     assert MultiturnConfig(clients=5).parallel == 5
     assert MultiturnConfig(clients=5, max_parallel=2).parallel == 2
@@ -251,3 +252,76 @@ def test_demo_verdict_passes_at_a_fifth_and_fails_above_a_third() -> None:
     bad_chat = [{"transferred_bytes": 65_537, "min_bytes": 65_536}]
     v = verdict(bad_chat, build_report(cfg, _compare_records()))
     assert v["chat_bytes_defects"] == 1 and not v["ok"]
+
+
+# --------------------------------------------------------------------------- interleaving, runs
+
+
+def test_round_order_alternates_per_round_and_run() -> None:
+    cfg = MultiturnConfig(compare=True)
+    assert [cfg.round_order(0, r) for r in range(3)] == [
+        (FULL, INCREMENTAL), (INCREMENTAL, FULL), (FULL, INCREMENTAL)]
+    assert cfg.round_order(1, 0) == (INCREMENTAL, FULL)
+    assert MultiturnConfig().round_order(1, 1) == (INCREMENTAL,)
+
+
+def test_runs_draw_fresh_conversations() -> None:
+    cfg = MultiturnConfig(request_length=32)
+    run0 = first_prompt(client_rng(3, INCREMENTAL, 0, run=0), cfg)
+    assert run0 == first_prompt(client_rng(3, INCREMENTAL, 0), cfg)  # run 0 = the old key
+    assert run0[:16] != first_prompt(client_rng(3, INCREMENTAL, 0, run=1), cfg)[:16]
+
+
+class _Result:
+    def __init__(self, usage: Usage, token_ids: list[int]) -> None:
+        self.usage, self.token_ids = usage, token_ids
+        self.client_ttft_ms = usage.ttft_ms
+
+
+class _OrderClient:
+    """Answers generate() like a decode service would (exact bytes) and records the order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    async def generate(self, *, token_ids, max_new_tokens, disable_decode_prefix_reuse,
+                       request_id, **_):
+        mode = FULL if disable_decode_prefix_reuse else INCREMENTAL
+        self.calls.append((mode, len(token_ids)))
+        cached = 0 if disable_decode_prefix_reuse else (len(token_ids) - 24) // 16 * 16
+        usage = Usage(prompt_tokens=len(token_ids), cached_tokens=max(cached, 0),
+                      transferred_bytes=min_bytes(len(token_ids), max(cached, 0), 16, 1),
+                      page_size=16, page_bytes=1, ttft_ms=1.0)
+        return _Result(usage, list(range(max_new_tokens)))
+
+
+def test_workload_interleaves_modes_per_round() -> None:
+    import asyncio
+
+    from deltakv.services.cli.bench.multiturn import run_workload
+
+    cfg = MultiturnConfig(clients=1, rounds=3, request_length=32, sub_question_length=8,
+                          output_length=8, compare=True)
+    client = _OrderClient()
+    records = asyncio.run(run_workload(client, cfg, run=0))
+    assert [m for m, _ in client.calls] == [FULL, INCREMENTAL, INCREMENTAL, FULL, FULL,
+                                            INCREMENTAL]
+    assert [n for _, n in client.calls] == [32, 32, 48, 48, 64, 64]
+    assert [r.round for r in records] == [0, 0, 1, 1, 2, 2]
+    assert not any(r.bytes_defect for r in records)
+
+
+def test_report_gives_per_run_ratios_median_and_range() -> None:
+    cfg = MultiturnConfig(clients=1, rounds=2, compare=True, runs=3)
+    recs = []
+    for run, incr_ttft in enumerate((4.0, 6.0, 5.0)):
+        for rec in (_rec(FULL, 1, 0, 160, 0, 10.0), _rec(INCREMENTAL, 1, 0, 160, 128, incr_ttft),
+                    _rec(FULL, 0, 0, 128, 0, 10.0), _rec(INCREMENTAL, 0, 0, 128, 0, 10.0)):
+            rec.run = run
+            recs.append(rec)
+    imp = build_report(cfg, recs)["rounds"][1]["improvement"]
+    assert imp["ttft_p50_ratio_runs"] == pytest.approx([0.4, 0.6, 0.5])
+    assert (imp["ttft_p50_ratio_median"], imp["ttft_p50_ratio_min"],
+            imp["ttft_p50_ratio_max"]) == pytest.approx((0.5, 0.4, 0.6))
+    assert "per run median 0.500x [0.400x - 0.600x] over 3 runs" in format_table(
+        build_report(cfg, recs))

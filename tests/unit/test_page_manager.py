@@ -3,13 +3,15 @@ method, and a stateful run against a plain model of page states and lock counts.
 
 from __future__ import annotations
 
+import itertools
+
 import grpc
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from deltakv.errors import Aborted, Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.page_manager import PageManager, PoolCounts
 
 PS = 16
@@ -29,8 +31,13 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(salt * 1000 + i) % 50_000 for i in range(n)]
 
 
-def cache(pm: PageManager, tokens: list[int], rid: str = "seed") -> list[int]:
-    """Run one request that computes ``tokens`` from scratch and caches its full pages."""
+_SEEDS = itertools.count()
+
+
+def cache(pm: PageManager, tokens: list[int], rid: str | None = None) -> list[int]:
+    """Run one request that computes ``tokens`` from scratch and caches its full pages (a
+    fresh request id each time: a released id stays fenced)."""
+    rid = rid or f"seed-{next(_SEEDS)}"
     matched, _ = pm.match_prefix(rid, tokens)
     assert matched == 0
     pages = pm.allocate(rid, -(-len(tokens) // PS))
@@ -240,6 +247,90 @@ def test_second_release_is_not_found() -> None:
     assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_release_fences_the_id_against_late_calls() -> None:
+    """Issue 12: a MatchPrefix/Allocate that arrives after its request's Release must not
+    re-create the request (its pages and locks would never be released)."""
+    pm = PageManager(8, PS)
+    cache(pm, prompt(32))  # 2 cached pages
+    assert pm.match_prefix("r/1", prompt(40)) == (32, [0, 1])
+    assert pm.allocate("r/1", 2) == [2, 3]
+    assert pm.release("r/1") == (2, 0)
+    for late in (lambda: pm.match_prefix("r/1", prompt(40)), lambda: pm.allocate("r/1", 1),
+                 lambda: pm.admit("r/1", prompt(40), 3),
+                 lambda: pm.commit("r/1", prompt(16), [2])):
+        with pytest.raises(Aborted, match="'r/1' was already released") as err:
+            late()
+        assert err.value.code == grpc.StatusCode.ABORTED
+    assert counts(pm) == PoolCounts(num_pages=8, free=6, cached=2, live=0, quarantined=0,
+                                    locked=0, evictable=2, live_requests=0)
+    # Release first, the late call second: the id is fenced although it was never seen.
+    with pytest.raises(NotFound, match="'r/2': it holds nothing \\(never seen; fenced from now on"):
+        pm.release("r/2")
+    with pytest.raises(Aborted):
+        pm.allocate("r/2", 1)
+    assert counts(pm).live_requests == 0 and counts(pm).free == 6
+
+
+def test_fence_expires_after_its_ttl_and_is_bounded() -> None:
+    from deltakv.sidecar.requests import RequestTable
+
+    clock = FakeClock()
+    table = RequestTable(clock, tombstone_ttl_s=120.0, max_tombstones=3)
+    for rid in ("a", "b", "c", "d"):
+        table.close(rid)
+    assert [table.released(r) for r in ("a", "b", "c", "d")] == [False, True, True, True]
+    clock.now += 120.0
+    assert not table.released("d")
+    assert table.open("d") is not None and len(table) == 1
+
+
+def test_admit_is_all_or_nothing() -> None:
+    pm = PageManager(8, PS)
+    a = cache(pm, prompt(32, salt=1))  # pages [0, 1]
+    assert pm.admit("x", prompt(40, salt=1), total_pages=5) == (32, a, [2, 3, 4])
+    assert pm.request_locked_pages("x") == a
+    before = counts(pm)
+    with pytest.raises(ResourceExhausted) as err:
+        pm.admit("y", prompt(40, salt=1), total_pages=7)  # 5 new: 3 free, 0 evictable
+    assert (err.value.details["needed"], err.value.details["free"],
+            err.value.details["evictable"], err.value.details["never_fits"]) == (5, 3, 0, False)
+    assert counts(pm) == before  # no lock, no page, no record for "y"
+    with pytest.raises(ResourceExhausted, match="only has 8") as err:
+        pm.admit("y", prompt(40, salt=1), total_pages=9)
+    assert err.value.details["never_fits"] is True
+    assert pm.admit("y", [], total_pages=3) == (0, [], [5, 6, 7])
+
+
+def test_waiting_requests_never_hold_what_another_needs() -> None:
+    """Issue 12's deadlock: pool of 8 pages, all cached as two 4-page prefixes A and B. X
+    continues A and needs 4 more pages (only B's can be evicted), Y continues B and needs A's.
+    Matching first and allocating later, each keeps its prefix locked while it waits for the
+    other's: both wait out the admission timeout although either alone fits. ``admit`` locks
+    and allocates in one step or holds nothing, so X is admitted at once and Y once X ends."""
+    pa, pb = prompt(64, salt=1), prompt(64, salt=2)
+    x, y = pa + prompt(64, salt=3), pb + prompt(64, salt=4)  # 8 pages each
+
+    two_step = PageManager(8, PS)
+    cache(two_step, pa), cache(two_step, pb)
+    assert two_step.match_prefix("x", x)[0] == 64 and two_step.match_prefix("y", y)[0] == 64
+    for rid in ("x", "y"):
+        with pytest.raises(ResourceExhausted):
+            two_step.allocate(rid, 4)  # 0 free, 0 evictable: blocked by the other's lock
+
+    pm = PageManager(8, PS)
+    a, b = cache(pm, pa), cache(pm, pb)
+    assert (a, b) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert pm.admit("x", x, total_pages=8) == (64, a, b)  # B evicted for X's new pages
+    with pytest.raises(ResourceExhausted) as err:
+        pm.admit("y", y, total_pages=8)  # B is gone, A is X's: Y waits holding nothing
+    assert (err.value.details["needed"], err.value.details["free"],
+            err.value.details["evictable"]) == (8, 0, 0)
+    assert counts(pm) == PoolCounts(num_pages=8, free=0, cached=4, live=4, quarantined=0,
+                                    locked=4, evictable=0, live_requests=1)
+    assert pm.release("x") == (4, 0)
+    assert pm.admit("y", y, total_pages=8) == (0, [], [0, 1, 2, 3, 4, 5, 6, 7])
+
+
 def test_check_invariants_detects_a_corrupted_pool() -> None:
     pm = PageManager(4, PS)
     pages = pm.allocate("r", 2)
@@ -349,6 +440,12 @@ class PageManagerModel(RuleBasedStateMachine):
         self.cached: dict[tuple[int, ...], int] = {}
         self.reqs: dict[str, dict] = {}
         self.quarantine: list[tuple[float, list[int]]] = []
+        # A released id is fenced for good: each slot of RIDS gets a fresh id after release.
+        self.generation: dict[str, int] = {}
+        self.released: list[str] = []
+
+    def id(self, rid: str) -> str:
+        return f"{rid}.{self.generation.get(rid, 0)}"
 
     # -- model helpers
 
@@ -409,7 +506,7 @@ class PageManagerModel(RuleBasedStateMachine):
             if prefix not in self.cached:
                 break
             expected.append(prefix)
-        matched, got = self.pm.match_prefix(rid, tokens, max_tokens)
+        matched, got = self.pm.match_prefix(self.id(rid), tokens, max_tokens)
         assert matched == len(expected) * self.ps
         assert got == [self.cached[p] for p in expected]
         req = self.req(rid)
@@ -424,11 +521,11 @@ class PageManagerModel(RuleBasedStateMachine):
         if n > self.n or n > len(self.free) + evictable:
             before = self.pm.stats()
             with pytest.raises(ResourceExhausted):
-                self.pm.allocate(rid, n)
+                self.pm.allocate(self.id(rid), n)
             assert self.pm.stats() == before
             return
         cached_before = dict(self.cached)
-        got = self.pm.allocate(rid, n)
+        got = self.pm.allocate(self.id(rid), n)
         assert len(got) == n == len(set(got))
         evicted = {p for p, page in cached_before.items() if self.pm.page_state(page) != "cached"}
         assert len(evicted) == max(0, n - len(self.free))
@@ -468,21 +565,83 @@ class PageManagerModel(RuleBasedStateMachine):
             exp_canonical.append(self.cached[prefix])
             if prefix not in held:
                 new_locks.append(prefix)
-        canonical, cached_len = self.pm.commit(rid, tokens, table)
+        canonical, cached_len = self.pm.commit(self.id(rid), tokens, table)
         assert canonical == exp_canonical
         assert cached_len == len(prefixes) * self.ps
         if new_locks:
             req["locks"].append(new_locks)
         req["tokens"], req["matched"] = None, []
 
+    @rule(rid=st.sampled_from(RIDS), pages=st.lists(st.integers(0, 2), max_size=5),
+          tail=st.integers(0, 20), extra=st.integers(0, 4),
+          max_tokens=st.sampled_from([0, 0, 1, 5, 17, 40]))
+    def admit(self, rid: str, pages: list[int], tail: int, extra: int, max_tokens: int) -> None:
+        """Match + allocate in one step: fits iff the new pages fit once the prefix is
+        locked; otherwise nothing at all changes (no lock, no page, no record)."""
+        self.reap()
+        tokens = self.tokens(pages, tail)
+        limit = len(tokens) if max_tokens == 0 else min(len(tokens), max_tokens)
+        expected = []
+        for prefix in self.full_prefixes(tokens[:limit]):
+            if prefix not in self.cached:
+                break
+            expected.append(prefix)
+        total = -(-len(tokens) // self.ps) + extra
+        locks = self.lock_counts()
+        for prefix in expected:
+            locks[prefix] = locks.get(prefix, 0) + 1
+        evictable = sum(1 for p in self.cached if not self.protected(p, locks))
+        need = total - len(expected)
+        if total > self.n or need > len(self.free) + evictable:
+            before = self.pm.stats()
+            with pytest.raises(ResourceExhausted) as err:
+                self.pm.admit(self.id(rid), tokens, total, max_tokens)
+            assert err.value.details["never_fits"] == (total > self.n)
+            assert self.pm.stats() == before
+            return
+        matched, prefix_pages, new = self.pm.admit(self.id(rid), tokens, total, max_tokens)
+        assert (matched, prefix_pages) == (len(expected) * self.ps,
+                                           [self.cached[p] for p in expected])
+        assert len(new) == need == len(set(new)) and not set(new) & set(prefix_pages)
+        req = self.req(rid)
+        req["locks"].append(expected)
+        for prefix, page in list(self.cached.items()):
+            if self.pm.page_state(page) != "cached":
+                assert not self.protected(prefix, locks), "a locked prefix was evicted"
+                self.free.add(self.cached.pop(prefix))
+        assert set(new) <= self.free
+        self.free -= set(new)
+        req["live"].extend(new)
+        req["tokens"], req["matched"] = tokens, prefix_pages
+
+    @rule(data=st.data())
+    def late_call_after_release(self, data) -> None:
+        """A worker RPC that arrives after its request's Release is refused (ABORTED) and
+        re-creates nothing."""
+        if not self.released:
+            return
+        rid = data.draw(st.sampled_from(self.released))
+        call = data.draw(st.sampled_from(["match_prefix", "allocate", "admit", "commit"]))
+        args = {"match_prefix": ([1] * self.ps,), "allocate": (1,), "admit": ([], 1),
+                "commit": ([], [])}[call]
+        before = self.pm.stats()
+        with pytest.raises(Aborted):
+            getattr(self.pm, call)(rid, *args)
+        assert self.pm.stats() == before
+
     @rule(rid=st.sampled_from(RIDS), quarantine_ms=st.sampled_from([0, 0, 30, 200]))
     def release(self, rid: str, quarantine_ms: int) -> None:
         req = self.reqs.pop(rid, None)
         if req is None:
             with pytest.raises(NotFound):
-                self.pm.release(rid, quarantine_ms)
+                self.pm.release(self.id(rid), quarantine_ms)
+            # Never seen, but fenced now: this slot continues under a fresh id.
+            self.released.append(self.id(rid))
+            self.generation[rid] = self.generation.get(rid, 0) + 1
             return
-        got = self.pm.release(rid, quarantine_ms)
+        got = self.pm.release(self.id(rid), quarantine_ms)
+        self.released.append(self.id(rid))
+        self.generation[rid] = self.generation.get(rid, 0) + 1
         live = req["live"]
         if quarantine_ms and live:
             assert got == (0, len(live))
@@ -514,8 +673,8 @@ class PageManagerModel(RuleBasedStateMachine):
         )
         assert self.pm.stats() == expected
         for rid, req in self.reqs.items():
-            assert self.pm.request_pages(rid) == req["live"]
-            assert sorted(self.pm.request_locked_pages(rid)) == sorted(
+            assert self.pm.request_pages(self.id(rid)) == req["live"]
+            assert sorted(self.pm.request_locked_pages(self.id(rid))) == sorted(
                 self.cached[p] for group in req["locks"] for p in group)
 
 

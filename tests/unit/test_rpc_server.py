@@ -1,5 +1,6 @@
 """deltakv.rpc.server on real gRPC servers: the error mapping of both flavours (handlers just
-raise), one-way graceful shutdown, and the clear bind error (no SO_REUSEPORT sharing)."""
+raise), one-way graceful shutdown, the clear bind error (no SO_REUSEPORT sharing), request
+bodies that are not a message (INVALID_ARGUMENT on every method) and clipped status texts."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltakv.errors import NotFound, ResourceExhausted, Unavailable
+from deltakv.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from deltakv.limits import MAX_STATUS_DETAILS_BYTES
 from deltakv.rpc.channel import uds_address
 from deltakv.rpc.server import AioServer, SyncServer
+from deltakv.v1 import kv_pb2
 
 pytestmark = pytest.mark.timeout(60)
 SERVICE = "deltakv.test.Echo"
@@ -246,3 +249,129 @@ def test_second_server_on_a_taken_port_fails_with_a_clear_error() -> None:
             await first.stop(0)
 
     asyncio.run(scenario())
+
+
+# -- bodies that are not a message, echoed input ---------------------------------------------
+
+GARBAGE = b"\n\x05ab"  # field 1, length 5, only 2 bytes follow: truncated
+
+
+def _garbage_details(message_type: str) -> str:
+    return (f"request body ({len(GARBAGE)} bytes) is not a valid message: DecodeError: Error "
+            f"parsing message with type '{message_type}': Wire format was corrupt")
+
+
+def _typed_handlers(server, handler) -> None:
+    """One method of ours with a real protobuf deserializer (what generated code registers)."""
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            handler, request_deserializer=kv_pb2.GetStatsRequest.FromString,
+            response_serializer=kv_pb2.PoolStats.SerializeToString)})])
+
+
+def _sync_stats(request, context):
+    return kv_pb2.PoolStats(num_pages=7)
+
+
+async def _aio_stats(request, context):
+    return kv_pb2.PoolStats(num_pages=7)
+
+
+# (method, raw-call kind, message type) of every RPC a deltakv server carries besides its own.
+_STANDARD_RPCS = [
+    ("/grpc.health.v1.Health/Check", "unary_unary", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.health.v1.Health/Watch", "unary_stream", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream",
+     "grpc.reflection.v1alpha.ServerReflectionRequest"),
+]
+
+
+def _garbage_calls(address: str) -> list[tuple[str, grpc.StatusCode, str]]:
+    """Send GARBAGE to every method (raw bytes, no serializer); (method, code, details)."""
+    out = []
+    with grpc.insecure_channel(address) as ch:
+        for method, kind, _ in [(f"/{SERVICE}/Stats", "unary_unary", ""), *_STANDARD_RPCS]:
+            call = getattr(ch, kind)(method)
+            try:
+                if kind == "unary_unary":
+                    call(GARBAGE, timeout=10)
+                elif kind == "unary_stream":
+                    list(call(GARBAGE, timeout=10))
+                else:
+                    list(call(iter([GARBAGE]), timeout=10))
+                out.append((method, grpc.StatusCode.OK, ""))
+            except grpc.RpcError as err:
+                out.append((method, err.code(), err.details()))
+    return out
+
+
+def _expected_garbage() -> list[tuple[str, grpc.StatusCode, str]]:
+    return [(f"/{SERVICE}/Stats", grpc.StatusCode.INVALID_ARGUMENT,
+             _garbage_details("deltakv.v1.GetStatsRequest"))] + [
+        (method, grpc.StatusCode.INVALID_ARGUMENT, _garbage_details(message))
+        for method, _, message in _STANDARD_RPCS]
+
+
+def test_sync_server_answers_garbage_bodies_invalid_argument(short_dir: Path) -> None:
+    server = SyncServer(uds_address(short_dir / "g.sock"), [SERVICE],
+                        lambda s: _typed_handlers(s, _sync_stats), max_workers=4,
+                        health_address="127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:  # a real message still works
+            stats = ch.unary_unary(f"/{SERVICE}/Stats")(
+                kv_pb2.GetStatsRequest().SerializeToString(), timeout=10)
+            assert kv_pb2.PoolStats.FromString(stats).num_pages == 7
+        assert _garbage_calls(server.address) == _expected_garbage()
+        with grpc.insecure_channel(server.health_address) as probe:  # the health-only port too
+            with pytest.raises(grpc.RpcError) as info:
+                probe.unary_unary("/grpc.health.v1.Health/Check")(GARBAGE, timeout=10)
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                _garbage_details("grpc.health.v1.HealthCheckRequest"))
+    finally:
+        server.stop(0)
+
+
+def test_aio_server_answers_garbage_bodies_invalid_argument() -> None:
+    async def scenario() -> list:
+        server = AioServer("127.0.0.1:0", [SERVICE], lambda s: _typed_handlers(s, _aio_stats),
+                           health_address="127.0.0.1:0")
+        await server.start()
+        try:
+            loop = asyncio.get_running_loop()
+            main = await loop.run_in_executor(None, _garbage_calls, server.address)
+            probe = await loop.run_in_executor(None, _garbage_calls, server.health_address)
+            return main + [p for p in probe if p[0].startswith("/grpc.health")]
+        finally:
+            await server.stop(0)
+
+    got = asyncio.run(scenario())
+    health = [e for e in _expected_garbage() if e[0].startswith("/grpc.health")]
+    assert got == _expected_garbage() + health
+
+
+def test_long_echoed_input_keeps_its_code_with_clipped_details(short_dir: Path) -> None:
+    """A 100,000-character bad value: the status is INVALID_ARGUMENT whose details stop at
+    MAX_STATUS_DETAILS_BYTES (gRPC would otherwise drop the trailer: RESOURCE_EXHAUSTED)."""
+    value = "r" * 100_000
+
+    def handler(request, context):
+        raise InvalidArgument(f"unknown chat role {value!r}")
+
+    server = SyncServer(uds_address(short_dir / "c.sock"), [SERVICE], lambda s: (
+        s.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(handler)})])),
+        max_workers=2)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as info:
+            ch.unary_unary(f"/{SERVICE}/Call")(b"x", timeout=10)
+    finally:
+        server.stop(0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details()
+    kept = MAX_STATUS_DETAILS_BYTES - 40  # the note of what was cut gets the rest
+    assert details == "unknown chat role '" + "r" * (kept - 19) + \
+        f"... ({100_020 - kept} more characters)"
+    assert len(details) <= MAX_STATUS_DETAILS_BYTES

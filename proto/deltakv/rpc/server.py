@@ -8,6 +8,9 @@ Both flavours are assembled by the same code (:class:`_Assembly`):
   :class:`~deltakv.errors.DeltaKVError` becomes its own code and message, a ``grpc.RpcError``
   of a nested call keeps its code, and anything else becomes INTERNAL
   (``"internal error: <type>: <message>"``) with its traceback logged — never gRPC's UNKNOWN;
+  every status message is clipped (:func:`deltakv.errors.clip_details`); a request body that
+  is not a message is INVALID_ARGUMENT, not gRPC's INTERNAL/UNKNOWN (:mod:`deltakv.rpc.decoding`,
+  on every method, the health-only port's included);
 * ``grpc.health.v1`` and server reflection are registered once; health reports NOT_SERVING for
   ``""`` and every service until :meth:`set_serving`;
 * options come from the one table, :data:`deltakv.rpc.channel.OPTIONS` (``"server"``);
@@ -37,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deltakv.errors import DeltaKVError, Unavailable, status_of
+from deltakv.rpc import decoding
 from deltakv.rpc.channel import options
 
 log = structlog.get_logger(__name__)
@@ -61,44 +65,68 @@ def _mapped_status(exc: Exception, method: str, logger: Any) -> tuple[grpc.Statu
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Sync server interceptor: every unary-unary handler's exception becomes a status (see
-    the module docstring). An abort made by the handler itself (the status is already set)
-    passes through untouched. Streaming handlers (health Watch, reflection) are not wrapped:
-    deltakv's sync server (the sidecar) has no streaming RPC of its own."""
+    """Sync server interceptor: every handler's exception, whatever its kind (unary or
+    streaming, deltakv's own or health/reflection), becomes a status (see the module
+    docstring), and a request body that is not a message becomes INVALID_ARGUMENT
+    (:mod:`deltakv.rpc.decoding`). An abort made by the handler itself (the status is already
+    set) passes through untouched."""
 
     def __init__(self, logger: Any = None) -> None:
         self._log = logger or log
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        """The handler of this call, its unary-unary behaviour wrapped."""
+        """The handler of this call, its behaviour (whatever its kind) wrapped."""
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        method = handler_call_details.method
-        logger = self._log
+        if handler is None:
+            return None
+        for kind, factory in _HANDLER_KINDS.items():
+            inner = getattr(handler, kind)
+            if inner is not None:
+                return factory(
+                    _sync_wrapped(kind, inner, handler_call_details.method, self._log),
+                    request_deserializer=decoding.tolerant(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+        return handler
 
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+
+def _sync_wrapped(kind: str, inner: Callable, method: str, logger: Any) -> Callable:
+    """``inner`` (a sync handler of ``kind``) with its request checked and its exceptions
+    mapped to a status."""
+    streaming_request = kind.startswith("stream_")
+
+    def checked(request: Any) -> Any:
+        return decoding.decoded_iter(request) if streaming_request else decoding.decoded(request)
+
+    def fail(exc: Exception, context: grpc.ServicerContext) -> None:
+        if not isinstance(exc, DeltaKVError | grpc.RpcError) and context.code() is not None:
+            raise exc  # the handler aborted on its own; the status is already set
+        context.abort(*_mapped_status(exc, method, logger))
+
+    if kind.endswith("_stream"):
+        def stream(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                return inner(request, context)
+                yield from inner(checked(request), context)
             except Exception as exc:
-                if not isinstance(exc, DeltaKVError | grpc.RpcError) and context.code() is not None:
-                    raise  # the handler aborted on its own; the status is already set
-                context.abort(*_mapped_status(exc, method, logger))
+                fail(exc, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return stream
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return inner(checked(request), context)
+        except Exception as exc:
+            fail(exc, context)
+
+    return unary
 
 
 class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """The asyncio twin of :class:`ErrorMappingInterceptor`, for every kind of handler:
     coroutines (unary responses, or streams written with ``context.write``) and async
     generators (server streaming such as ``Generate``: an error after some messages were
-    yielded still ends the stream with the mapped status). ``grpc.aio.AbortError`` (the
-    handler aborted itself), cancellation and ``GeneratorExit`` pass through untouched."""
+    yielded still ends the stream with the mapped status); a request body that is not a
+    message becomes INVALID_ARGUMENT. ``grpc.aio.AbortError`` (the handler aborted itself),
+    cancellation and ``GeneratorExit`` pass through untouched."""
 
     def __init__(self, logger: Any = None) -> None:
         self._log = logger or log
@@ -109,16 +137,22 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        for kind, factory in _AIO_HANDLER_KINDS.items():
+        for kind, factory in _HANDLER_KINDS.items():
             inner = getattr(handler, kind)
             if inner is not None:
-                return factory(self._wrap(inner, method),
-                               request_deserializer=handler.request_deserializer,
+                return factory(self._wrap(kind, inner, method),
+                               request_deserializer=decoding.tolerant(
+                                   handler.request_deserializer),
                                response_serializer=handler.response_serializer)
         return handler
 
-    def _wrap(self, inner: Callable, method: str) -> Callable:
+    def _wrap(self, kind: str, inner: Callable, method: str) -> Callable:
         logger = self._log
+        streaming_request = kind.startswith("stream_")
+
+        def checked(request: Any) -> Any:
+            return (decoding.decoded_aiter(request) if streaming_request
+                    else decoding.decoded(request))
 
         async def abort(exc: Exception, context: grpc.aio.ServicerContext) -> None:
             if isinstance(exc, grpc.aio.AbortError):
@@ -130,7 +164,7 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     # aclosing: when this stream is closed early (GeneratorExit at the yield),
                     # the handler's own cleanup runs now, inside the call, not at GC time.
-                    async with contextlib.aclosing(inner(request, context)) as responses:
+                    async with contextlib.aclosing(inner(checked(request), context)) as responses:
                         async for response in responses:
                             yield response
                 except Exception as exc:
@@ -142,14 +176,14 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await inner(request, context)
+                return await inner(checked(request), context)
             except Exception as exc:
                 await abort(exc, context)
 
         return unary
 
 
-_AIO_HANDLER_KINDS: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
+_HANDLER_KINDS: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
     "unary_stream": grpc.unary_stream_rpc_method_handler,
     "stream_unary": grpc.stream_unary_rpc_method_handler,
@@ -206,7 +240,8 @@ class _Assembly:
         self.health_address: str | None = None
         if health_address is not None:
             # Same servicer object: one status table, two ports; nothing else is exposed here.
-            self.health_server = self._new_server([], _HEALTH_WORKERS)
+            self.health_server = self._new_server([self._error_interceptor(logger)],
+                                                  _HEALTH_WORKERS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_address = _bound_address(
                 health_address, _bind(self.health_server, health_address, None))

@@ -52,10 +52,12 @@ class DecodeServiceServicer:
 
     def Generate(self, request, context):
         """Streams token chunks and ends with one Usage message.
-        INVALID_ARGUMENT for malformed input, RESOURCE_EXHAUSTED if the prompt cannot fit,
-        UNAVAILABLE if prefill or the transfer fails or a sidecar restarted under the request
-        (retry), DEADLINE_EXCEEDED past a bound, DATA_LOSS if a transferred page does not match
-        the digest prefill sent (nothing of it was cached).
+        INVALID_ARGUMENT for malformed input (also a body that is not a GenerateRequest) or
+        sampling parameters outside their documented ranges; RESOURCE_EXHAUSTED if the request
+        can never fit, or after the bounded admission wait (--admission-timeout-s); UNAVAILABLE
+        if prefill or the transfer fails, a sidecar restarted under the request (retry), or
+        while draining; DEADLINE_EXCEEDED past a bound; DATA_LOSS if a transferred page does not
+        match the digest prefill sent (nothing of it was cached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

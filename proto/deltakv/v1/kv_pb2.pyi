@@ -152,7 +152,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_pages", "free", "cached", "live", "quarantined", "locked", "evictable", "page_bytes", "fence_pending")
+    __slots__ = ("num_pages", "free", "cached", "live", "quarantined", "locked", "evictable", "page_bytes", "fence_pending", "live_requests")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class PoolStats(_message.Message):
     EVICTABLE_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FENCE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     free: int
     cached: int
@@ -171,7 +172,8 @@ class PoolStats(_message.Message):
     evictable: int
     page_bytes: int
     fence_pending: int
-    def __init__(self, num_pages: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., live: _Optional[int] = ..., quarantined: _Optional[int] = ..., locked: _Optional[int] = ..., evictable: _Optional[int] = ..., page_bytes: _Optional[int] = ..., fence_pending: _Optional[int] = ...) -> None: ...
+    live_requests: int
+    def __init__(self, num_pages: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., live: _Optional[int] = ..., quarantined: _Optional[int] = ..., locked: _Optional[int] = ..., evictable: _Optional[int] = ..., page_bytes: _Optional[int] = ..., fence_pending: _Optional[int] = ..., live_requests: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

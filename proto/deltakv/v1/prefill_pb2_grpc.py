@@ -72,6 +72,9 @@ class PrefillServiceServicer:
     def Prefill(self, request, context):
         """Returns only after every delta write completed. UNAUTHENTICATED / PERMISSION_DENIED
         without a valid grant for exactly this write (checked before any compute).
+        RESOURCE_EXHAUSTED (prefill pool full after the bounded queue wait, or the wait queue
+        full) is sent before the room's transfer could start: retryable with a new room and a
+        new grant.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -114,6 +114,28 @@ class AllocateResponse(_message.Message):
     page_indices: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "max_match_tokens", "total_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_match_tokens: int
+    total_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_match_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("matched_len", "prefix_pages", "new_pages")
+    MATCHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    matched_len: int
+    prefix_pages: _containers.RepeatedScalarFieldContainer[int]
+    new_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, matched_len: _Optional[int] = ..., prefix_pages: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PageDigests(_message.Message):
     __slots__ = ("page_indices", "digests")
     PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -233,10 +255,12 @@ class IssueGrantResponse(_message.Message):
     def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ...) -> None: ...
 
 class CloseGrantRequest(_message.Message):
-    __slots__ = ("room",)
+    __slots__ = ("room", "abandoned")
     ROOM_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     room: int
-    def __init__(self, room: _Optional[int] = ...) -> None: ...
+    abandoned: bool
+    def __init__(self, room: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class CloseGrantResponse(_message.Message):
     __slots__ = ()

@@ -67,6 +67,11 @@ class SidecarServiceStub:
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/deltakv.v1.SidecarService/Admit',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/deltakv.v1.SidecarService/Commit',
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.CommitRequest.SerializeToString,
@@ -170,6 +175,16 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """Admission in one step: match and lock the cached prefix of token_ids AND allocate the
+        rest of the request's pages, or change nothing. RESOURCE_EXHAUSTED (nothing held, no
+        request record) if the pages do not fit now; the caller waits without holding anything
+        and tries again. ABORTED for a request id that was already released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
         """Insert the full pages of token_ids (page table = request's pages) into the radix index.
         """
@@ -180,7 +195,10 @@ class SidecarServiceServicer:
     def Release(self, request, context):
         """End of a request: unlock its locks, free (or quarantine) the pages it still owns. On a
         decode sidecar the request's open grants are revoked first: their pages stay quarantined
-        until the fence proves no byte of the room can still land.
+        until the fence proves no byte of the room can still land. The id stays fenced
+        afterwards: a late MatchPrefix/Allocate/Admit/Commit for it is ABORTED instead of
+        re-creating the request. NOT_FOUND if it holds nothing (already released, or never seen:
+        it is fenced then too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +250,9 @@ class SidecarServiceServicer:
         write) so its pages may enter the index. NOT_FOUND for an unknown room,
         FAILED_PRECONDITION if the grant was revoked (expired), UNAVAILABLE if the fence could not
         be proven in time (the grant is then revoked; its pages stay quarantined until proven).
+        With `abandoned` (prefill refused the room before writing, e.g. RESOURCE_EXHAUSTED, and
+        decode grants the pages to a new room) the proof is a revocation's: prefill's word that
+        nothing was written is not taken (Mooncake/MORI-IO: the engine incarnation is recycled).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -278,6 +299,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.Allocate,
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -472,6 +498,33 @@ class SidecarService:
             '/deltakv.v1.SidecarService/Allocate',
             deltakv_dot_v1_dot_sidecar__pb2.AllocateRequest.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.AllocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.SidecarService/Admit',
+            deltakv_dot_v1_dot_sidecar__pb2.AdmitRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

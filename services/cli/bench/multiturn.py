@@ -12,11 +12,20 @@ both modes see the same prompt lengths. For every request the bench compares the
 service reports with the minimum the protocol allows, ``min_bytes = (ceil(prompt_tokens /
 page_size) - cached_tokens / page_size) * page_bytes`` (DESIGN.md §5); a mismatch is a *defect*.
 
-``--compare`` runs the workload twice in one invocation: ``full`` (every request sets
+``--compare`` runs two sets of conversations in one invocation: ``full`` (every request sets
 ``disable_decode_prefix_reuse``, so decode sends ``decode_prefix_len = 0``) and ``incremental``
-(decode prefix reuse on), and reports per round both modes and the improvement.
+(decode prefix reuse on), and reports per round both modes and the improvement. Over gRPC the
+modes are **interleaved per round**: round r of one mode, then round r of the other, the order
+reversed every other round and run, so a machine whose speed drifts (other tenants) shifts both
+modes alike. ``--runs N`` repeats the workload on fresh conversations and reports each round's
+per-run incremental/full TTFT ratio with its median and range.
 ``--affinity-compare`` adds ``no-affinity``: reuse on, but no ``x-deltakv-session`` key, so a
 router in front of several decode replicas spreads the turns (``incremental`` sends the key).
+
+``--link RATE`` (root) starts its own cluster as two hosts joined by a link of that rate
+(``deltakv up --link``, :mod:`deltakv.services.netns`: prefill and its sidecar in a fresh
+network namespace, Mooncake over a veth pair shaped by ``tc tbf``) and stops it afterwards,
+namespace included, whatever happens (errors, Ctrl-C, SIGTERM).
 
 ``--api openai`` runs the same conversations as OpenAI **text chat** against the HTTP API
 (``--target`` is then ``HOST:PORT`` of it; :mod:`deltakv.services.cli.bench.multiturn_openai`):
@@ -29,7 +38,9 @@ Output: a table on stdout and, with ``--json PATH``, ``{"page_size", "page_bytes
 "defects"}`` where each mode (figures: :mod:`deltakv.services.cli.bench.multiturn_report`) has ``prompt_tokens`` and ``cached_tokens`` (means, tokens),
 ``transferred_bytes`` and ``min_bytes`` (sums over the round, bytes), ``ttft_ms_p50`` and
 ``ttft_ms_mean`` (client-measured TTFT, ms), ``requests`` (completed), ``errors`` (failed) and
-``bytes_defects`` (completed requests with ``transferred_bytes != min_bytes``).
+``bytes_defects`` (completed requests with ``transferred_bytes != min_bytes``); with
+``--compare`` the improvement also has, per run, ``ttft_p50_ratio_runs`` with median/min/max;
+``environment`` has the date, the load averages before and after, and the link.
 """
 
 from __future__ import annotations
@@ -37,8 +48,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,10 +103,11 @@ class _Conversation:
     previous_tokens: int = 0  # prompt + answer of the previous turn (tokens)
 
 
-async def _one_request(client: DecodeClient, conv: _Conversation, config: MultiturnConfig, mode: str, rnd: int,
-                       sem: asyncio.Semaphore) -> RequestRecord:
-    rec = RequestRecord(mode=mode, round=rnd, client=conv.client,
-                        request_id=f"mt-{mode[:4]}-s{config.seed}-c{conv.client}-r{rnd}")
+async def _one_request(client: DecodeClient, conv: _Conversation, config: MultiturnConfig,
+                       mode: str, rnd: int, run: int, sem: asyncio.Semaphore) -> RequestRecord:
+    run_tag = f"-u{run}" if run else ""
+    rec = RequestRecord(mode=mode, round=rnd, client=conv.client, run=run,
+                        request_id=f"mt-{mode[:4]}-s{config.seed}{run_tag}-c{conv.client}-r{rnd}")
     async with sem:
         try:
             res = await client.generate(
@@ -112,37 +127,44 @@ async def _one_request(client: DecodeClient, conv: _Conversation, config: Multit
     return rec
 
 
-async def run_mode(client: DecodeClient, config: MultiturnConfig, mode: str,
-                   progress: Callable[[str], None] | None = None) -> list[RequestRecord]:
-    """Run the whole workload in one mode on a connected ``client``;
-    returns one :class:`RequestRecord` per request issued. A client whose request fails stops
-    (later rounds of its conversation are not issued); the failure is recorded, not raised."""
-    sem = asyncio.Semaphore(config.parallel)
+def _conversations(config: MultiturnConfig, mode: str, run: int) -> list[_Conversation]:
     convs = []
     for c in range(config.clients):
-        rng = client_rng(config.seed, mode, c)
+        rng = client_rng(config.seed, mode, c, run)
         convs.append(_Conversation(client=c, rng=rng, prompt=first_prompt(rng, config)))
+    return convs
+
+
+async def run_workload(client: DecodeClient, config: MultiturnConfig, run: int = 0,
+                       progress: Callable[[str], None] | None = None) -> list[RequestRecord]:
+    """Run the whole workload once (every mode, interleaved per round, see
+    :meth:`MultiturnConfig.round_order`) on a connected ``client``; returns one
+    :class:`RequestRecord` per request issued. A client whose request fails stops (later
+    rounds of its conversation are not issued); the failure is recorded, not raised."""
+    sem = asyncio.Semaphore(config.parallel)
+    convs = {mode: _conversations(config, mode, run) for mode in config.modes()}
     records: list[RequestRecord] = []
     for rnd in range(config.rounds):
-        live = [c for c in convs if c.alive]
-        # The barrier: all of round r completes before any request of round r+1 is sent.
-        done = await asyncio.gather(*(_one_request(client, c, config, mode, rnd, sem)
-                                      for c in live))
-        records.extend(done)
-        if progress is not None:
-            s = summarize(done)
-            progress(f"[{mode}] round {rnd}: {s['requests']} ok, {s['errors']} failed, "
-                     f"mean prompt {s['prompt_tokens']:.0f} tok, cached "
-                     f"{s['cached_tokens']:.0f} tok, {s['transferred_bytes']:,} B moved, "
-                     f"TTFT p50 {s['ttft_ms_p50']:.1f} ms")
+        for mode in config.round_order(run, rnd):
+            live = [c for c in convs[mode] if c.alive]
+            # The barrier: this mode's round r completes before anything else is sent.
+            done = await asyncio.gather(*(_one_request(client, c, config, mode, rnd, run, sem)
+                                          for c in live))
+            records.extend(done)
+            if progress is not None:
+                s = summarize(done)
+                progress(f"[run {run} {mode}] round {rnd}: {s['requests']} ok, "
+                         f"{s['errors']} failed, mean prompt {s['prompt_tokens']:.0f} tok, "
+                         f"cached {s['cached_tokens']:.0f} tok, {s['transferred_bytes']:,} B "
+                         f"moved, TTFT p50 {s['ttft_ms_p50']:.1f} ms")
     return records
 
 
 async def run_multiturn(target: str, config: MultiturnConfig,
                         progress: Callable[[str], None] | None = None,
                         tls: TLSFiles | None = None) -> dict:
-    """Run the benchmark against the decode service at ``target`` and return the report dict
-    (see :func:`build_report`). Waits at most ``config.connect_timeout_s`` for the service
+    """Run the benchmark (``config.runs`` times over gRPC) against the decode service at
+    ``target`` and return the report dict (see :func:`build_report`). Waits at most ``config.connect_timeout_s`` for the service
     (raises :class:`~deltakv.errors.Unavailable` after); request failures are counted
     in the report, not raised. ``tls``: dial with TLS (see
     :class:`~deltakv.client.DecodeClient`; bad files raise InvalidArgument)."""
@@ -153,8 +175,8 @@ async def run_multiturn(target: str, config: MultiturnConfig,
     async with DecodeClient(target, timeout_s=config.timeout_s, tls=tls) as client:
         await client.wait_ready(config.connect_timeout_s)
         records: list[RequestRecord] = []
-        for mode in config.modes():
-            records.extend(await run_mode(client, config, mode, progress))
+        for run in range(config.runs):
+            records.extend(await run_workload(client, config, run, progress))
     return build_report(config, records)
 
 
@@ -174,6 +196,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, defaults: MultiturnC
                         help="generated tokens per request")
     parser.add_argument("--max-parallel", type=int, default=d.max_parallel,
                         help="requests in flight at once (0 = --clients)")
+    parser.add_argument("--runs", type=int, default=d.runs,
+                        help="repeat the whole workload on fresh conversations")
     parser.add_argument("--seed", type=int, default=d.seed, help="workload seed")
     parser.add_argument("--vocab-low", type=int, default=d.vocab_low,
                         help="random token ids are >= this")
@@ -189,7 +213,8 @@ def config_from_args(args: argparse.Namespace, compare: bool) -> MultiturnConfig
     return MultiturnConfig(
         clients=args.clients, rounds=args.rounds, request_length=args.request_length,
         sub_question_length=args.sub_question_length, output_length=args.output_length,
-        max_parallel=args.max_parallel, compare=compare, seed=args.seed,
+        max_parallel=args.max_parallel, compare=compare, runs=getattr(args, "runs", 1),
+        seed=args.seed,
         vocab_low=args.vocab_low, vocab_high=args.vocab_high, timeout_s=args.timeout,
         connect_timeout_s=getattr(args, "connect_timeout", 60.0),
         affinity_compare=getattr(args, "affinity_compare", False),
@@ -198,10 +223,11 @@ def config_from_args(args: argparse.Namespace, compare: bool) -> MultiturnConfig
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``deltakv bench multiturn``."""
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="decode service HOST:PORT")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="decode service HOST:PORT (ignored with --link)")
     add_workload_arguments(parser, MultiturnConfig())
     parser.add_argument("--compare", action="store_true",
-                        help="run full transfer and incremental transfer, side by side")
+                        help="full transfer and incremental transfer, interleaved per round")
     parser.add_argument("--affinity-compare", action="store_true",
                         help="also run without the x-deltakv-session key (no router affinity)")
     parser.add_argument("--api", choices=APIS, default="grpc",
@@ -210,22 +236,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="bound on reaching the service (s)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    own = parser.add_argument_group("own two-host cluster (--link)")
+    own.add_argument("--link", default=None, metavar="RATE",
+                     help="start a cluster as two hosts joined by a link of RATE (tc rate, e.g. "
+                          "1gbit, 10gbit; root): `deltakv up --link RATE`, stopped afterwards")
+    own.add_argument("--model", default="smollm2", help="with --link: the cluster's model")
+    own.add_argument("--transport", default="mooncake", help="with --link: the backend")
+    own.add_argument("--num-pages", type=int, default=512,
+                     help="with --link: pages per KV pool (RAM in /dev/shm)")
+    own.add_argument("--run-dir", default=None,
+                     help="with --link: sockets and logs (default: a temporary dir)")
+    own.add_argument("--startup-timeout", type=float, default=600.0,
+                     help="with --link: bound on the cluster becoming ready (s)")
+    own.add_argument("--up-arg", action="append", default=[], metavar="ARG",
+                     help="with --link: extra `deltakv up` flag (repeatable, e.g. "
+                          "--up-arg=--page-size --up-arg=16)")
     tls_files.add_client_arguments(parser)
+
+
+def environment(link: str | None) -> dict:
+    """What the figures were measured under: date (UTC), load averages, CPUs, link."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "load_before": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+            "link": link}
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
+                   progress: Callable[[str], None]) -> dict:
+    """Start the two-host cluster, run the bench against it, always stop it (namespace
+    included). ClusterError if it does not start."""
+    from deltakv.services.cli import up
+
+    up_args = ["--model", args.model, "--transport", args.transport, "--link", args.link,
+               "--num-pages", str(args.num_pages), "--decode-port", "0", "--prefill-port", "0",
+               "--no-http", *(["--run-dir", args.run_dir] if args.run_dir else []),
+               *args.up_arg]
+    progress(f"starting a two-host cluster: deltakv up {' '.join(up_args)}")
+    cluster = up.start_cluster(up_args, args.startup_timeout, progress)
+    try:
+        progress(f"cluster ready: decode at {cluster.decode_address}, {cluster.link.describe()}")
+        return asyncio.run(run_multiturn(cluster.decode_address, config, progress))
+    finally:
+        progress("stopping the cluster")
+        # A second Ctrl-C/SIGTERM must not cut the clean-up short (processes, namespace, shm).
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            cluster.stop()
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench; exit 0 if every request completed with exact bytes, 1 otherwise, 2 for
-    bad flags or an unreachable service."""
+    bad flags, an unreachable service or a cluster (--link) that did not start."""
+    from deltakv.services.cluster import ClusterError
+
     def progress(line: str) -> None:
         print(line, flush=True)
 
+    # SIGTERM unwinds like Ctrl-C: the own cluster (and its namespace) is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
+    env = environment(args.link)
     try:
         config = config_from_args(args, compare=args.compare)
-        report = asyncio.run(run_multiturn(args.target, config, progress,
-                                           tls=tls_files.files_from_args(args)))
-    except DeltaKVError as exc:
+        if args.link:
+            report = _run_with_link(args, config, progress)
+        else:
+            report = asyncio.run(run_multiturn(args.target, config, progress,
+                                               tls=tls_files.files_from_args(args)))
+    except (DeltaKVError, ClusterError) as exc:
         print(f"deltakv bench multiturn: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    report["environment"] = env
     print(format_table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -7,6 +7,10 @@ as behind a plain Service). Besides bytes and TTFT, every completed request of r
 reports ``reusable_tokens``: the full pages of the previous turn's prompt + answer, the most
 decode can hold of this prompt (tokens); ``reuse_ratio`` = cached / reusable over a set of
 requests (1.0: every reusable page was reused).
+
+With ``--runs N`` every figure of a round pools the N runs' requests, and the improvement also
+gives the incremental/full TTFT p50 ratio of each run with its median, min and max: the spread
+a noisy machine leaves, which a single pooled ratio would hide.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ MODES = (INCREMENTAL, FULL, NO_AFFINITY)
 @dataclass
 class RequestRecord:
     """Outcome of one request. Tokens in tokens, bytes in bytes, times in ms; ``error`` is the
-    typed error's ``Class: message`` for a failed request (its other numbers are then 0)."""
+    typed error's ``Class: message`` for a failed request (its other numbers are then 0).
+    ``run``: the repetition of the workload (``--runs``) it belongs to."""
 
     mode: str
     round: int
     client: int
+    run: int = 0
     request_id: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -136,6 +142,22 @@ def improvement(incremental: dict, full: dict) -> dict[str, float | None]:
     }
 
 
+def run_ratios(records: Sequence[RequestRecord], rnd: int, runs: int) -> dict[str, Any]:
+    """Per run, incremental/full TTFT p50 of round ``rnd``; with their median, min and max
+    (None where a run has no completed request of a mode)."""
+    ratios = []
+    for run in range(runs):
+        mine = [r for r in records if r.round == rnd and r.run == run and r.ok]
+        incr = percentile([r.ttft_ms for r in mine if r.mode == INCREMENTAL], 50)
+        full = percentile([r.ttft_ms for r in mine if r.mode == FULL], 50)
+        ratios.append(_ratio(incr, full) if incr else None)
+    known = [x for x in ratios if x is not None]
+    return {"ttft_p50_ratio_runs": ratios,
+            "ttft_p50_ratio_median": statistics.median(known) if known else None,
+            "ttft_p50_ratio_min": min(known) if known else None,
+            "ttft_p50_ratio_max": max(known) if known else None}
+
+
 def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
     """The JSON report of a run (shape in the module docstring) from every request's record.
 
@@ -154,7 +176,8 @@ def build_report(config: Any, records: Sequence[RequestRecord]) -> dict:
         for mode in modes:
             entry[mode] = summarize([r for r in records if r.mode == mode and r.round == rnd])
         if config.compare:
-            entry["improvement"] = improvement(entry[INCREMENTAL], entry[FULL])
+            entry["improvement"] = {**improvement(entry[INCREMENTAL], entry[FULL]),
+                                    **run_ratios(records, rnd, getattr(config, "runs", 1))}
         rounds.append(entry)
     totals: dict = {}
     for mode in modes:
@@ -184,6 +207,15 @@ def _fmt_ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}x"
 
 
+def _runs_line(imp: dict) -> str:
+    runs = imp.get("ttft_p50_ratio_runs") or []
+    if len(runs) < 2:
+        return ""
+    return (f"; per run median {_fmt_ratio(imp['ttft_p50_ratio_median'])} "
+            f"[{_fmt_ratio(imp['ttft_p50_ratio_min'])} - "
+            f"{_fmt_ratio(imp['ttft_p50_ratio_max'])}] over {len(runs)} runs")
+
+
 def format_table(report: dict) -> str:
     """A fixed-width text table of a report: one row per round and mode, then the improvement
     (with ``--compare``) and the defect count."""
@@ -208,7 +240,7 @@ def format_table(report: dict) -> str:
             imp = entry["improvement"]
             lines.append(f"{'':>5} {'incr/full':<11} bytes {_fmt_ratio(imp['bytes_ratio'])}, "
                          f"TTFT p50 {_fmt_ratio(imp['ttft_p50_ratio'])}, "
-                         f"TTFT mean {_fmt_ratio(imp['ttft_mean_ratio'])}")
+                         f"TTFT mean {_fmt_ratio(imp['ttft_mean_ratio'])}{_runs_line(imp)}")
     totals = report["totals"]
     if "bytes_ratio_rounds_ge1" in totals:
         lines.append(f"rounds >= 1: incremental moved "
@@ -220,8 +252,11 @@ def format_table(report: dict) -> str:
                      + ", ".join(reuse))
     lines.append(f"byte defects (transferred != delta pages * page_bytes): "
                  f"{len(report['defects'])}; failed requests: {len(report['errors'])}")
+    env = report.get("environment")
+    if env:
+        lines.append(f"measured {env.get('date', '?')}, load average {env.get('load_before')} "
+                     f"before / {env.get('load_after')} after, link {env.get('link') or 'none'}")
     return "\n".join(lines)
-
 
 
 def report_ok(report: dict) -> bool:

@@ -33,7 +33,7 @@ class MultiturnConfig:
     ``request_length``: round-0 prompt (tokens, >= 1). ``sub_question_length``: new question per
     later round (tokens, >= 0). ``output_length``: generated tokens per request (>= 1).
     ``max_parallel``: requests in flight at once (0 = ``clients``). ``compare``: run both modes.
-    ``seed``: workload seed. ``vocab_low``/``vocab_high``: random ids are drawn from
+    ``runs``: repetitions of the whole workload on fresh conversations (>= 1). ``seed``: workload seed. ``vocab_low``/``vocab_high``: random ids are drawn from
     ``[vocab_low, vocab_high)``. ``timeout_s``: deadline per request (s).
     ``connect_timeout_s``: bound on reaching the service (s). ``affinity_compare``: add the
     ``no-affinity`` mode. ``api``: ``grpc`` (token ids) or ``openai`` (text chat over HTTP).
@@ -48,6 +48,7 @@ class MultiturnConfig:
     output_length: int = 32
     max_parallel: int = 0
     compare: bool = False
+    runs: int = 1
     seed: int = 0
     vocab_low: int = DEFAULT_VOCAB_LOW
     vocab_high: int = DEFAULT_VOCAB_HIGH
@@ -62,10 +63,13 @@ class MultiturnConfig:
             ("request_length", self.request_length >= 1),
             ("sub_question_length", self.sub_question_length >= 0),
             ("output_length", self.output_length >= 1), ("max_parallel", self.max_parallel >= 0),
-            ("seed", self.seed >= 0), ("vocab_low", self.vocab_low >= 0),
+            ("runs", self.runs >= 1), ("seed", self.seed >= 0),
+            ("vocab_low", self.vocab_low >= 0),
             ("vocab_high", self.vocab_high > self.vocab_low),
             ("timeout_s", self.timeout_s > 0), ("connect_timeout_s", self.connect_timeout_s > 0),
             ("api", self.api in APIS),
+            # The OpenAI path runs each mode's conversations once (multiturn_openai).
+            ("runs", self.runs == 1 or self.api == "grpc"),
         ]
         for name, ok in checks:
             if not ok:
@@ -77,24 +81,32 @@ class MultiturnConfig:
         return self.max_parallel or self.clients
 
     def modes(self) -> tuple[str, ...]:
-        """Modes in run order. ``full`` runs first so that, on top of the separate prompt seeds,
-        the incremental mode (the one we claim wins) never runs on caches the baseline warmed."""
+        """The modes of this run (the report's keys), in the order of round 0 of run 0."""
         modes = (FULL,) if self.compare else ()
         return (*modes, *((NO_AFFINITY,) if self.affinity_compare else ()), INCREMENTAL)
+
+    def round_order(self, run: int, rnd: int) -> tuple[str, ...]:
+        """The order in which the modes run round ``rnd`` of run ``run``: reversed every other
+        round (and run), so no mode always runs first, on the caches or the machine state
+        another left."""
+        modes = self.modes()
+        return modes if (run + rnd) % 2 == 0 else modes[::-1]
 
 
 # --------------------------------------------------------------------------- workload
 
 
-def client_rng(seed: int, mode: str, client: int) -> random.Random:
-    """The random source of one client's prompts in one mode.
+def client_rng(seed: int, mode: str, client: int, run: int = 0) -> random.Random:
+    """The random source of one client's prompts in one mode (and run, ``--runs``).
 
-    The two modes of ``--compare`` draw *different* prompts (the mode is part of the key), so
-    neither decode's nor prefill's radix index can carry a prefix from one mode's run into the
-    other's: each mode starts on caches that hold nothing of its conversations ("fresh caches"
-    without restarting the cluster). Lengths, and so the byte counts, are identical.
+    The two modes of ``--compare`` (and every run) draw *different* prompts (mode and run are
+    part of the key), so neither decode's nor prefill's radix index can carry a prefix from one
+    mode's conversations into the other's: each starts on caches that hold nothing of it
+    ("fresh caches" without restarting the cluster). Lengths, and so the byte counts, are
+    identical. Run 0 keeps the key of a single run.
     """
-    return random.Random(f"deltakv-multiturn:{seed}:{mode}:{client}")
+    suffix = f":run{run}" if run else ""
+    return random.Random(f"deltakv-multiturn:{seed}:{mode}:{client}{suffix}")
 
 
 def random_tokens(rng: random.Random, length: int, vocab_low: int, vocab_high: int) -> list[int]:

@@ -110,7 +110,7 @@ class _Sidecar:
                  options: list[str], ready_timeout_s: float,
                  extra_args: tuple[str, ...] = (), name: str = "") -> None:
         from deltakv.rpc.channel import uds_address
-        from deltakv.services.cluster import ManagedProcess
+        from deltakv.services.process import ManagedProcess
 
         self.socket = os.path.join(workdir, f"{name or role}-{backend}.sock")
         self.target = uds_address(self.socket)

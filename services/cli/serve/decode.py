@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.prefill_connect_timeout_ms,
                         help="how long a request waits for the prefill connection (re)established")
     parser.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
-                        help="how long a request may wait for free pages")
+                        help="how long a request may wait for free pages (decode's and, by "
+                             "retrying Prefill, prefill's), FIFO, from its start")
+    parser.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                        help="requests waiting for pages at most; more are refused at once "
+                             "(RESOURCE_EXHAUSTED)")
     parser.add_argument("--connect-timeout-s", type=float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0)
@@ -98,7 +102,7 @@ async def build(args: argparse.Namespace, stack, log):
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
         abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
-        admission_timeout_s=args.admission_timeout_s)
+        admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting)
     targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
@@ -130,8 +134,8 @@ async def build(args: argparse.Namespace, stack, log):
         credentials, interceptors=otel_grpc.aio_server_interceptors())
     fields = dict(prefill=",".join(targets), tls=credentials is not None,
                   client_certs=bool(args.tls_ca), prefill_tls=prefill_credentials is not None)
-    service = (Service.of_server(server, **fields) if args.http_port is None
-               else _with_http(server, servicer, args, fields))
+    service = (Service.of_server(server, on_drain=servicer.begin_drain, **fields)
+               if args.http_port is None else _with_http(server, servicer, args, fields))
     return worker.pairing.supervise(service, server)
 
 
@@ -180,6 +184,7 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     async def drain(grace_s: float) -> None:
         serving["on"] = False
         await server.enter_graceful_shutdown()
+        servicer.begin_drain()  # requests waiting for pages fail now, not after the grace
         await asyncio.gather(http.drain(grace_s), server.stop(grace_s))
 
     return Service(start, drain, {"address": server.address, "http_address": http.address,

@@ -20,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wait at most this long for the sidecar to become healthy")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
                         help="on SIGTERM, give in-flight prefills this long to finish")
+    parser.add_argument("--admission-timeout-s", type=float, default=30.0,
+                        help="how long a prefill may queue for pages of its pool (FIFO; a "
+                             "request's queue_timeout_ms may shorten it)")
+    parser.add_argument("--max-waiting", type=int, default=1024,
+                        help="prefills queued for pages at most; more are refused at once "
+                             "(RESOURCE_EXHAUSTED)")
     parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
                         help="after a sidecar restart: how long the sidecar may stay away and "
                              "the old pool's requests may take to end before this worker "
@@ -60,8 +66,11 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
-    servicer = PrefillServicer(worker, args.model, key)
+    servicer = PrefillServicer(worker, args.model, key,
+                               admission_timeout_s=args.admission_timeout_s,
+                               max_waiting=args.max_waiting)
     stack.callback(servicer.close)
+    stack.push_async_callback(servicer.wait_cleanups, 10.0)  # unwound first: before close
     # A lost pool incarnation: the attempts computing in it stop at their next check.
     worker.pairing.on_lost.append(lambda reason: servicer.abort_all(reason))
     name = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -69,5 +78,6 @@ async def build(args: argparse.Namespace, stack, log):
         args, name, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
         credentials, interceptors=otel_grpc.aio_server_interceptors())
     return worker.pairing.supervise(
-        Service.of_server(server, tls=credentials is not None, client_certs=bool(args.tls_ca)),
+        Service.of_server(server, on_drain=servicer.begin_drain, tls=credentials is not None,
+                          client_certs=bool(args.tls_ca)),
         server)

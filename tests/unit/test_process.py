@@ -1,4 +1,4 @@
-"""deltakv.services.cluster.ManagedProcess — the one process supervisor — on real child
+"""deltakv.services.process.ManagedProcess — the one process supervisor — on real child
 processes: health wait, log tail on failure, bounded SIGTERM -> SIGKILL stop, interruption,
 and no orphan when the parent dies (PR_SET_PDEATHSIG)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deltakv.rpc.channel import uds_address
-from deltakv.services.cluster import ManagedProcess, ProcessError
+from deltakv.services.process import ManagedProcess, ProcessError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,7 +119,7 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from deltakv.services.cluster import ManagedProcess
+        from deltakv.services.process import ManagedProcess
         child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
                                {str(tmp_path / 'sleeper.log')!r}).start()
         open({str(pid_file)!r}, "w").write(str(child.pid))

@@ -1,0 +1,122 @@
+"""The Prefill call of decode's step 3 (:mod:`deltakv.services.decode.servicer`): grant the
+delta pages to a room, send ``Prefill`` to one backend of the prefill pool, and retry with a new
+room and a new grant while prefill's pool is full.
+
+Why a retry needs a new grant: a room is written at most once (its grant binds the room, the
+pages and the prompt), and the old grant is closed as *abandoned* first, so the sidecar proves
+its fence before the same pages are granted again (prefill's word that nothing was written is
+no proof; docs/architecture.md, "Fencing").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+
+from deltakv.errors import (
+    DeadlineExceeded,
+    DeltaKVError,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
+from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.prefill_pool import PrefillPool
+from deltakv.services.decode.request import ParsedRequest, RequestState
+from deltakv.services.decode.teardown import Teardown
+from deltakv.services.runtime.logs import bind_request, get_logger
+from deltakv.services.worker import Worker
+from deltakv.sidecar.grants import prompt_digest
+from deltakv.v1 import kv_pb2, prefill_pb2
+
+log = get_logger()
+
+# Back-off between Prefill tries while prefill's pool is full (seconds, doubling).
+_PREFILL_RETRY_FIRST_S = 0.05
+_PREFILL_RETRY_MAX_S = 1.0
+
+
+class PrefillCall:
+    """Grant + ``Prefill`` (+ retries) for one decode worker. Holds no request state: each
+    call reads and updates the request's :class:`RequestState` (``room``, ``prefill``,
+    ``transfer_pending``, ``sent_at``); the pages stay owned by the request (its teardown
+    releases them)."""
+
+    def __init__(self, worker: Worker, prefill: PrefillPool, config: DecodeConfig,
+                 teardown: Teardown) -> None:
+        self.worker = worker
+        self.prefill = prefill
+        self.config = config
+        self.teardown = teardown
+
+    async def run(self, state: RequestState, parsed: ParsedRequest,
+                                    time_remaining: Callable[[], float | None]
+                                    ) -> prefill_pb2.PrefillResponse:
+        """``Prefill`` for a freshly granted room, again with a new room and a new grant while
+        prefill answers RESOURCE_EXHAUSTED (its pool is full; prefill.proto: sent before the
+        room's transfer could start) and the admission budget lasts. Before the delta pages
+        are granted again, prefill is asked to stop the old room (advisory) and its grant is
+        closed as abandoned: the sidecar proves its fence as for a revocation (prefill's word
+        that nothing was written is no proof). A grant that cannot be closed ends the retries
+        (prefill's error goes to the client; the Release fences the pages)."""
+        backoff_s = _PREFILL_RETRY_FIRST_S
+        digest = prompt_digest(parsed.prompt)
+        while True:
+            info = await self.worker.sidecar.issue_grant(
+                state.sidecar_id, kv_pb2.TransferInfo(
+                    request_id=state.request_id, dst_page_indices=state.delta_pages,
+                    decode_prefix_len=state.decode_prefix_len, prompt_len=state.prompt_len,
+                    lease_ms=self.config.lease_ms), digest)
+            state.room = info.room
+            bind_request(state.request_id, state.room)
+            timeout_s = self.config.prefill_timeout_ms / 1000.0
+            remaining = time_remaining()
+            if remaining is not None:
+                timeout_s = min(timeout_s, remaining)
+            queue_ms = int(max(state.admission_deadline - time.monotonic(), 0.0) * 1000)
+            try:
+                return await self._call(state, prefill_pb2.PrefillRequest(
+                    token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
+                    queue_timeout_ms=max(queue_ms, 1)), timeout_s)
+            except ResourceExhausted as exc:
+                await self.teardown.abort_transfer(state)
+                try:
+                    await self.worker.sidecar.close_grant(state.room, abandoned=True)
+                except DeltaKVError as close_error:
+                    log.warning("prefill_retry_grant_not_closed", reason=str(close_error))
+                    raise exc from None
+                state.transfer_pending = False
+                if time.monotonic() + backoff_s >= state.admission_deadline:
+                    raise ResourceExhausted(f"prefill has no room for the prompt: {exc}"
+                                            ) from None
+                log.info("prefill_retry", reason=str(exc), backoff_s=backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, _PREFILL_RETRY_MAX_S)
+
+    async def _call(self, state: RequestState, request: prefill_pb2.PrefillRequest,
+                            timeout_s: float) -> prefill_pb2.PrefillResponse:
+        """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
+        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
+        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
+        send until prefill answered."""
+        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        state.prefill = backend
+        state.sent_at = time.monotonic()
+        state.transfer_pending = True
+        try:
+            response = await backend.stub.Prefill(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
+                                         f"{timeout_s:.1f} s")
+            elif isinstance(error, Unavailable):
+                error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
+            raise error from None
+        finally:
+            self.prefill.done(backend)
+        state.transfer_pending = False
+        return response

@@ -1,0 +1,172 @@
+"""Supervised child processes: :class:`ManagedProcess`, the one way deltakv starts a child.
+
+``deltakv up``'s processes, ``deltakv demo``'s cluster (:mod:`deltakv.services.cluster`),
+``deltakv bench transfer``'s sidecars and the test fixtures all use it. A child
+
+* runs in its own session (Ctrl-C in a terminal reaches the parent only, which stops the
+  children in order) and gets SIGTERM when the thread that started it dies, whatever the cause
+  (Linux ``PR_SET_PDEATHSIG``), so no child outlives its parent — start children from a
+  long-lived thread (the main thread);
+* writes stdout and stderr to its own log file (no pipe to fill up), whose tail goes into
+  every error;
+* is ready when its ``grpc.health.v1`` answers SERVING (:func:`deltakv.rpc.channel.wait_serving`,
+  bounded, ended early by the child's death or the caller's interruption);
+* is stopped with SIGTERM, then SIGKILL after a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from deltakv.errors import Unavailable
+from deltakv.rpc.channel import wait_serving
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_KILL_WAIT_S = 10.0  # reaping a SIGKILLed child is immediate; bounded anyway
+
+
+class ProcessError(RuntimeError):
+    """A child failed to start, was not healthy in time, or start-up was interrupted; the
+    message carries the tail of its log."""
+
+
+def sigterm_on_parent_death() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the thread that started it dies (Linux
+    ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _detach_and_die_with_parent() -> None:
+    sigterm_on_parent_death()
+    os.setsid()
+
+
+class ManagedProcess:
+    """One supervised child process (see the module docstring).
+
+    ``name``: used in errors and log tails. ``argv``: the command. ``log_path``: stdout and
+    stderr are appended there. ``health_target``: gRPC address whose health service says the
+    child is ready (None: :meth:`wait_serving` is not available). ``env``: the child's whole
+    environment (default: this process's), ``PYTHONUNBUFFERED=1`` added so log tails are
+    current. ``stop_timeout_s``: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | os.PathLike[str], *,
+                 health_target: str | None = None, env: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None, stop_timeout_s: float = 20.0) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.health_target = health_target
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.stop_timeout_s = stop_timeout_s
+        self.popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before :meth:`start`)."""
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once exited (negative: killed by that signal), else None."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def alive(self) -> bool:
+        """True while the child runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    def start(self) -> ManagedProcess:
+        """Spawn the child (again, if it exited). Raises ProcessError if it is running."""
+        if self.alive():
+            raise ProcessError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log:  # the child holds its own descriptor
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                          preexec_fn=_detach_and_die_with_parent)
+        return self
+
+    def wait_serving(self, timeout_s: float,
+                     interrupted: Callable[[], bool] | None = None) -> None:
+        """Block until the child's health is SERVING. Raises ProcessError (with the log tail)
+        if it exits first, is not SERVING within ``timeout_s``, or ``interrupted()`` turns
+        true (e.g. SIGTERM to the parent during start-up); the child keeps running."""
+        if self.health_target is None:
+            raise ProcessError(f"{self.name} has no health target to wait for")
+        stopped = interrupted or (lambda: False)
+        try:
+            wait_serving(self.health_target, timeout_s=max(timeout_s, 0.05),
+                         alive=lambda: self.alive() and not stopped(), what=self.name)
+        except Unavailable as exc:
+            if stopped():
+                raise ProcessError(f"start-up interrupted while waiting for {self.name}") from None
+            if not self.alive():
+                raise ProcessError(f"{self.name} exited with code {self.returncode} during "
+                                   f"start-up\n{self.log_tail()}") from None
+            raise ProcessError(f"{self.name} not healthy within {timeout_s:.0f} s ({exc})\n"
+                               f"{self.log_tail()}") from None
+
+    def log_text(self) -> str:
+        """The child's whole log so far ("" if there is none yet)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the child's log, indented and prefixed with its name."""
+        text = self.log_text().splitlines()[-lines:]
+        if not text:
+            return "  (no log)"
+        return "\n".join(f"  {self.name}| {line}" for line in text)
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` if the child is running (no wait)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait at most ``timeout_s`` for the child to exit; its exit status.
+        ``subprocess.TimeoutExpired`` if it is still running; ProcessError if never started."""
+        if self.popen is None:
+            raise ProcessError(f"{self.name} was never started")
+        return self.popen.wait(timeout_s)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int | None:
+        """Send ``sig`` and wait up to ``timeout_s`` (default ``stop_timeout_s``), then SIGKILL.
+        Returns the exit status (None if never started). Idempotent."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+            try:
+                self.popen.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL and reap (what a crash leaves behind stays behind)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(_KILL_WAIT_S)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
