@@ -166,6 +166,8 @@ class LocalCluster:
              (f"{host}:{free_port(host)}" if routed else self.http_address)
              if config.http_port else None)
             for _ in range(config.decode_replicas)]
+        from deltakv.sidecar.pool import shm_prefix  # torch: only once a cluster is built
+
         self.sockets: dict[str, str] = {}
         self.shm_names: dict[str, str] = {}
         for role, count in (("decode", config.decode_replicas),
@@ -173,7 +175,7 @@ class LocalCluster:
             for i in range(count):
                 name = replica_name(role, i)
                 self.sockets[name] = str(self.run_dir / f"{name}-sidecar.sock")
-                self.shm_names[name] = f"deltakv-{self.cluster_id}-{name}"
+                self.shm_names[name] = f"{shm_prefix()}{self.cluster_id}-{name}"
         self.key_file = self.run_dir / "pairing.key"
         if not self.key_file.exists():
             from deltakv.sidecar.pairing import generate_key_file

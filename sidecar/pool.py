@@ -42,12 +42,17 @@ import torch
 
 from deltakv.errors import InvalidArgument, ResourceExhausted, UnknownEndpoint
 from deltakv.layout import KVLayout
+from deltakv.sidecar.pool_mapping import PoolMapping
 
 #: Where Linux keeps POSIX shared-memory objects (``shm_open`` names map to files here).
 SHM_DIR = "/dev/shm"
 
-#: Prefix of generated segment names; :func:`reclaim_stale_segments` defaults to it.
+#: Prefix of generated segment names unless ``$DELTAKV_SHM_PREFIX`` says otherwise.
 DEFAULT_PREFIX = "deltakv-"
+#: Environment variable naming the prefix of every segment name deltakv derives itself (pools,
+#: their companions, a local cluster's slots): separates deployments sharing one host's
+#: /dev/shm, and lets a test session find what its own processes left behind.
+PREFIX_ENV = "DELTAKV_SHM_PREFIX"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
@@ -59,6 +64,12 @@ def _check_name(name: object) -> str:
             "[A-Za-z0-9._-], not starting with '.' or '-', no leading '/'"
         )
     return name
+
+
+def shm_prefix() -> str:
+    """``$DELTAKV_SHM_PREFIX`` or :data:`DEFAULT_PREFIX`; InvalidArgument if the variable is
+    not a valid segment name."""
+    return _check_name(os.environ.get(PREFIX_ENV) or DEFAULT_PREFIX)
 
 
 def _path(name: str) -> str:
@@ -114,9 +125,11 @@ class SharedKVPool:
     """
 
     def __init__(self, name: str, layout: KVLayout, mm: mmap.mmap, owner: bool,
-                 inode: tuple[int, int]) -> None:
-        # Use create()/attach(); this only wires an already-sized mapping.
+                 inode: tuple[int, int], fd: int) -> None:
+        # Use create()/attach(); this only wires an already-sized mapping. ``fd`` (the open
+        # segment, close-on-exec) is kept for map_again() and closed by close().
         self.name = name
+        self._fd: int | None = fd
         self.layout = layout
         self.owner = owner
         self.nbytes = layout.pool_bytes
@@ -135,7 +148,7 @@ class SharedKVPool:
         """Create (owner side, the sidecar) a zero-filled segment of ``layout.pool_bytes``
         bytes and map it.
 
-        ``name`` defaults to ``f"deltakv-{uuid}"``. If a segment with that name already exists
+        ``name`` defaults to ``f"{shm_prefix()}{uuid}"``. If a segment with that name already exists
         (a crashed sidecar's leftover) it is reclaimed: unlinked and created afresh, so its old
         contents are never seen. The whole pool is reserved up front (``posix_fallocate``),
         so a too-small ``/dev/shm`` fails here, not with SIGBUS later.
@@ -146,7 +159,7 @@ class SharedKVPool:
         """
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
-        name = _check_name(name if name is not None else f"{DEFAULT_PREFIX}{uuid.uuid4().hex}")
+        name = _check_name(name if name is not None else f"{shm_prefix()}{uuid.uuid4().hex}")
         path = _path(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # reclaim a leftover of the same name
@@ -173,8 +186,7 @@ class SharedKVPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
-        return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino))
+        return cls(name, layout, mm, owner=True, inode=(st.st_dev, st.st_ino), fd=fd)
 
     @classmethod
     def attach(cls, name: str, layout: KVLayout,
@@ -216,9 +228,10 @@ class SharedKVPool:
                     f"implies ({layout.num_pages} pages x {layout.page_bytes} B)", name=name)
             mm = mmap.mmap(fd, layout.pool_bytes, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino))
+            raise
+        return cls(name, layout, mm, owner=False, inode=(st.st_dev, st.st_ino), fd=fd)
 
     # ------------------------------------------------------------------ access
 
@@ -236,6 +249,16 @@ class SharedKVPool:
         """Virtual address of page 0 in this process (engines register ``[ptr, ptr+nbytes)``)."""
         self._check_open()
         return self.tensor.data_ptr()
+
+    def map_again(self) -> PoolMapping:
+        """A new read/write mapping of this pool's pages at a fresh virtual address (an engine
+        incarnation registers the pool through its own: :mod:`deltakv.sidecar.pool_mapping`).
+        The caller owns it and retires it; it outlives :meth:`close` harmlessly (the pages stay
+        until it is retired). InvalidArgument if the pool is closed, ResourceExhausted if the
+        process has no address space left."""
+        with self._lock:
+            self._check_open()
+            return PoolMapping(self._fd, self.nbytes)
 
     def as_bytes(self) -> torch.Tensor:
         """uint8 view ``[num_pages, page_bytes]`` of the same memory (no copy); row ``p`` is
@@ -294,8 +317,11 @@ class SharedKVPool:
                 return
             self._closed = True
             mm, self._mmap = self._mmap, None
+            fd, self._fd = self._fd, None
             # Drop our own exports of the buffer first so mmap.close() can succeed.
             del self.tensor, self._bytes
+        if fd is not None:
+            os.close(fd)
         if self.owner:
             self.unlink()
         # torch.frombuffer keeps a reference to the mmap object but no buffer export, so
@@ -335,15 +361,17 @@ def _mapped_shm_paths() -> set[str]:
     return mapped
 
 
-def reclaim_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+def reclaim_stale_segments(prefix: str | None = None) -> list[str]:
     """Unlink segments whose name starts with ``prefix`` and that no process maps any more
-    (leftovers of SIGKILLed sidecars). Returns the names removed.
+    (leftovers of SIGKILLed sidecars; default prefix :func:`shm_prefix`). Returns the names
+    removed.
 
     A segment mapped by a live process is never touched. Segments mapped only by processes
     whose ``/proc/<pid>/maps`` we cannot read are indistinguishable from stale ones, so use a
     prefix private to this deployment. Raises :class:`InvalidArgument` for an empty or
     malformed prefix (an empty prefix would sweep every segment on the host).
     """
+    prefix = shm_prefix() if prefix is None else prefix
     if not prefix:
         raise InvalidArgument("reclaim_stale_segments needs a non-empty prefix")
     _check_name(prefix)

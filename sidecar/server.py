@@ -85,8 +85,10 @@ def default_shm_name(socket_path: str) -> str:
     restarts of the same sidecar, distinct between sidecars."""
     import hashlib
 
+    from deltakv.sidecar.pool import shm_prefix
+
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:16]
-    return f"deltakv-pool-{digest}"
+    return f"{shm_prefix()}pool-{digest}"
 
 
 class SidecarServer:

@@ -42,15 +42,21 @@ the responder's acknowledgement). So the decode sidecar keeps a current and a re
 (:mod:`deltakv.sidecar.fence`): pages of a room whose outcome is unknown stay quarantined until
 the engine incarnation that could receive them is closed.
 
-Open caveat (port reuse, not yet handled): an engine started after an earlier one retired may
-listen on the ports that one gave back — always with a fixed port block (``port=P``: four
-ports, two engines), by chance in the default range — and it registers the same pool at the
-same virtual address. A writer that reconnects later (e.g. a SIGSTOPped prefill sidecar
-resumed after decode's fence was proven) to the old session address reaches the new engine,
-which accepts the old addresses. Closing that hole needs an incarnation-specific address (a
-fresh mapping of the pool per engine, its address never reused) or a data-port authenticator;
-until then a Mooncake TCP writer stopped past decode's fence and resumed can still deliver
-into pages that were freed.
+Port reuse. An engine started after an earlier one retired may listen on the ports that one
+gave back — always with a fixed port block (``port=P``: four ports, two engines), by chance in
+the default range — so a writer that reconnects later (e.g. a SIGSTOPped prefill sidecar
+resumed after decode's fence was proven) to the old session address reaches the new engine.
+What it sends is refused there: every incarnation registers the pool through its own mapping
+(:mod:`deltakv.sidecar.pool_mapping`: the same pages at a new virtual address), publishes that
+address in its descriptor, and :meth:`MooncakeTransport.close` turns the mapping into an
+inaccessible reservation once the engine is destroyed, so no later engine of the process ever
+registers an address an earlier incarnation published. The receiving engine applies a write
+only inside a registered buffer (``ServerSession`` checks the range), so a late write to an old
+address fails whichever engine now holds the port (tests/integration/test_mooncake_fence.py
+writes from another process through the old descriptor after the port came back). Prefill
+learns the new address the way it learns any new incarnation: the sealed endpoint in the next
+grant (``TransferInfo.decode_endpoint``) has a new ``endpoint_id``, and the peer table connects
+it afresh.
 
 Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
 ``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
@@ -88,6 +94,7 @@ from deltakv.errors import (
 )
 from deltakv.layout import KVLayout
 from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.pool_mapping import PoolMapping
 from deltakv.sidecar.transport.base import (
     BatchLimits,
     PageRun,
@@ -188,6 +195,8 @@ class MooncakeTransport(Transport):
                                     self.transfer_timeout_s)
         self.session = f"{self.host}:{self._engine.get_rpc_port()}"
         self._pool: SharedKVPool | None = None
+        # This incarnation's own mapping of the pool (register_pool; retired by close).
+        self._mapping: PoolMapping | None = None
         # Target of connect's 1-byte test read (never the pool: that holds live KV).
         self._scratch = torch.zeros(64, dtype=torch.uint8)
         # Addresses registered with the engine (unregistered by close).
@@ -211,28 +220,34 @@ class MooncakeTransport(Transport):
     # ------------------------------------------------------------------ local side
 
     def register_pool(self, pool: SharedKVPool) -> None:
-        """Make ``pool`` this transport's pool (once) and register with the engine what the
-        engine needs: the pool when peers write into it (``remote_access``) or the protocol
-        needs local memory regions (``rdma``), and the probe buffer for ``rdma``. A registered
-        region is readable and writable by any engine that reaches this one (Mooncake has no
-        peer authentication). The sidecar keeps owning the pool; it must outlive this
-        transport. InvalidArgument if called twice, Unavailable if the engine refuses a
-        registration."""
+        """Make ``pool`` this transport's pool (once), through this incarnation's own mapping
+        of it (:meth:`SharedKVPool.map_again`: the same pages at a virtual address no earlier
+        incarnation of this process used, see "Fencing" in the module docstring), and register
+        with the engine what the engine needs: that mapping when peers write into the pool
+        (``remote_access``) or the protocol needs local memory regions (``rdma``), and the
+        probe buffer for ``rdma``. A registered region is readable and writable by any engine
+        that reaches this one (Mooncake has no peer authentication). The sidecar keeps owning
+        the pool and must keep it open until this transport is closed; the transport owns
+        its mapping and retires it in :meth:`close`. InvalidArgument if called twice,
+        ResourceExhausted if no address space is left for the mapping, Unavailable if the
+        engine refuses a registration."""
         if self._pool is not None:
             raise InvalidArgument("mooncake transport already has a registered pool")
+        mapping = pool.map_again()
         regions = []
         if self.remote_access or self.protocol == "rdma":
-            regions.append((pool.data_ptr(), pool.nbytes, "the KV pool"))
+            regions.append((mapping.addr, mapping.nbytes, "the KV pool"))
         if self.protocol == "rdma":
             regions.append((self._scratch.data_ptr(), self._scratch.numel(), "the probe buffer"))
         for addr, nbytes, what in regions:
             rc = self._engine.register_memory(addr, nbytes)
             if rc != 0:
                 self._unregister_all()
+                mapping.retire()
                 raise Unavailable(f"mooncake register_memory of {what} ({nbytes} bytes) "
                                   f"failed (rc={rc})")
             self._registered.append(addr)
-        self._pool = pool
+        self._pool, self._mapping = pool, mapping
 
     def _unregister_all(self) -> None:
         while self._registered:
@@ -246,7 +261,7 @@ class MooncakeTransport(Transport):
             raise InvalidArgument(f"describe: layout has {layout.pool_bytes} bytes, the "
                                   f"registered pool {pool.nbytes}")
         descriptor = {"v": _DESCRIPTOR_VERSION, "session": self.session,
-                      "base": pool.data_ptr(), "nbytes": pool.nbytes,
+                      "base": self._mapping.addr, "nbytes": pool.nbytes,
                       "protocol": self.protocol}
         return kv_pb2.EndpointInfo(
             endpoint_id=endpoint_id, backend=self.name, address=self.session,
@@ -325,7 +340,7 @@ class MooncakeTransport(Transport):
             return
         pool = self._require_pool()
         page_bytes = pool.layout.page_bytes
-        local_base = pool.data_ptr()
+        local_base = self._mapping.addr
         self._run(handle, [local_base + r.src_page * page_bytes for r in batch],
                   [handle.base + r.dst_page * page_bytes for r in batch],
                   [r.num_pages * page_bytes for r in batch], ticket)
@@ -415,8 +430,9 @@ class MooncakeTransport(Transport):
             return self._idle.wait_for(lambda: self._in_flight == 0, limit)
 
     def close(self) -> bool:
-        """Wait (bounded) for in-flight batches, unregister the pool and destroy the engine
-        (its threads joined, its sockets closed: the fence proof of the module docstring).
+        """Wait (bounded) for in-flight batches, unregister the pool, destroy the engine
+        (its threads joined, its sockets closed: the fence proof of the module docstring) and
+        retire this incarnation's pool mapping (its addresses are never registered again).
         If a batch is still stuck in the engine after its bound, the engine is leaked
         rather than destroyed under it and False is returned. Idempotent (True once the
         engine is gone); never closes the pool itself."""
@@ -432,6 +448,10 @@ class MooncakeTransport(Transport):
         self._pool = None
         # The only reference: the C++ destructor runs here, synchronously.
         self._engine = None  # type: ignore[assignment]
+        if self._mapping is not None:
+            # Only now (engine gone) may the range stop being the pool: it becomes an
+            # inaccessible reservation, never registered again by this process.
+            self._mapping.retire()
         return True
 
     # ------------------------------------------------------------------ helpers

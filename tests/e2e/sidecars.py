@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.rpc.channel import options, uds_address
 from deltakv.services.cluster import LocalCluster
+from deltakv.sidecar.pool import shm_prefix
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 ROLES = ("decode", "prefill")
@@ -66,7 +67,7 @@ def audit(cluster: LocalCluster, role: str = "decode", evict: bool = False
 
 def shm_segments(cluster: LocalCluster) -> set[str]:
     """This cluster's pool segments under /dev/shm."""
-    prefix = f"deltakv-{cluster.cluster_id}-"
+    prefix = f"{shm_prefix()}{cluster.cluster_id}-"
     return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
 
 

@@ -35,9 +35,11 @@ import pytest
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import uds_address
 from deltakv.services.process import ManagedProcess, ProcessError
+from deltakv.sidecar.server import default_shm_name
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 from tests.support.faults import sidecar_args as fault_args
 from tests.support.layouts import TOY_LAYOUT
+from tests.support.shm import remove_leftovers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,8 +63,9 @@ class SidecarProcess:
     sync stub. ``socket_path``: its UDS; ``log_path``: its stdout+stderr (JSON log lines)."""
 
     def __init__(self, role: str, socket_path: str, proc: ManagedProcess, layout: KVLayout,
-                 transport: str) -> None:
+                 transport: str, shm_base: str = "") -> None:
         self.role = role
+        self.shm_base = shm_base  # the slot's segment base (its leftovers are ours to remove)
         self.socket_path = socket_path
         self.proc = proc
         self.layout = layout
@@ -117,11 +120,22 @@ class SidecarProcess:
             self._channel.close()
             self._channel = None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
-        """Send ``sig`` and wait up to ``timeout_s`` for exit, then SIGKILL. Returns the exit
-        code (negative signal number if killed by a signal). Idempotent."""
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
+             cleanup: bool = True) -> int | None:
+        """Send ``sig`` and wait up to ``timeout_s`` for exit, then SIGKILL; then remove what
+        the process left in /dev/shm if it died without cleaning up (killed now or by an
+        earlier :meth:`kill`). Returns the exit code (negative signal number if killed by a
+        signal). ``cleanup=False`` leaves that to the caller (:meth:`remove_leftovers`), e.g.
+        while another process of the same slot still runs. Idempotent."""
         self.close_channel()
-        return self.proc.stop(sig, timeout_s)
+        rc = self.proc.stop(sig, timeout_s)
+        if cleanup:
+            self.remove_leftovers()
+        return rc
+
+    def remove_leftovers(self) -> list[str]:
+        """Once the process is gone: unlink its slot's segments and its stand-in MR tables."""
+        return remove_leftovers(self.proc.pid, [self.shm_base] if self.shm_base else [])
 
     def kill(self) -> None:
         """SIGKILL and reap (leaves the pool segment and socket behind, like a crash)."""
@@ -166,7 +180,9 @@ def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
     proc = ManagedProcess(f"{role} sidecar", cmd, log_path or f"{socket_path}.log",
                           health_target=uds_address(socket_path), cwd=REPO_ROOT,
                           env=full_env).start()
-    sc = SidecarProcess(role, socket_path, proc, layout, transport)
+    base = cmd[cmd.index("--shm-name") + 1] if "--shm-name" in cmd else \
+        default_shm_name(socket_path)
+    sc = SidecarProcess(role, socket_path, proc, layout, transport, shm_base=base)
     if wait:
         sc.wait_ready(ready_timeout_s)
     return sc
@@ -194,8 +210,12 @@ class SidecarFactory:
         return sc
 
     def close(self) -> None:
+        """Stop every sidecar, then remove what any of them left in /dev/shm (a slot may have
+        had several processes: one killed, its restart)."""
         for sc in self.procs:
-            sc.stop(timeout_s=15.0)
+            sc.stop(timeout_s=15.0, cleanup=False)
+        for sc in self.procs:
+            sc.remove_leftovers()
         self.procs.clear()
         shutil.rmtree(self.base_dir, ignore_errors=True)
 

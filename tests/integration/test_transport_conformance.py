@@ -15,18 +15,10 @@ Adding a backend is one :class:`BackendCase` in :data:`BACKEND_CASES`; ``env`` a
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import zlib
-from base64 import b64decode
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -44,7 +36,7 @@ from deltakv.errors import (
 from deltakv.layout import KVLayout
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.pool import SharedKVPool
 from deltakv.sidecar.transport import (
     BatchLimits,
     PageRun,
@@ -55,22 +47,10 @@ from deltakv.sidecar.transport import (
 )
 from deltakv.v1 import kv_pb2
 from tests.support.keys import sealed, session_key
+from tests.support.peer_process import BackendCase, PeerProcess
 from tests.support.tickets import ticket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class BackendCase:
-    """One backend under test. ``extra``: TransportOptions.extra on both sides; ``env``:
-    environment variables for both sides; ``pythonpath``: directories (relative to the repo
-    root) put first on the import path of both sides; ``marks``: pytest marks."""
-
-    name: str
-    extra: dict = field(default_factory=dict)
-    env: dict = field(default_factory=dict)
-    pythonpath: tuple[str, ...] = ()
-    marks: tuple = ()
 
 
 BACKEND_CASES: list[BackendCase] = [
@@ -89,112 +69,9 @@ GEOMETRY = dict(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_
 PEER_LAYOUT = KVLayout(num_pages=4400, **GEOMETRY)
 LOCAL_LAYOUT = KVLayout(num_pages=2400, **GEOMETRY)
 PB = PEER_LAYOUT.page_bytes
-STARTUP_TIMEOUT_S = 90.0  # importing torch on a busy 2-core CI machine
-REPLY_TIMEOUT_S = 30.0
 # Codes a write or connect to a dead peer may fail with (DESIGN §6): unreachable, or
 # unknown/dead incarnation.
 PEER_GONE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION}
-
-
-# ---------------------------------------------------------------------------- peer process
-
-def _env_for(case: BackendCase) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(case.env)
-    paths = [str(REPO_ROOT / p) for p in case.pythonpath] + [str(REPO_ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-class PeerProcess:
-    """A running transport_peer; owned by the fixture that started it (always stopped)."""
-
-    def __init__(self, case: BackendCase, layout: KVLayout, log_path: Path) -> None:
-        self.case = case
-        self.layout = layout
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        layout_json = json.dumps({k: getattr(layout, k) for k in (
-            "num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages",
-            "model_fingerprint")})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.transport_peer", "--backend", case.name,
-             "--layout", layout_json, "--extra", json.dumps(case.extra)],
-            cwd=REPO_ROOT, env=_env_for(case), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.segment = ""
-        try:
-            ready = self._reply(STARTUP_TIMEOUT_S)
-            self.segment = ready["segment"]
-            self.info = kv_pb2.EndpointInfo.FromString(b64decode(ready["endpoint"]))
-        except BaseException:
-            self.stop()
-            raise
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self, timeout: float = REPLY_TIMEOUT_S) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"peer did not answer within {timeout} s; log:\n"
-                                 f"{self.log_tail()}") from None
-        if line is None:
-            raise AssertionError(f"peer exited (rc={self.proc.poll()}); log:\n{self.log_tail()}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise AssertionError(f"peer error: {reply['error']}")
-        return reply
-
-    def call(self, **cmd: object) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def fill(self, seed: int) -> None:
-        self.call(op="fill", seed=seed)
-
-    def crcs(self) -> list[int]:
-        return self.call(op="crc")["crc"]
-
-    def log_tail(self, n: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
-        return ""
-
-    def kill(self) -> None:
-        """SIGKILL (no cleanup runs in the peer), then reap it."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
-                self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError, ValueError):
-                if stream is not None:
-                    stream.close()
-        self._log.close()
-        if self.segment:  # a killed peer leaves its segment behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.segment))
 
 
 # ---------------------------------------------------------------------------- fixtures

@@ -12,6 +12,11 @@ each on stdout:
 
 * ``{"op": "fill", "seed": n}`` -> fills the pool with seeded random bytes, ``{"ok": true}``
 * ``{"op": "crc"}``            -> ``{"crc": [crc32 of page 0, page 1, ...]}``
+* ``{"op": "connect", "endpoint": <base64 EndpointInfo>}`` -> this peer's transport connects to
+  that endpoint as a writer, ``{"peer": n}`` (a handle number)
+* ``{"op": "write", "peer": n, "runs": [[src, dst, pages], ...], "timeout_s": t}`` -> one
+  ``Transport.write`` batch from this pool through handle ``n``, ``{"ok": true}`` or the
+  transport's error (the fence tests: a writer in another process holding an old descriptor)
 * ``{"op": "stop"}``           -> closes transport and pool, ``{"ok": true}``, exits 0
 
 End of stdin (the test process died) stops it too, so it never outlives its test. Errors
@@ -42,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from deltakv.layout import KVLayout
     from deltakv.sidecar import pairing
-    from deltakv.sidecar.pool import SharedKVPool, incarnation_name
-    from deltakv.sidecar.transport import TransportOptions, create_transport
+    from deltakv.sidecar.pool import SharedKVPool, incarnation_name, shm_prefix
+    from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
+    from deltakv.v1 import kv_pb2
+    from tests.support.tickets import ticket
 
     layout = KVLayout(**json.loads(args.layout))
-    pool = SharedKVPool.create(layout, name=incarnation_name(f"deltakv-test-peer-"
+    pool = SharedKVPool.create(layout, name=incarnation_name(f"{shm_prefix()}test-peer-"
                                                              f"{uuid.uuid4().hex[:12]}"))
     transport = None
     try:
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         pairing.seal(info, pairing.key_from_args(None))
         _say({"endpoint": base64.b64encode(info.SerializeToString()).decode(),
               "segment": pool.name, "pid": os.getpid()})
+        handles: list = []
         for line in sys.stdin:
             try:
                 cmd = json.loads(line)
@@ -72,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
                     _say({"ok": True})
                 elif op == "crc":
                     _say({"crc": pool.page_crc32(range(layout.num_pages))})
+                elif op == "connect":
+                    info = kv_pb2.EndpointInfo.FromString(base64.b64decode(cmd["endpoint"]))
+                    handles.append(transport.connect(info))
+                    _say({"peer": len(handles) - 1})
+                elif op == "write":
+                    runs = [PageRun(*map(int, r)) for r in cmd["runs"]]
+                    transport.write(handles[int(cmd["peer"])], runs,
+                                    ticket(float(cmd.get("timeout_s", 20.0))))
+                    _say({"ok": True})
                 elif op == "stop":
                     break
                 else:

@@ -415,7 +415,8 @@ class _MrTable:
 
     def __init__(self, key: str) -> None:
         tag = hashlib.sha1(key.encode()).hexdigest()[:16]
-        self.path = f"/dev/shm/mori-standin-mr-{tag}-{os.getpid()}"
+        prefix = os.environ.get("DELTAKV_SHM_PREFIX", "")
+        self.path = f"/dev/shm/{prefix}mori-standin-mr-{tag}-{os.getpid()}"
         _MR_FILES.add(self.path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.ftruncate(self._fd, MR_SLOTS * 8)
