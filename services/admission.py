@@ -48,6 +48,7 @@ from deltakv.errors import (
     DeltaKVError,
     NotFound,
     ResourceExhausted,
+    SidecarRestarted,
     Unavailable,
 )
 
@@ -70,8 +71,9 @@ async def release_retried(sidecar: Any, request_id: str, quarantine_ms: int, ret
     answers NOT_FOUND (an earlier try went through, or the id was never admitted: nothing is
     held under it, and the sidecar fences it from then on); transient failures are retried
     with doubling back-off for up to ``retry_s`` seconds. Returns True once confirmed; False
-    (logged as ``release_failed``) after the bound or on a non-transient error. Never raises
-    a sidecar error."""
+    (logged as ``release_failed``) after the bound or on a non-transient error; True at once
+    if the sidecar restarted (SidecarRestarted: its old pool, and every page held in it, is
+    gone). Never raises a sidecar error."""
     deadline = time.monotonic() + retry_s
     delay = _RETRY_FIRST_S
     while True:
@@ -79,6 +81,12 @@ async def release_retried(sidecar: Any, request_id: str, quarantine_ms: int, ret
             await sidecar.release(request_id, quarantine_ms=quarantine_ms)
             return True
         except NotFound:
+            return True
+        except SidecarRestarted as exc:
+            # The pool incarnation that held these pages is gone with its sidecar; the new one
+            # never knew the id, so there is nothing left to release. Retrying would also wait
+            # for the re-attach, which waits for this request's lease: a deadlock.
+            logger.info("release_moot_sidecar_restarted", reason=str(exc))
             return True
         except _TRANSIENT as exc:
             if time.monotonic() + delay > deadline:

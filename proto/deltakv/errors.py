@@ -103,6 +103,14 @@ class ResourceExhausted(DeltaKVError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class RequestTooLarge(ResourceExhausted):
+    """A request that can never fit (more pages than a whole pool holds). RESOURCE_EXHAUSTED on
+    gRPC, like a full pool; HTTP 400 rather than 429, because OpenAI clients retry a 429 and
+    this one can never succeed (vLLM answers a prompt over the context with 400 too)."""
+
+    http_status = 400
+
+
 class Unavailable(DeltaKVError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -222,7 +230,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 def http_status_of(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
     """(HTTP status, gRPC code, message) for any exception, via :func:`status_of`."""
     code, message = status_of(exc)
-    return HTTP_STATUS.get(code, 500), code, message
+    return getattr(exc, "http_status", None) or HTTP_STATUS.get(code, 500), code, message
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

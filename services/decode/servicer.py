@@ -46,7 +46,7 @@ from deltakv import metrics as deltakv_metrics
 from deltakv import telemetry
 from deltakv.errors import (
     DeltaKVError,
-    ResourceExhausted,
+    RequestTooLarge,
     Unavailable,
 )
 from deltakv.limits import MAX_REQUEST_ID_CHARS
@@ -216,13 +216,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         max_new = parsed.sampling.max_new_tokens
         total_pages = layout.pages_for(prompt_len + max_new)
         if total_pages > layout.num_pages:
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"request needs {total_pages} pages ({prompt_len} prompt + {max_new} new "
                 f"tokens, page_size {layout.page_size}) but the decode pool has only "
                 f"{layout.num_pages}")
         prefill_pages = self.prefill.max_num_pages()
         if 0 < prefill_pages < layout.pages_for(prompt_len):
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"the prompt needs {layout.pages_for(prompt_len)} pages ({prompt_len} tokens) "
                 f"but the largest prefill pool has only {prefill_pages}")
         budget_s = self.config.admission_timeout_s

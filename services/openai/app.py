@@ -82,8 +82,17 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            # loc is ("body", <character offset>): the offset is not a field.
+            offset = loc[1] if len(loc) > 1 else "?"
+            message, where = f"request body is not valid JSON (at character {offset})", ""
+        else:
+            where = ".".join(str(p) for p in loc if p != "body")
+            # A body that is not an object (a list, form data): say what is expected rather
+            # than echo pydantic's dump of the input.
+            message = (f"{where}: {first.get('msg', 'invalid request')}" if where else
+                       "request body must be a JSON object (Content-Type: application/json)")
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
                                        "param": where or None, "code": "invalid_argument"}},
                             status_code=400)

@@ -23,6 +23,9 @@ from deltakv.v1 import decode_pb2, kv_pb2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: OpenAI's default sampling temperature (deltakv's gRPC default is greedy, 0).
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# OpenAI's top_p=0 keeps only the most likely token; on deltakv's wire 0 means "unset" (1.0),
+# so send the smallest positive mass instead: the nucleus filter always keeps its first token.
+_MIN_TOP_P = 1e-9
 
 
 class TextPart(BaseModel):
@@ -92,7 +95,7 @@ class _Sampling(BaseModel):
         None = the server's default)."""
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         params = kv_pb2.SamplingParams(
-            temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p or _MIN_TOP_P,
             top_k=self.top_k or 0, max_new_tokens=max_tokens or 0, ignore_eos=self.ignore_eos)
         if self.seed is not None:
             params.seed = self.seed

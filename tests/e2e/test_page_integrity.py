@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 
@@ -62,9 +63,11 @@ def decode_pool(cluster) -> SharedKVPool:
 
 def cached_pages(cluster, prompt: list[int]) -> list[int]:
     """Pages of decode's cached prefix of ``prompt`` (a probe request locks and unlocks it)."""
+    # A fresh id per probe: the sidecar fences released ids against late calls (issue 12).
+    probe = f"test-probe-{uuid.uuid4().hex[:8]}"
     reply = sidecar_call(cluster, "decode", "MatchPrefix", sidecar_pb2.MatchPrefixRequest(
-        request_id="test-probe", token_ids=prompt))
-    sidecar_call(cluster, "decode", "Release", sidecar_pb2.ReleaseRequest(request_id="test-probe"))
+        request_id=probe, token_ids=prompt))
+    sidecar_call(cluster, "decode", "Release", sidecar_pb2.ReleaseRequest(request_id=probe))
     return list(reply.page_indices)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -131,8 +132,15 @@ def _property_run(tmp_path_factory, page_size: int, name: str, seed: int,
         s = wait_for_baseline(c.decode_address)
         assert s.pool.fence_pending == 0
         if faults:
-            late = [line for line in c.proc("prefill-sidecar").log_text().splitlines()
-                    if "fault_late_write" in line]
+            # A late write lands (and logs) late_ms after its batch failed, possibly after the
+            # pools are back at baseline: wait for its line, bounded.
+            deadline = time.monotonic() + 10.0
+            while True:
+                late = [line for line in c.proc("prefill-sidecar").log_text().splitlines()
+                        if "fault_late_write" in line]
+                if late or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             assert late, "no late write was injected"
             # Decode revoked those rooms before their bytes came: the fence refused them.
             assert any("refused" in line for line in late), late[:3]

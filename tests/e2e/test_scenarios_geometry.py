@@ -8,6 +8,7 @@ its baseline (I1, no live/quarantined/locked pages) afterwards.
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 
@@ -36,9 +37,11 @@ async def _cached_page_checksums(socket: str, prompt: list[int]) -> tuple[int, l
     dropped again by a probe request)."""
     client = SidecarClient(socket)
     try:
-        matched, pages = await client.match_prefix("test-probe", prompt)
+        # A fresh id per probe: the sidecar fences released ids against late calls.
+        probe = f"test-probe-{uuid.uuid4().hex[:8]}"
+        matched, pages = await client.match_prefix(probe, prompt)
         crcs = await client.page_checksums(pages)
-        await client.release("test-probe")
+        await client.release(probe)
         return matched, list(zip(pages, crcs, strict=True))
     finally:
         await client.close()

@@ -21,6 +21,7 @@ from deltakv.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    SidecarRestarted,
     Unavailable,
 )
 from deltakv.services.admission import AdmissionQueue, release_retried
@@ -211,6 +212,9 @@ class Lines:
     def error(self, event: str, **fields) -> None:
         self.events.append(("error", event))
 
+    def info(self, event: str, **fields) -> None:
+        self.events.append(("info", event))
+
 
 @pytest.mark.parametrize("errors, confirmed, calls, events", [
     # A release lost to a cancelled call (CANCELLED arrives as Aborted) or a busy sidecar is
@@ -220,6 +224,11 @@ class Lines:
     # NOT_FOUND: an earlier try went through (or the id was never admitted): nothing held.
     ((Unavailable("socket closed"), NotFound("unknown request 'r'")), True, 2,
      [("warning", "release_retry")]),
+    # The worker's sidecar restarted: the pool that held the pages is gone, nothing to
+    # release; not retried (a retry would wait for the re-attach, which waits for this
+    # request: the deadlock test_restarts[prefill-sidecar] caught).
+    ((SidecarRestarted("pool incarnation a is gone, the sidecar is now b"),), True, 1,
+     [("info", "release_moot_sidecar_restarted")]),
     # Not transient: logged, not retried.
     ((InvalidArgument("bad quarantine"),), False, 1, [("error", "release_failed")]),
 ])

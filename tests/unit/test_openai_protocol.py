@@ -6,17 +6,20 @@ import json
 
 import grpc
 import pytest
+import torch
 
 from deltakv.errors import (
     HTTP_STATUS,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    RequestTooLarge,
     ResourceExhausted,
     Unavailable,
     http_status_of,
 )
 from deltakv.services.decode.prefill_pool import parse_targets
+from deltakv.services.model.sampling import Sampler
 from deltakv.services.openai.app import error_response
 from deltakv.services.openai.protocol import (
     ChatCompletionRequest,
@@ -86,6 +89,7 @@ def test_usage_has_the_standard_cached_tokens_and_the_deltakv_extension() -> Non
     (InvalidArgument("bad"), 400, "invalid_request_error"),
     (NotFound("no model"), 404, "not_found_error"),
     (ResourceExhausted("pool"), 429, "rate_limit_error"),
+    (RequestTooLarge("needs 94 pages, the pool has 64"), 400, "invalid_request_error"),
     (Unavailable("prefill"), 503, "service_unavailable_error"),
     (DeadlineExceeded("slow"), 504, "timeout_error"),
     (RuntimeError("bug"), 500, "server_error"),
@@ -106,3 +110,43 @@ def test_prefill_targets_parse() -> None:
     for bad in ([], ["a:1,"], [""]):
         with pytest.raises(InvalidArgument):
             parse_targets(bad)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    # OpenAI's top_p=0 is the tightest nucleus; deltakv's wire reads 0 as "unset" (1.0).
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 0})
+    params = body.sampling(8)
+    assert 0.0 < params.top_p < 1e-6 and params.temperature == 1.0
+    sampler = Sampler.from_proto(params)
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert {sampler.sample(logits) for _ in range(50)} == {1}
+
+
+class _NoEngine:
+    def generate(self, request):  # pragma: no cover - bodies are refused before
+        raise AssertionError("not reached")
+
+    async def cached_prefix(self, request):  # pragma: no cover
+        raise AssertionError("not reached")
+
+
+@pytest.mark.parametrize(("data", "headers", "expected"), [
+    ('{"model":"m","messages":[{"role":"user"', {"Content-Type": "application/json"},
+     "request body is not valid JSON (at character "),
+    ("[]", {"Content-Type": "application/json"},
+     "request body must be a JSON object (Content-Type: application/json)"),
+    ("model=m", {"Content-Type": "application/x-www-form-urlencoded"},
+     "request body must be a JSON object (Content-Type: application/json)"),
+])
+def test_malformed_bodies_get_a_plain_error(data, headers, expected) -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    client = TestClient(create_app(_NoEngine(), "m"))
+    reply = client.post("/v1/chat/completions", content=data, headers=headers)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["message"].startswith(expected) and error["param"] is None
+    assert "File " not in error["message"] and "/" not in error["message"].split("(")[0]
