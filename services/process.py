@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +48,20 @@ def sigterm_on_parent_death() -> None:
 def _detach_and_die_with_parent() -> None:
     sigterm_on_parent_death()
     os.setsid()
+
+
+def _spawn_options(argv: Sequence[str]) -> tuple[list[str], dict]:
+    """argv and Popen options for a child in its own session that gets SIGTERM when its
+    starting thread dies. Preferred: util-linux ``setpriv --pdeathsig TERM`` execs the command
+    (the setting survives exec), so no Python runs between fork and exec — a ``preexec_fn``
+    does, and in a parent whose other threads are busy (a gRPC client, an asyncio loop) that
+    child can crash in CPython's after-fork handlers before it ever execs (seen as a
+    segfault in ``threading._after_fork`` while restarting one process of a running
+    cluster). Without ``setpriv``, the ``preexec_fn`` fallback."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *argv], {"start_new_session": True}
+    return list(argv), {"preexec_fn": _detach_and_die_with_parent}
 
 
 class ManagedProcess:
@@ -92,9 +107,10 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
-            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+            argv, options = _spawn_options(self.argv)
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                          preexec_fn=_detach_and_die_with_parent)
+                                          **options)
         return self
 
     def wait_serving(self, timeout_s: float,

@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deltakv.errors import DeltaKVError, NotFound, http_status_of
+from deltakv.errors import DeltaKVError, NotFound, Unavailable, http_status_of
 from deltakv.services.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -73,9 +73,12 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) -> FastAPI:
+def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
+               streams_cut: Callable[[], str | None] = lambda: None) -> FastAPI:
     """The API over ``engine`` serving ``model_name``; ``serving()`` says whether ``/health``
-    answers 200 (False while draining)."""
+    answers 200 (False while draining); ``streams_cut()`` returns a reason once open streams
+    must end (the drain's grace ran out): each then sends an UNAVAILABLE error event and
+    ``[DONE]`` instead of its remaining text."""
     app = FastAPI(title="deltakv decode service", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -133,7 +136,8 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True) 
             return error_response(exc, param="model" if isinstance(exc, NotFound) else None)
         if body.stream:
             return StreamingResponse(
-                _stream_events(kind, request_id, model_name, first, stream, body.include_usage),
+                _stream_events(kind, request_id, model_name, first, stream, body.include_usage,
+                               streams_cut),
                 media_type="text/event-stream", headers={"x-request-id": request_id})
         try:
             text, usage = await _collect(first, stream)
@@ -194,9 +198,11 @@ async def _collect(first: decode_pb2.GenerateResponse,
 async def _stream_events(kind: Kind, request_id: str, model: str,
                          first: decode_pb2.GenerateResponse,
                          stream: AsyncIterator[decode_pb2.GenerateResponse],
-                         include_usage: bool) -> AsyncIterator[bytes]:
+                         include_usage: bool,
+                         cut: Callable[[], str | None] = lambda: None) -> AsyncIterator[bytes]:
     """SSE events of one streamed completion: a chunk per piece of text, one with the
-    finish_reason, the usage chunk when asked (``stream_options.include_usage``), [DONE]."""
+    finish_reason, the usage chunk when asked (``stream_options.include_usage``), [DONE]; an
+    error event then [DONE] if the request fails or ``cut()`` gives a reason (shutdown)."""
     created = int(time.time())
     opened = kind != "chat"
     message = first
@@ -210,6 +216,10 @@ async def _stream_events(kind: Kind, request_id: str, model: str,
                     yield _sse(envelope(kind, request_id, created, model, chunk=True,
                                         choices=[], usage=usage_dict(usage)))
                 break
+            reason = cut()
+            if reason is not None:
+                # Text decoded before the cut may still be queued; it is not sent.
+                raise Unavailable(reason)
             text = message.chunk.text
             if text or not opened:
                 yield _sse(envelope(kind, request_id, created, model, chunk=True, choices=[

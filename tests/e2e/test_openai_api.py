@@ -157,3 +157,37 @@ def test_bench_multiturn_over_openai_text_chat_reuses_like_token_ids(cluster) ->
     for entry in report["rounds"][1:]:
         s = entry[INCREMENTAL]
         assert s["cached_tokens"] == s["reusable_tokens"] > 0
+
+
+def test_sigterm_mid_stream_ends_the_stream_with_an_error_within_the_grace(tmp_path_factory):
+    """SIGTERM to decode while an HTTP stream decodes: the stream ends with an error event
+    (not a cut connection) within the drain grace, and decode exits 0 (a new user's trial
+    found it cut after ~24 s and decode SIGKILLed)."""
+    # tiny-random decodes about a thousand tokens a second here: a 4,000-token stream outlasts
+    # a 0.3 s grace several times over.
+    grace_s = 0.3
+    c = make_cluster(tmp_path_factory, "openai-drain", http_port=0, num_pages=512,
+                     decode_args=["--drain-timeout-s", str(grace_s)])
+    try:
+        body = {"model": MODEL, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True, "messages": [{"role": "user", "content": "a long story"}]}
+        events = []
+        with httpx.stream("POST", f"http://{c.http_address}/v1/chat/completions", json=body,
+                          timeout=60) as reply:
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            signalled = time.monotonic()
+            c.proc("decode").send_signal(15)
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+        ended = time.monotonic() - signalled
+        assert ended < grace_s + 5.0, f"the stream ran {ended:.1f} s past SIGTERM"
+        errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+        assert errors, f"the stream finished instead of draining: {events[-3:]}"
+        assert "shutting down" in errors[0]["message"] and events[-1] == "[DONE]", errors
+        assert c.proc("decode").popen.wait(timeout=grace_s + 10) == 0
+    finally:
+        c.stop()

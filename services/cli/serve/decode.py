@@ -168,9 +168,9 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     from deltakv.services.openai.server import HttpServer
     from deltakv.services.runtime.lifecycle import Service
 
-    serving = {"on": False}
+    serving = {"on": False, "cut": None}
     app = create_app(servicer, args.served_model_name or args.model,
-                     serving=lambda: serving["on"])
+                     serving=lambda: serving["on"], streams_cut=lambda: serving["cut"])
     # The same certificate and client-certificate rule as the gRPC port (TLS flags checked
     # by build() already).
     http = HttpServer(app, args.host, args.http_port, tls=tls.files_from_args(args))
@@ -182,10 +182,24 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
         serving["on"] = True
 
     async def drain(grace_s: float) -> None:
+        from deltakv.errors import Unavailable
+        from deltakv.services.runtime.logs import get_logger
+
         serving["on"] = False
         await server.enter_graceful_shutdown()
         servicer.begin_drain()  # requests waiting for pages fail now, not after the grace
-        await asyncio.gather(http.drain(grace_s), server.stop(grace_s))
+        drains = asyncio.gather(http.drain(grace_s), server.stop(grace_s))
+        done, _ = await asyncio.wait([drains], timeout=grace_s)
+        if not done:
+            # An HTTP stream runs in uvicorn's per-connection task, which stopping the server
+            # does not cancel, and may still be sending text decoded earlier: end every stream
+            # and every request still decoding with an error event (UNAVAILABLE, retryable),
+            # so each client hears why and the drain ends within its grace.
+            reason = f"decode is shutting down: the {grace_s:g} s drain grace ended"
+            serving["cut"] = reason
+            failed = servicer.scheduler.fail_all(Unavailable(reason))
+            get_logger().warning("drain_grace_ended", failed_requests=failed)
+        await drains
 
     return Service(start, drain, {"address": server.address, "http_address": http.address,
                                   "http_scheme": http.scheme,
