@@ -360,6 +360,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
             raise FailedPrecondition(f"{rpc} is served by a decode sidecar; this one is "
                                      f"{self.role}")
         return self.authority
+
     def AuditCache(self, request: sidecar_pb2.AuditCacheRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AuditCacheResponse:
         """Re-hash every cached page against the digest it was cached with

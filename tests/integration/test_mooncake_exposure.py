@@ -24,10 +24,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from deltakv.services.process import free_port
 from deltakv.sidecar.transport.mooncake_engine import engine_module
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory
-from tests.support.engine_ports import BLOCK, free_block, free_port, listeners
+from tests.support.engine_ports import BLOCK, free_block, listeners
 from tests.support.grants import grant
 from tests.support.layouts import TOY_LAYOUT
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltakv.services.process import free_port
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 from tests.integration.sidecar_proc import (
     REPO_ROOT,
@@ -26,12 +26,6 @@ from tests.integration.sidecar_proc import sidecar_factory as sidecar_factory  #
 from tests.support.faults import sidecar_args as fault_args
 from tests.support.grants import grant, write_request
 from tests.support.layouts import TOY_LAYOUT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

@@ -26,12 +26,6 @@ def free_block() -> int:
     raise AssertionError("no free port block below 32000")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def listeners(pid: int) -> dict[int, str]:
     """TCP port -> bound address of every listening socket of process ``pid``."""
     return {c.laddr.port: c.laddr.ip for c in psutil.Process(pid).net_connections(kind="tcp")

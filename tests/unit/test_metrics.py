@@ -5,7 +5,6 @@ endpoint that :func:`deltakv.services.runtime.otel.start` serves on a free loopb
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.error
 import urllib.request
 
@@ -16,16 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deltakv import metrics as deltakv_metrics
 from deltakv.errors import Unavailable
+from deltakv.services.process import free_port
 from deltakv.services.runtime import otel
 from tests import otel_globals
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
