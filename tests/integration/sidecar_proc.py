@@ -239,3 +239,19 @@ def module_sidecar_factory() -> Iterator[SidecarFactory]:
         yield factory
     finally:
         factory.close()
+
+
+class Pair:
+    """A decode and a prefill sidecar with both pools mapped here (for page audits);
+    :meth:`close` unmaps them (the sidecars own the segments)."""
+
+    def __init__(self, decode: SidecarProcess, prefill: SidecarProcess) -> None:
+        self.decode = decode
+        self.prefill = prefill
+        self.decode_info = decode.describe()
+        self.decode_pool = decode.map_pool()
+        self.prefill_pool = prefill.map_pool()
+
+    def close(self) -> None:
+        self.decode_pool.close()
+        self.prefill_pool.close()

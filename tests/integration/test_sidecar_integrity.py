@@ -23,7 +23,7 @@ from deltakv.errors import SidecarRestarted
 from deltakv.sidecar.client import SidecarClient
 from deltakv.sidecar.incarnation import incarnation_of, metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.integration.sidecar_proc import Pair, SidecarFactory, SidecarProcess
 from tests.support.grants import close_grant, grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
@@ -31,19 +31,6 @@ PAGE = TOY_LAYOUT.page_size
 PAGE_BYTES = TOY_LAYOUT.page_bytes
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class Pair:
-    def __init__(self, decode: SidecarProcess, prefill: SidecarProcess) -> None:
-        self.decode = decode
-        self.prefill = prefill
-        self.decode_info = decode.describe()
-        self.decode_pool = decode.map_pool()
-        self.prefill_pool = prefill.map_pool()
-
-    def close(self) -> None:
-        self.decode_pool.close()
-        self.prefill_pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from deltakv.errors import AlreadyExists
 from deltakv.sidecar.client import SidecarClient
 from deltakv.v1 import kv_pb2, sidecar_pb2
-from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
+from tests.integration.sidecar_proc import Pair, SidecarFactory, SidecarProcess
 from tests.support.grants import DIGEST, close_grant, grant, write_request
 from tests.support.layouts import TOY_LAYOUT
 
@@ -38,19 +38,6 @@ def expected_runs(src: list[int], dst: list[int]) -> int:
         return 0
     return 1 + sum(1 for i in range(1, len(src))
                    if not (src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1))
-
-
-class Pair:
-    def __init__(self, decode: SidecarProcess, prefill: SidecarProcess) -> None:
-        self.decode = decode
-        self.prefill = prefill
-        self.decode_info = decode.describe()
-        self.decode_pool = decode.map_pool()
-        self.prefill_pool = prefill.map_pool()
-
-    def close(self) -> None:
-        self.decode_pool.close()
-        self.prefill_pool.close()
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
