@@ -115,6 +115,7 @@ class TransferRpcs:
             raise
         plan = plan_delta(info, request.src_page_indices, self.layout, remote,
                           self.transport.limits, max_lease_ms=self.max_lease_ms)
+        checked = time.monotonic()
         lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
         # Nothing starts after the grant expires either (decode stops admitting the room).
         grant_left_ms = grant.expires_unix_ms - time.time() * 1e3
@@ -137,6 +138,7 @@ class TransferRpcs:
         try:
             self.page_manager.hold(hold, [run.src_page + i for run in plan.runs
                                           for i in range(run.num_pages)])
+            prepared = time.monotonic()
             peer = self.peers.connect(endpoint)
             ticket.check_alive()
             started = time.monotonic()
@@ -170,12 +172,18 @@ class TransferRpcs:
         if state is RoomState.ABORTED:
             # Fenced after the last batch landed: decode has given up on this room.
             raise Aborted(f"room {info.room} was aborted while its last batch completed")
-        duration_us = int((time.monotonic() - started) * 1e6)
+        done = time.monotonic()
+        duration_us = int((done - started) * 1e6)
         stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
                               prefill_cached_len=request.prefill_cached_len)
         stats.page_digests.extend(digests)
+        # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
+        # source hold, connect (cached after the first write), engine; microseconds.
         room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                      batches=stats.batches, duration_us=duration_us)
+                      batches=stats.batches, duration_us=duration_us,
+                      check_us=int((checked - receipt) * 1e6),
+                      prepare_us=int((prepared - checked) * 1e6),
+                      connect_us=int((started - prepared) * 1e6))
         return sidecar_pb2.WritePagesResponse(stats=stats)
 
     def _source_digests(self, plan: Any, room_log: Any) -> list[int]:
