@@ -5,15 +5,18 @@ it uses the service's pool, page manager, peers, rooms, engines, key, digester, 
 log). ``WritePages`` strings the prefill side of the one write path together: the peer table
 checks the decode endpoint (its seal included), :func:`~deltakv.sidecar.grants.verify_grant`
 decode's grant for exactly this write, :func:`~deltakv.sidecar.planner.plan_delta` the
-``TransferInfo``; the source pages' digests are taken (:mod:`deltakv.sidecar.digests`), the room
-registry admits the room, the source pages are held while the write may read them, and the
-transport moves each planned batch. ``AbortWrite`` stops a room's writer; decode's own fence,
-not this, proves that nothing can land (docs/architecture.md, "Fencing").
+``TransferInfo``; cached source pages are checked against their digests
+(:mod:`deltakv.sidecar.digests`), the room registry admits the room, the source pages are held
+while the write may read them, and the transport moves each planned batch while the other
+source pages are hashed beside it (one write costs max(engine, hash), not the sum).
+``AbortWrite`` stops a room's writer; decode's own fence, not this, proves that nothing can
+land (docs/architecture.md, "Fencing").
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -35,6 +38,12 @@ from deltakv.sidecar.grants import verify_grant
 from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.rooms import RoomState
 from deltakv.v1 import sidecar_pb2
+
+
+def _joined(hashing: Future[list[int]] | None) -> list[int]:
+    """The digests ``hashing`` computed (``[]`` for None). Hashing held pages is bounded CPU
+    work, so this waits for it without a deadline."""
+    return [] if hashing is None else hashing.result()
 
 
 class TransferRpcs:
@@ -127,7 +136,8 @@ class TransferRpcs:
             deadline = min(deadline, time.monotonic() + rpc_left)
 
         room_log = self.log.bind(room=info.room, request_id=info.request_id)
-        digests = self._source_digests(plan, room_log)
+        sources = plan.source_pages
+        known = self._check_cached_sources(sources, room_log)
         ticket = self.rooms.begin(info.room, info.request_id, deadline)
         # The source pages are not freed while this write may read them (I2): a Release
         # meanwhile quarantines them until the hold is lifted below.
@@ -135,9 +145,14 @@ class TransferRpcs:
         ok = False
         pages_done = 0
         started = receipt
+        hashing: Future[list[int]] | None = None
         try:
-            self.page_manager.hold(hold, [run.src_page + i for run in plan.runs
-                                          for i in range(run.num_pages)])
+            self.page_manager.hold(hold, sources)
+            # The other source pages' digests (nothing recorded to check them against) are
+            # taken while the engine moves them: the pages are held and nobody writes them,
+            # so the hash and the engine read the same bytes, and a write's time is
+            # max(copy, hash) instead of their sum (issue 14; xxh3 releases the GIL).
+            hashing = self._hash_later([p for p in sources if p not in known])
             prepared = time.monotonic()
             peer = self.peers.connect(endpoint)
             ticket.check_alive()
@@ -161,6 +176,7 @@ class TransferRpcs:
             raise
         finally:
             state = self.rooms.finish(ticket, ok)
+            fresh = _joined(hashing)  # before the hold is lifted: the hash reads the pages
             self.page_manager.unhold(hold)
             with self._counter_lock:
                 self.pages_written += pages_done
@@ -176,7 +192,9 @@ class TransferRpcs:
         duration_us = int((done - started) * 1e6)
         stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
                               prefill_cached_len=request.prefill_cached_len)
-        stats.page_digests.extend(digests)
+        if self.digester.enabled:
+            fresh_of = dict(zip([p for p in sources if p not in known], fresh, strict=True))
+            stats.page_digests.extend(known[p] if p in known else fresh_of[p] for p in sources)
         # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
         # source hold, connect (cached after the first write), engine; microseconds.
         room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
@@ -186,25 +204,31 @@ class TransferRpcs:
                       connect_us=int((started - prepared) * 1e6))
         return sidecar_pb2.WritePagesResponse(stats=stats)
 
-    def _source_digests(self, plan: Any, room_log: Any) -> list[int]:
-        """Digests of the delta's source pages in prompt order (``[]`` with digests off),
-        read before any byte moves. Source pages cached in this sidecar's index must still
-        match the digest they were cached with: DATA_LOSS otherwise (a corrupt prefill cache
-        must not reach decode with a fresh, matching digest)."""
-        sources = plan.source_pages
-        digests = self.digester.digest(sources)
-        if not digests:
-            return []
+    def _check_cached_sources(self, sources: list[int], room_log: Any) -> dict[int, int]:
+        """Hash the delta's source pages that this sidecar's index cached with a digest and
+        check them against it, before any byte moves: DATA_LOSS otherwise (a corrupt prefill
+        cache must not reach decode with a fresh, matching digest). Returns page -> digest
+        of those pages (``{}`` with digests off or none cached)."""
+        if not self.digester.enabled or not sources:
+            return {}
         with self._pm_lock:
-            recorded = self.page_manager.digests_of(sources)
-        bad = [p for p, want, got in zip(sources, recorded, digests, strict=True)
-               if want is not None and want != got]
+            recorded = dict(zip(sources, self.page_manager.digests_of(sources), strict=True))
+        cached = [p for p in sources if recorded[p] is not None]
+        digests = dict(zip(cached, self.digester.digest(cached), strict=True))
+        bad = [p for p in cached if digests[p] != recorded[p]]
         if bad:
             self._count_mismatches(len(bad), "source")
             room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
             raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
                            f"from their digests; run AuditCache with evict", pages=bad)
         return digests
+
+    def _hash_later(self, pages: list[int]) -> Future[list[int]] | None:
+        """Digests of ``pages`` on the service's hashing threads (None when there is
+        nothing to hash or digests are off)."""
+        if not self.digester.enabled or not pages:
+            return None
+        return self.hasher.submit(self.digester.digest, pages)
 
     def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:

@@ -149,6 +149,35 @@ def test_audit_finds_a_cached_page_corrupted_later_and_evicts_its_subtree(pair: 
                                              timeout=30).corrupt_pages
 
 
+def test_cached_and_fresh_source_pages_get_their_digests_in_prompt_order(pair: Pair) -> None:
+    # issue 14: cached source pages are checked before the write, fresh ones hashed while
+    # the engine moves them; the digests still come back in prompt order and match the bytes.
+    toks = tokens(2 * PAGE + 3, seed=7)
+    src, _, _ = transfer(pair, "dig-7", len(toks), seed=7)
+    commit(pair.prefill, "dig-7", toks, src)  # 2 full pages cached with their digests
+    release(pair.prefill, "dig-7")
+    release(pair.decode, "dig-7")
+    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
+        request_id="dig-7b", token_ids=toks), timeout=10)
+    assert list(match.page_indices) == src[:2]
+    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="dig-7b", num_pages=1), timeout=10).page_indices)
+    fill(pair.prefill_pool, extra, seed=8)
+    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="dig-7b", num_pages=3), timeout=10).page_indices)
+    info = grant(pair.decode, "dig-7b", kv_pb2.TransferInfo(
+        request_id="dig-7b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
+    table = src[:2] + extra
+    stats = pair.prefill.stub().WritePages(write_request(info, table), timeout=20).stats
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == [digest_of(pair.prefill_pool, s) for s in table]
+    assert list(stats.page_digests) == [digest_of(pair.decode_pool, d) for d in dst]
+    commit(pair.decode, "dig-7b", toks, dst, verify=(dst, list(stats.page_digests)))
+    release(pair.prefill, "dig-7b")
+    release(pair.decode, "dig-7b")
+
+
 def test_prefill_refuses_to_send_a_corrupt_cached_source_page(pair: Pair) -> None:
     toks = tokens(2 * PAGE + 3, seed=4)
     src, dst, _ = transfer(pair, "dig-4", len(toks), seed=4)
