@@ -39,6 +39,11 @@ from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.rooms import RoomState
 from deltakv.v1 import sidecar_pb2
 
+#: Below this many bytes a write's fresh source pages are hashed inline: xxh3_64 runs at
+#: ~30-60 GB/s here (``deltakv bench transfer`` prints it), so 2 MiB is ~35-70 us, about what
+#: a hand-off to another thread and back costs on a busy host.
+INLINE_HASH_BYTES = 2 << 20
+
 
 def _joined(hashing: Future[list[int]] | None) -> list[int]:
     """The digests ``hashing`` computed (``[]`` for None). Hashing held pages is bounded CPU
@@ -225,9 +230,14 @@ class TransferRpcs:
 
     def _hash_later(self, pages: list[int]) -> Future[list[int]] | None:
         """Digests of ``pages`` on the service's hashing threads (None when there is
-        nothing to hash or digests are off)."""
+        nothing to hash or digests are off). Fewer than :data:`INLINE_HASH_BYTES` are hashed
+        here and now: handing them to a thread would cost more than hashing them."""
         if not self.digester.enabled or not pages:
             return None
+        if len(pages) * self.layout.page_bytes < INLINE_HASH_BYTES:
+            done: Future[list[int]] = Future()
+            done.set_result(self.digester.digest(pages))
+            return done
         return self.hasher.submit(self.digester.digest, pages)
 
     def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,

@@ -12,6 +12,7 @@ worker left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import grpc
@@ -283,3 +284,38 @@ def test_digests_off_take_and_check_nothing() -> None:
     finally:
         factory.close()
 
+
+
+def test_a_large_write_hashes_beside_the_engine_and_returns_exact_digests() -> None:
+    # Above INLINE_HASH_BYTES the fresh pages are hashed on the sidecar's page-digest threads
+    # while the engine copies them; the digests must still name exactly the bytes that landed.
+    from deltakv.sidecar.transfers import INLINE_HASH_BYTES
+
+    big = dataclasses.replace(TOY_LAYOUT, head_dim=TOY_LAYOUT.head_dim * 8, num_pages=24)
+    n = 16
+    assert n * big.page_bytes > INLINE_HASH_BYTES
+    factory = SidecarFactory()
+    try:
+        p = Pair(factory.start("decode", layout=big), factory.start("prefill", layout=big))
+        try:
+            src = list(p.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+                request_id="big", num_pages=n), timeout=10).page_indices)
+            dst = list(p.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+                request_id="big", num_pages=n), timeout=10).page_indices)
+            gen = torch.Generator().manual_seed(11)
+            for page in src:
+                p.prefill_pool.as_bytes()[page].copy_(torch.randint(
+                    0, 256, (big.page_bytes,), dtype=torch.uint8, generator=gen))
+            info = grant(p.decode, "big", kv_pb2.TransferInfo(
+                request_id="big", dst_page_indices=dst, decode_prefix_len=0,
+                prompt_len=n * big.page_size, lease_ms=10_000))
+            stats = p.prefill.stub().WritePages(write_request(info, src), timeout=30).stats
+            close_grant(p.decode, info.room)
+            want = [xxhash.xxh3_64_intdigest(p.prefill_pool.as_bytes()[s].numpy()) for s in src]
+            assert list(stats.page_digests) == want
+            assert list(stats.page_digests) == [
+                xxhash.xxh3_64_intdigest(p.decode_pool.as_bytes()[d].numpy()) for d in dst]
+        finally:
+            p.close()
+    finally:
+        factory.close()
