@@ -67,8 +67,10 @@ class TransferRpcs:
         page range, INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if
         in flight or used — a replayed grant —, ABORTED if fenced, UNAVAILABLE while
         draining); hold the source pages; connect (cached per endpoint); then write batch by
-        batch. The deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms,
-        time left on the grant)``, tightened by the call's own gRPC deadline. No batch starts
+        batch. Cached source pages are checked against their digests before the room is
+        admitted (DATA_LOSS); the other source pages are hashed while the batches move. The
+        deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms, time left on
+        the grant)``, tightened by the call's own gRPC deadline. No batch starts
         after the deadline (DEADLINE_EXCEEDED), an abort or a cancelled call (ABORTED); an
         engine error fails the room at once and stops the remaining batches (UNAVAILABLE
         with the reason); a destination that revoked the room refuses the run
