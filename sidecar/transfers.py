@@ -39,10 +39,13 @@ from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.rooms import RoomState
 from deltakv.v1 import sidecar_pb2
 
-#: Below this many bytes a write's fresh source pages are hashed inline: xxh3_64 runs at
-#: ~30-60 GB/s here (``deltakv bench transfer`` prints it), so 2 MiB is ~35-70 us, about what
-#: a hand-off to another thread and back costs on a busy host.
-INLINE_HASH_BYTES = 2 << 20
+#: Below this many bytes a write's fresh source pages are hashed inline, before the engine
+#: moves them. Hashing beside the engine only pays when a core is free and the hash is long:
+#: on the loaded 2-core test machine (load 9-47, 2026-11-30) a 5-page SmolLM2 delta (3.7 MB,
+#: the issue's incremental turn) cost 5.3-5.7 ms beyond the engine with the hand-off and
+#: 3.8 ms inline (separate runs of ``deltakv bench transfer``'s small-write rows). xxh3_64
+#: runs at 30-60 GB/s on a quiet core, so 16 MiB inline is 0.3-0.6 ms.
+INLINE_HASH_BYTES = 16 << 20
 
 
 def _joined(hashing: Future[list[int]] | None) -> list[int]:

@@ -286,13 +286,14 @@ def test_digests_off_take_and_check_nothing() -> None:
 
 
 
+@pytest.mark.timeout(300)  # two more sidecars of 24 MiB pools each
 def test_a_large_write_hashes_beside_the_engine_and_returns_exact_digests() -> None:
     # Above INLINE_HASH_BYTES the fresh pages are hashed on the sidecar's page-digest threads
     # while the engine copies them; the digests must still name exactly the bytes that landed.
     from deltakv.sidecar.transfers import INLINE_HASH_BYTES
 
-    big = dataclasses.replace(TOY_LAYOUT, head_dim=TOY_LAYOUT.head_dim * 8, num_pages=24)
-    n = 16
+    big = dataclasses.replace(TOY_LAYOUT, head_dim=TOY_LAYOUT.head_dim * 32, num_pages=24)
+    n = 20
     assert n * big.page_bytes > INLINE_HASH_BYTES
     factory = SidecarFactory()
     try:
@@ -308,8 +309,8 @@ def test_a_large_write_hashes_beside_the_engine_and_returns_exact_digests() -> N
                     0, 256, (big.page_bytes,), dtype=torch.uint8, generator=gen))
             info = grant(p.decode, "big", kv_pb2.TransferInfo(
                 request_id="big", dst_page_indices=dst, decode_prefix_len=0,
-                prompt_len=n * big.page_size, lease_ms=10_000))
-            stats = p.prefill.stub().WritePages(write_request(info, src), timeout=30).stats
+                prompt_len=n * big.page_size, lease_ms=60_000))
+            stats = p.prefill.stub().WritePages(write_request(info, src), timeout=60).stats
             close_grant(p.decode, info.room)
             want = [xxhash.xxh3_64_intdigest(p.prefill_pool.as_bytes()[s].numpy()) for s in src]
             assert list(stats.page_digests) == want
