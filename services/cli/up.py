@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import port_number, positive_float, positive_int
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -73,26 +73,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = ClusterConfig()
     parser.add_argument("--model", default=c.model, help="smollm2 | tiny-random | PATH")
     parser.add_argument("--transport", default=c.transport, help="shm | mooncake | mori")
-    parser.add_argument("--page-size", type=int, default=c.page_size, help="tokens per page")
-    parser.add_argument("--num-pages", type=int, default=c.num_pages,
+    parser.add_argument("--page-size", type=positive_int, default=c.page_size, help="tokens per page")
+    parser.add_argument("--num-pages", type=positive_int, default=c.num_pages,
                         help="pages per KV pool (each sidecar)")
     parser.add_argument("--decode-port", type=port_number, default=c.decode_port, help="0 = free port")
     parser.add_argument("--prefill-port", type=port_number, default=c.prefill_port, help="0 = free port")
     parser.add_argument("--http-port", type=port_number, default=DEFAULT_HTTP_PORT,
                         help="OpenAI-compatible HTTP API (0 = free port)")
     parser.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
-    parser.add_argument("--decode-replicas", type=int, default=c.decode_replicas,
+    parser.add_argument("--decode-replicas", type=positive_int, default=c.decode_replicas,
                         help="decode workers; more than 1 puts the affinity router in front")
-    parser.add_argument("--prefill-replicas", type=int, default=c.prefill_replicas,
+    parser.add_argument("--prefill-replicas", type=positive_int, default=c.prefill_replicas,
                         help="prefill workers; every decode balances over all of them")
     parser.add_argument("--run-dir", default=None,
                         help="sockets and logs (default: a temporary dir, removed on exit)")
-    parser.add_argument("--start-timeout-s", type=float, default=c.start_timeout_s,
+    parser.add_argument("--start-timeout-s", type=positive_float, default=c.start_timeout_s,
                         help="bound on the whole start-up: sidecars, model loads, handshake")
-    parser.add_argument("--prefill-timeout-ms", type=int, default=None,
+    parser.add_argument("--prefill-timeout-ms", type=positive_int, default=None,
                         help="decode's deadline for one Prefill (compute + transfer); long "
                              "prompts on a slow CPU may need more than the 60 s default")
-    parser.add_argument("--lease-ms", type=int, default=None,
+    parser.add_argument("--lease-ms", type=positive_int, default=None,
                         help="transfer lease (default: the decode service's, 60 s)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to RATE each way (tc rate, e.g. 1gbit, 10gbit); needs "
                              "--transport mooncake")
     parser.add_argument("--log-level", default=c.log_level,
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="log level of every process")
     from deltakv.services.runtime import otel
 
     otel.add_arguments(parser, metrics_port_help=(
