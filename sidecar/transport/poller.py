@@ -5,16 +5,19 @@ of a thread per batch spinning in the engine's wait, :class:`CompletionPoller` k
 in-flight :class:`Completion` of one transport and asks the engine about each pending request
 from one thread. Between rounds that settle nothing it backs off: it polls again at once
 while the last progress (or the last new completion) is younger than ``spin_s``, then sleeps
-``min_sleep_s``, doubling each idle round up to ``max_sleep_s``; any settled request or a new
-completion resets it. The sleep is a ``Condition.wait``, so a new completion wakes it at
-once. With nothing in flight the thread blocks without a timeout (no CPU at all).
+``min_sleep_s``, doubling each idle round up to a cap: ``max_sleep_s``, or ``relative_sleep``
+of the age of the youngest pending completion if that is longer, never above
+``ceiling_sleep_s``. Any settled request or a new completion resets it. The sleep is a
+``Condition.wait``, so a new completion wakes it at once. With nothing in flight the thread
+blocks without a timeout (no CPU at all).
 
-Cost and latency, by construction: an idle poll of ``n`` pending requests costs ``n`` status
-calls (about 1 us each for Mooncake, a C++ counter read with the GIL released) every
-``max_sleep_s`` at worst, i.e. ~0.1-0.3 % of a core per pending request at 1 ms; a completion
-is seen at most ``max_sleep_s`` after it happened (about 1 % of a 94 MB write at 1 GB/s). The
-defaults (spin 50 us, sleep 50 us doubling to 1 ms) were picked with ``deltakv bench
-completion``, which prints CPU seconds per GB and GB/s for each setting side by side.
+Cost and latency, by construction: a completion is seen at most ``max(max_sleep_s,
+relative_sleep * its age)`` after it happened — 1 ms, or 1 % of the write's time for writes
+longer than 100 ms (a 94 MB write over 1 Gbit/s runs 0.75 s). An idle round costs the status
+calls of the pending requests (about 1 us each for Mooncake, a counter read with the GIL
+released) plus ~40 us of wake-up in Python: ~3.5 % of a core at a 1 ms cap, falling as the
+cap grows with the write's age (measured with ``deltakv bench completion``, which prints the
+sending sidecar's CPU per GB for the old spinning waiter and this poller side by side).
 
 Every completion has a **bound** (``bound_at``, ``time.monotonic()``): if its requests are
 not all settled by then, it is settled as *overdue* — the caller is woken and told so — and
@@ -25,6 +28,8 @@ flight. Thread-safe.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +37,11 @@ from collections.abc import Callable, Sequence
 import structlog
 
 log = structlog.get_logger(__name__)
+
+#: The OS-level name of every poller thread (``top -H``, ``/proc/<pid>/task/*/comm``; at most
+#: 15 bytes): ``deltakv bench completion`` counts its CPU apart from the engine's threads.
+THREAD_NAME = b"dkv-poller"
+_PR_SET_NAME = 15  # prctl(2)
 
 #: check(request) -> True (completed), False (failed), None (still running).
 Check = Callable[[int], "bool | None"]
@@ -50,6 +60,7 @@ class Completion:
                  on_settled: Callable[[], None] | None = None) -> None:
         self.pending: list[int] = list(requests)
         self.bound_at = bound_at
+        self.started = time.monotonic()
         self.failed = 0
         self.overdue = False
         self.reason = ""
@@ -73,12 +84,16 @@ class CompletionPoller:
     """
 
     def __init__(self, name: str, check: Check, *, spin_s: float = 50e-6,
-                 min_sleep_s: float = 50e-6, max_sleep_s: float = 1e-3) -> None:
-        if not 0 < min_sleep_s <= max_sleep_s or spin_s < 0:
-            raise ValueError("poller needs 0 < min_sleep_s <= max_sleep_s and spin_s >= 0")
+                 min_sleep_s: float = 50e-6, max_sleep_s: float = 1e-3,
+                 relative_sleep: float = 0.01, ceiling_sleep_s: float = 10e-3) -> None:
+        if (not 0 < min_sleep_s <= max_sleep_s <= ceiling_sleep_s or spin_s < 0
+                or relative_sleep < 0):
+            raise ValueError("poller needs 0 < min_sleep_s <= max_sleep_s <= ceiling_sleep_s, "
+                             "spin_s >= 0 and relative_sleep >= 0")
         self.name = name
         self._check = check
         self.spin_s, self.min_sleep_s, self.max_sleep_s = spin_s, min_sleep_s, max_sleep_s
+        self.relative_sleep, self.ceiling_sleep_s = relative_sleep, ceiling_sleep_s
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._active: list[Completion] = []
@@ -125,6 +140,7 @@ class CompletionPoller:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        _name_os_thread(THREAD_NAME)
         sleep_s = 0.0
         last_progress = time.monotonic()
         while True:
@@ -144,10 +160,15 @@ class CompletionPoller:
                 continue
             if now - last_progress < self.spin_s:
                 continue
-            sleep_s = min(self.max_sleep_s, max(self.min_sleep_s, 2 * sleep_s))
+            sleep_s = min(self._cap(active, now), max(self.min_sleep_s, 2 * sleep_s))
             with self._lock:
                 if not (self._news or self._stopped):
                     self._wake.wait(sleep_s)
+
+    def _cap(self, active: list[Completion], now: float) -> float:
+        youngest = max((c.started for c in active), default=now - 1e9)
+        return min(self.ceiling_sleep_s,
+                   max(self.max_sleep_s, self.relative_sleep * (now - youngest)))
 
     def _poll(self, active: list[Completion], overdue: list[Completion]) -> bool:
         progressed = False
@@ -186,3 +207,12 @@ class CompletionPoller:
         for c in settled + late:
             c._settle()
         return progressed
+
+
+def _name_os_thread(name: bytes) -> None:
+    # Python names threads only for itself; the kernel's name is what per-thread tools show.
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux / no libc: cosmetic only
+        pass
