@@ -421,7 +421,8 @@ class MooncakeTransport(Transport):
         self._writes.close()
         self._unregister_all()
         self._pool = None
-        # The only reference: the C++ destructor runs here, synchronously.
+        # The only reference left (self._writes dropped its own): the C++ destructor runs
+        # here, synchronously.
         self._engine = None  # type: ignore[assignment]
         if self._mapping is not None:
             # Only now (engine gone) may the range stop being the pool: it becomes an

@@ -90,8 +90,10 @@ class PolledWrites:
         return completion
 
     def close(self) -> None:
-        """Stop polling (before the engine is destroyed)."""
+        """Stop polling and drop the engine reference (the transport destroys the engine by
+        dropping the last one)."""
         self.poller.close()
+        self._engine = None
 
 
 class WaitedWrites:
@@ -132,7 +134,8 @@ class WaitedWrites:
             completion._settle()
 
     def close(self) -> None:
-        """Nothing to stop: each waiter thread ends with its batch."""
+        """Drop the engine reference (each waiter thread ends with its batch)."""
+        self._engine = None
 
 
 def make_writes(mode: str, engine: Any, name: str) -> PolledWrites | WaitedWrites:
