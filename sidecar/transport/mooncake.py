@@ -58,24 +58,18 @@ learns the new address the way it learns any new incarnation: the sealed endpoin
 grant (``TransferInfo.decode_endpoint``) has a new ``endpoint_id``, and the peer table connects
 it afresh.
 
-Completion without a spinning waiter (issue 14, :mod:`.mooncake_writes`). The binding's
-only batch status call, ``get_batch_transfer_status``, spins a core until the batch ends, and
-it has no non-blocking batch status. So each run of a batch is submitted as its own engine
-request (``transfer_submit_write``, on the caller's thread) and one poller thread per
-transport (:mod:`.poller`) polls every pending request of every write with the non-blocking
-``transfer_check_status``, backing off to 1 ms sleeps; the caller waits on an event. The
-engine bounds nothing here by itself, so the poller applies the binding's own rule: a write
-not ended ``transfer_timeout_s`` (``extra``, engine minimum 5 s) + 1 ns per byte after
-submission is failed, as ``get_batch_transfer_status`` would fail it. A submitted request
-cannot be cancelled, so past the caller's deadline ``write`` keeps waiting until the write
-ended or hit that bound, and only then raises DeadlineExceeded: when ``write`` returns, no
-byte of it can land later *from this writer* as far as the engine's bound goes (the
-receiving side is fenced by decode, above; a TCP request past the bound may still be queued
-in the initiator's io thread until the socket fails — the same as before, where the binding
-gave up on it — and is polled until the engine ends it, which also frees it). Should the
-poller itself overrun the bound, the error says so and :meth:`MooncakeTransport.drain` waits;
-``close`` drains and stops the poller before tearing the engine down. ``extra["completion"]
-= "waiter"`` selects the old thread-per-batch wait (for ``deltakv bench completion`` only).
+Completion without a spinning waiter (issue 14; :mod:`.mooncake_writes` argues it from the
+binding's source). The binding's only batch status call spins a core until the batch ends, so
+each run is submitted as its own engine request on the caller's thread and one poller thread
+per transport (:mod:`.poller`) polls all pending requests with the non-blocking
+``transfer_check_status``, backing off to millisecond sleeps; the caller waits on an event.
+The poller applies the binding's own bound (``transfer_timeout_s``, engine minimum 5 s, + 1 ns
+per byte from submission: past it the write failed). A request cannot be cancelled, so past
+the caller's deadline ``write`` waits until the write ended or hit that bound, and only then
+raises DeadlineExceeded: when ``write`` returns no byte of it can land later *from this
+writer* as far as the engine's bound goes (the receiving side is fenced by decode, above).
+Should the poller overrun the bound, the error says so and :meth:`MooncakeTransport.drain`
+waits; ``close`` drains and stops the poller before destroying the engine.
 """
 
 from __future__ import annotations
