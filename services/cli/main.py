@@ -38,6 +38,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("chat",), "deltakv.services.cli.chat", "interactive multi-turn chat against a cluster"),
     (("demo",), "deltakv.services.cli.demo", "local cluster on SmolLM2: a chat and the multi-turn A/B"),
     (("bench", "transfer"), "deltakv.services.cli.bench.transfer", "sidecar vs raw engine vs memcpy"),
+    (("bench", "completion"), "deltakv.services.cli.bench.completion",
+     "mooncake completion: sending-sidecar CPU per GB, spinning waiter vs poller"),
     (("bench", "model"), "deltakv.services.cli.bench.model", "paged runner vs transformers"),
     (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
