@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.timing import gbps
 from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, bench_layout
 
@@ -46,17 +47,17 @@ MODES = ("waiter", "poller")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI flags of ``deltakv bench completion``."""
-    parser.add_argument("--pages", type=int, default=128,
+    parser.add_argument("--pages", type=positive_int, default=128,
                         help="pages per write (default 128: 94.4 MB of SmolLM2)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model whose KV geometry sizes a page (default smollm2)")
-    parser.add_argument("--page-bytes", type=int, default=None,
+    parser.add_argument("--page-bytes", type=positive_int, default=None,
                         help="page size in bytes instead of the model's (multiple of 128)")
-    parser.add_argument("--repeats", type=int, default=8, help="timed writes per mode")
+    parser.add_argument("--repeats", type=positive_int, default=8, help="timed writes per mode")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra mooncake option for every sidecar (repeatable)")
-    parser.add_argument("--ready-timeout-s", type=float, default=60.0,
+    parser.add_argument("--ready-timeout-s", type=positive_float, default=60.0,
                         help="how long to wait for each sidecar to serve")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="prefill sidecars on a second host joined by a link of RATE (tc "
