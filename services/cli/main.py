@@ -38,6 +38,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "transfer"), "deltakv.services.cli.bench.transfer", "sidecar vs raw engine vs memcpy"),
     (("bench", "model"), "deltakv.services.cli.bench.model", "paged runner vs transformers"),
     (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
+    (("bench", "stream"), "deltakv.services.cli.bench.stream",
+     "per-token cost of the served streams vs the in-process loop"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]
