@@ -42,6 +42,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "mooncake completion: sending-sidecar CPU per GB, spinning waiter vs poller"),
     (("bench", "model"), "deltakv.services.cli.bench.model", "paged runner vs transformers"),
     (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
+    (("bench", "stream"), "deltakv.services.cli.bench.stream",
+     "per-token cost of the served streams vs the in-process loop"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]
