@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deltakv.services.cli.argtypes import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``deltakv bench stream``."""
@@ -43,10 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="the model the cluster serves, loaded here for the in-process "
                              "loop (default smollm2)")
-    parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
-    parser.add_argument("--tokens", type=int, default=64, help="generated tokens (64)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
-    parser.add_argument("--page-size", type=int, default=16, help="in-process KV page size")
+    parser.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (256)")
+    parser.add_argument("--tokens", type=positive_int, default=64, help="generated tokens (64)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="interleaved repeats (5)")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="in-process KV page size")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")
 
