@@ -77,6 +77,14 @@ class Usage:
     total_ms: float = 0.0
     #: the prompt's token ids, only when the request set ``echo_prompt_token_ids``
     prompt_token_ids: tuple[int, ...] = ()
+    #: ``"remote"`` (prefill computed, delta pages transferred) or ``"local"`` (decode
+    #: computed the uncached tail itself); ``local_prefill_tokens`` the tokens it computed
+    prefill_location: str = ""
+    local_prefill_tokens: int = 0
+    #: the cost model's two estimates (ms) and why it chose: cheaper, full_hit, mode, no_reuse
+    local_estimate_ms: float = 0.0
+    remote_estimate_ms: float = 0.0
+    prefill_decision: str = ""
 
     @classmethod
     def from_proto(cls, msg: decode_pb2.Usage) -> Usage:
