@@ -81,7 +81,7 @@ class Usage:
     #: computed the uncached tail itself); ``local_prefill_tokens`` the tokens it computed
     prefill_location: str = ""
     local_prefill_tokens: int = 0
-    #: the cost model's two estimates (ms) and why it chose: cheaper, full_hit, mode, no_reuse
+    #: the cost model's two estimates (ms) and why: cheaper, full_hit, mode, no_reuse, no_prefix
     local_estimate_ms: float = 0.0
     remote_estimate_ms: float = 0.0
     prefill_decision: str = ""

@@ -132,8 +132,9 @@ def _seeded(fixed_ms: float, per_s: float, x2: float, alpha: float) -> AffineFit
 class Decision:
     """One request's choice: ``location`` ``"local"`` or ``"remote"``; ``reason`` one of
     ``full_hit``, ``cheaper``, ``mode`` (forced by ``--local-prefill``), ``no_reuse`` (the
-    request disabled decode-prefix reuse: the full-transfer baseline); the two estimates (ms)
-    and the inputs they were computed for."""
+    request disabled decode-prefix reuse: the full-transfer baseline), ``no_prefix`` (decode
+    holds nothing of the prompt); the two estimates (ms) and the inputs they were computed
+    for."""
 
     location: Literal["local", "remote"]
     reason: str
@@ -187,9 +188,11 @@ class PrefillCostModel:
                 + self.transfer.estimate(delta_bytes))
 
     def decide(self, tail_tokens: int, delta_bytes: int, running: int, *,
-               reuse_prefix: bool = True) -> Decision:
+               reuse_prefix: bool = True, held_prefix: bool = True) -> Decision:
         """Local or remote for a prompt with ``tail_tokens`` uncached tokens (>= 0),
-        ``delta_bytes`` of delta pages and ``running`` requests in decode's batch."""
+        ``delta_bytes`` of delta pages and ``running`` requests in decode's batch.
+        ``held_prefix``: decode's index holds a prefix of the prompt (``auto`` computes
+        locally only a tail behind a held prefix; a cold prompt is prefill's)."""
         local = self.local_ms(tail_tokens, running)
         remote = self.remote_ms(tail_tokens, delta_bytes)
 
@@ -204,6 +207,8 @@ class PrefillCostModel:
             return choose("local", "mode")
         if tail_tokens == 0:
             return choose("local", "full_hit")
+        if not held_prefix:  # nothing cached here: prefill's job (disaggregation's default)
+            return choose("remote", "no_prefix")
         return choose("local" if local < remote else "remote", "cheaper")
 
     def record_local(self, tail_tokens: int, extend_ms: float) -> None:

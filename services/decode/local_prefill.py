@@ -53,6 +53,7 @@ class LocalPrefill:
             return sampler.sample(runner.prefill(prompt, table, cached))
 
         tail = len(prompt) - cached
+        log.info("local_prefill_started", local_prefill_tokens=tail)
         t0 = time.monotonic()
         with telemetry.span("decode.local_prefill", prompt_len=len(prompt),
                             decode_prefix_len=cached, local_prefill_tokens=tail) as span:

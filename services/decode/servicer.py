@@ -271,7 +271,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         decision = self.costs.decide(
             state.prompt_len - state.decode_prefix_len,
             len(state.delta_pages) * self.worker.page_bytes, self.scheduler.num_running,
-            reuse_prefix=parsed.reuse_prefix)
+            reuse_prefix=parsed.reuse_prefix, held_prefix=state.decode_prefix_len > 0)
         state.decision = decision
         # Prefill (remote: compute + delta transfer, or local: decode's own extend) and the
         # commit: the time to the first token.

@@ -68,6 +68,8 @@ def test_modes_full_hit_and_no_reuse():
     assert auto.decide(0, 0, running=8).location == "local"
     assert auto.decide(0, 0, running=8).reason == "full_hit"
     assert auto.decide(0, 0, running=0, reuse_prefix=False).location == "remote"
+    cold = auto.decide(16, 32768, running=0, held_prefix=False)
+    assert (cold.location, cold.reason) == ("remote", "no_prefix")
     never = PrefillCostModel("never")
     assert never.decide(0, 0, running=0).location == "remote"
     always = PrefillCostModel("always")
