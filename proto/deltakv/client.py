@@ -101,7 +101,10 @@ class Usage:
         return delta_pages(self.prompt_tokens, self.cached_tokens, self.page_size)
 
     def min_bytes(self) -> int:
-        """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes)."""
+        """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes), or
+        0 when decode computed the tail itself (``prefill_location == "local"``)."""
+        if self.prefill_location == "local":
+            return 0
         return self.delta_pages() * self.page_bytes
 
 

@@ -283,9 +283,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 span.set_attributes(telemetry.prefixed(decision_attributes(decision)))
             if decision.location == "local":
                 first = await self.local_prefill.run(state, parsed)
-                canonical, _ = await self.worker.sidecar.commit(
-                    state.sidecar_id, parsed.prompt, state.page_table)
-                state.page_table[: len(canonical)] = canonical
+                if decision.tail_tokens:  # a full hit's pages are in the index already
+                    canonical, _ = await self.worker.sidecar.commit(
+                        state.sidecar_id, parsed.prompt, state.page_table)
+                    state.page_table[: len(canonical)] = canonical
             else:
                 state.response = await self.prefill_call.first_token(state, parsed,
                                                                      time_remaining, span)
