@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Executor
 
 from deltakv import telemetry
+from deltakv.errors import DeltaKVError, Internal
 from deltakv.services.decode.cost_model import Decision, PrefillCostModel
 from deltakv.services.decode.request import ParsedRequest, RequestState
 from deltakv.services.model.sampling import Sampler
@@ -43,7 +44,8 @@ class LocalPrefill:
         """Compute positions ``[decode_prefix_len, prompt_len)`` (the last one alone on a full
         hit) into ``state.page_table`` and sample the first token with the request's sampling
         (``seed`` as prefill would use it). Returns the first token id; sets
-        ``state.local_extend_ms``. Raises INVALID_ARGUMENT / INTERNAL from the runner."""
+        ``state.local_extend_ms``. Raises the runner's INVALID_ARGUMENT, INTERNAL for any other
+        failure of the forward."""
         runner = self.worker.runner
         prompt, cached = parsed.prompt, state.decode_prefix_len
         table = list(state.page_table)
@@ -61,7 +63,12 @@ class LocalPrefill:
             # stop writing its pages before they are released.
             state.local_extend = asyncio.get_running_loop().run_in_executor(self.executor,
                                                                             forward)
-            first = await asyncio.shield(state.local_extend)
+            try:
+                first = await asyncio.shield(state.local_extend)
+            except DeltaKVError:
+                raise
+            except Exception as exc:  # a torch failure: the request's typed INTERNAL
+                raise Internal(f"local prefill: {exc}") from exc
             state.local_extend_ms = (time.monotonic() - t0) * 1000.0
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(
