@@ -39,26 +39,32 @@ def _cluster(model: str, mode: str, run_dir: str, num_pages: int) -> LocalCluste
     return cluster
 
 
-def _in_process_forward(model_name: str, prompt: list[int], repeats: int) -> list[float]:
-    """ms of one full-hit forward (the last position over the cached prompt) + sampling."""
-    import torch
+class _InProcess:
+    """The same model in this process, the prompt prefilled once into a private pool; one
+    :meth:`forward` is a full-hit forward (the last position over the cached prompt) +
+    sampling, as decode's local path runs it."""
 
-    from deltakv.services.model.loader import load_model
-    from deltakv.services.model.runner import ModelRunner
-    from deltakv.services.model.sampling import Sampler
+    def __init__(self, model_name: str, prompt: list[int]) -> None:
+        import torch
 
-    model = load_model(model_name)
-    layout = model.kv_layout(page_size=16, num_pages=-(-len(prompt) // 16) + 1)
-    runner = ModelRunner(model, torch.zeros(layout.pool_shape, dtype=layout.torch_dtype))
-    table = list(range(layout.num_pages))
-    runner.prefill(prompt, table, 0)
-    sampler = Sampler()
-    out = []
-    for _ in range(repeats):
+        from deltakv.services.model.loader import load_model
+        from deltakv.services.model.runner import ModelRunner
+        from deltakv.services.model.sampling import Sampler
+
+        model = load_model(model_name)
+        layout = model.kv_layout(page_size=16, num_pages=-(-len(prompt) // 16) + 1)
+        self.runner = ModelRunner(model, torch.zeros(layout.pool_shape,
+                                                     dtype=layout.torch_dtype))
+        self.table = list(range(layout.num_pages))
+        self.prompt = prompt
+        self.sampler = Sampler()
+        self.runner.prefill(prompt, self.table, 0)
+
+    def forward(self) -> float:
+        """ms of one full-hit forward + sampling."""
         t0 = time.perf_counter()
-        sampler.sample(runner.prefill(prompt, table, len(prompt)))
-        out.append((time.perf_counter() - t0) * 1000.0)
-    return out
+        self.sampler.sample(self.runner.prefill(self.prompt, self.table, len(self.prompt)))
+        return (time.perf_counter() - t0) * 1000.0
 
 
 async def _turn(address: str, prompt: list[int], new: int):
@@ -90,7 +96,8 @@ def main() -> None:
             # 1. full hit vs in-process forward of the last token, interleaved.
             hit_prompt = ids(args.request_length // 16 * 16)
             asyncio.run(_turn(local.decode_address, hit_prompt, 2))  # caches every page
-            forward = _in_process_forward(args.model, hit_prompt, 1)  # warm-up
+            in_process = _InProcess(args.model, hit_prompt)
+            in_process.forward()  # warm-up
             served, client, forward = [], [], []
             for _ in range(args.repeats):
                 r = asyncio.run(_turn(local.decode_address, hit_prompt, 1))
@@ -98,7 +105,7 @@ def main() -> None:
                 assert r.usage.cached_tokens == len(hit_prompt), r.usage
                 served.append(r.usage.ttft_ms)
                 client.append(r.client_ttft_ms)
-                forward += _in_process_forward(args.model, hit_prompt, 1)
+                forward.append(in_process.forward())
             print(f"full hit ({len(hit_prompt)} tokens, {args.repeats} repeats, medians): "
                   f"served TTFT {statistics.median(served):.1f} ms (client "
                   f"{statistics.median(client):.1f} ms) vs in-process forward of the last "
