@@ -19,6 +19,8 @@ import os
 import sys
 import traceback
 
+from deltakv.services.cli.argtypes import DefaultsHelpFormatter
+
 # Set by the entry point, never at import of a library module (models are built in or local
 # files; the loader also passes local_files_only).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -63,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                 parents[prefix] = sub
                 groups[prefix] = sub.add_subparsers(dest=f"cmd_{depth}", required=True,
                                                     metavar="COMMAND")
-        leaf = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text)
+        leaf = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text,
+                                             formatter_class=DefaultsHelpFormatter)
         if module is None:
             # Its flags are unknown: main() lets them through, so the reason is what shows.
             leaf.set_defaults(_run=_unavailable(" ".join(words), reason), _accepts_any=True)

@@ -85,13 +85,13 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
         sampling.max_new_tokens = default_max_new_tokens
     if sampling.max_new_tokens > max_new_tokens_limit:
         raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
-                              f"{max_new_tokens_limit}")
+                              f"{max_new_tokens_limit}", field="max_new_tokens")
     validate_sampling(sampling)
     positions = getattr(model.config, "max_position_embeddings", 0)
     if positions and len(prompt) + sampling.max_new_tokens > positions:
         raise InvalidArgument(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-            f"exceeds the model's context of {positions} positions")
+            f"exceeds the model's context of {positions} positions", field="max_new_tokens")
     return ParsedRequest(prompt=prompt, sampling=sampling,
                          reuse_prefix=not request.disable_decode_prefix_reuse,
                          echo_prompt=request.echo_prompt_token_ids,
