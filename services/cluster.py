@@ -30,6 +30,7 @@ from deltakv.errors import InvalidArgument
 from deltakv.rpc.channel import uds_address
 from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
 from deltakv.services.process import ManagedProcess, ProcessError, free_port
+from deltakv.services.runtime.threads import share_of_cores as threads_share_of_cores
 
 
 class ClusterError(ProcessError):
@@ -117,6 +118,9 @@ class ClusterConfig:
     page_digests: bool = True
     # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
     link: str | None = None
+    # torch threads of each prefill/decode process; 0 = its share of this machine's cores
+    # (services/runtime/threads.py: co-located pools that each expect every core stall).
+    torch_threads: int = 0
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -233,6 +237,8 @@ class LocalCluster:
         """Each process's command line, in start order."""
         c = self.config
         argvs: dict[str, list[str]] = {}
+        threads = ["--torch-threads", str(c.torch_threads or threads_share_of_cores(
+            c.decode_replicas + c.prefill_replicas))]
         for role, count in (("decode", c.decode_replicas), ("prefill", c.prefill_replicas)):
             pages = c.num_pages if role == "decode" or not c.prefill_num_pages else c.prefill_num_pages
             for i in range(count):
@@ -252,7 +258,7 @@ class LocalCluster:
             argvs[name] = self._cli(
                 "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
                 "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
-                "--log-level", c.log_level, "--log-format", "json", *c.prefill_args)
+                "--log-level", c.log_level, "--log-format", "json", *threads, *c.prefill_args)
         for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
             name = replica_name("decode", i)
             http = ["--http-port", http_address.rpartition(":")[2]] if http_address else []
@@ -260,7 +266,7 @@ class LocalCluster:
                 "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets[name],
                 "--prefill-target", ",".join(self.prefill_addresses), "--host", c.host,
                 "--port", grpc_address.rpartition(":")[2], *http, "--log-level", c.log_level,
-                "--log-format", "json", *c.decode_args)
+                "--log-format", "json", *threads, *c.decode_args)
         if c.decode_replicas > 1:
             argv = self._cli("serve", "router", "--host", c.host, "--port", str(c.decode_port),
                              "--log-level", c.log_level, "--log-format", "json")

@@ -29,7 +29,12 @@ import signal
 import sys
 import threading
 
-from deltakv.services.cli.argtypes import port_number, positive_float, positive_int
+from deltakv.services.cli.argtypes import (
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -111,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fresh network namespace, joined to decode's by a veth pair shaped "
                              "to RATE each way (tc rate, e.g. 1gbit, 10gbit); needs "
                              "--transport mooncake")
+    parser.add_argument("--torch-threads", type=non_negative_int, default=c.torch_threads,
+                        help="torch threads of each prefill/decode process (0 = each gets its "
+                             "share of this machine's cores: pools that each expect every core "
+                             "stall each other)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"],
                         help="log level of every process")
@@ -168,6 +177,7 @@ def cluster_config(args: argparse.Namespace):
                          decode_args=_decode_bounds(args),
                          page_digests=getattr(args, "page_digests", "on") == "on",
                          link=getattr(args, "link", None),
+                         torch_threads=getattr(args, "torch_threads", 0),
                          metrics_port=_metrics_base_port(args))
 
 

@@ -211,6 +211,9 @@ spec:
         {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs))) }}
         {{- end }}
         {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--pairing-key-file" (include "deltakv.pairingKeyFile" $root) "--log-level" $v.logLevel) }}
+        {{- if $pool.torchThreads }}
+        {{- $wargs = concat $wargs (list "--torch-threads" (toString (int64 $pool.torchThreads))) }}
+        {{- end }}
         {{- if $metrics.enabled }}
         {{- $wargs = concat $wargs (list "--metrics-port" (toString (int64 $metrics.port))) }}
         {{- end }}

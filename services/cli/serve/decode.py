@@ -79,13 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json: one JSON object a line; console: for people; auto: console "
                              "on a terminal, else json")
     from deltakv.rpc import tls
-    from deltakv.services.runtime import otel
+    from deltakv.services.runtime import otel, threads
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
     tls.add_server_arguments(parser, port_type=port_number)
     tls.add_prefill_channel_arguments(parser)
     otel.add_arguments(parser)
+    threads.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,13 +107,14 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.decode.config import DecodeConfig
     from deltakv.services.decode.prefill_pool import PrefillPool, parse_targets
     from deltakv.services.decode.servicer import DecodeServicer
-    from deltakv.services.runtime import otel_grpc
+    from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
     from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
 
     key = key_from_args(args.pairing_key_file)
+    threads.apply(args.torch_threads, log)
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,

@@ -41,12 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json: one JSON object a line; console: for people; auto: console "
                              "on a terminal, else json")
     from deltakv.rpc import tls
-    from deltakv.services.runtime import otel
+    from deltakv.services.runtime import otel, threads
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
     tls.add_server_arguments(parser, port_type=port_number)
     otel.add_arguments(parser)
+    threads.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,13 +62,14 @@ async def build(args: argparse.Namespace, stack, log):
     onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model load."""
     from deltakv.rpc import tls
     from deltakv.services.prefill.servicer import PrefillServicer
-    from deltakv.services.runtime import otel_grpc
+    from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
     from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
 
     key = key_from_args(args.pairing_key_file)
+    threads.apply(args.torch_threads, log)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
