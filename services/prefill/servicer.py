@@ -299,7 +299,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                              self.worker.layout.page_size, self.chunk_tokens)
 
         def forward(chunk: Chunk) -> int | None:
-            logits = runner.prefill(tokens[:chunk.end], page_table, chunk.start)
+            # The first chunk passes cached_len itself: the runner's own rule then keeps a
+            # full prefix hit from writing into shared cached pages.
+            start = cached_len if chunk is chunks.chunks[0] else chunk.start
+            logits = runner.prefill(tokens[:chunk.end], page_table, start)
             return sampler.sample(logits) if chunk.end == len(tokens) else None
 
         def write_timeout_s() -> tuple[int, float]:
