@@ -30,7 +30,7 @@ from tests.e2e.sidecars import sidecar_call, wait_sidecars_clean
 from tests.support.audit import PageAudit
 from tests.support.faults import cluster_options
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 CHUNK = ["--prefill-chunk-tokens", "32"]
 MAX_NEW = 5
@@ -45,9 +45,11 @@ def tokens(n: int, seed: int) -> list[int]:
 def clusters(tmp_path_factory):
     started = {}
     try:
-        started["overlap"] = make_cluster(tmp_path_factory, "overlap", prefill_args=CHUNK)
+        started["overlap"] = make_cluster(tmp_path_factory, "overlap", prefill_args=CHUNK,
+                                          start_timeout_s=300.0)
         started["serial"] = make_cluster(tmp_path_factory, "serial",
-                                         prefill_args=[*CHUNK, "--no-prefill-overlap"])
+                                         prefill_args=[*CHUNK, "--no-prefill-overlap"],
+                                         start_timeout_s=300.0)
         yield started
     finally:
         for cluster in started.values():
