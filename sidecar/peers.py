@@ -86,7 +86,16 @@ class PeerTable:
         sealed with the pairing key; LayoutMismatch (FAILED_PRECONDITION) if its layout
         does not pair with the local one; FailedPrecondition for another backend;
         UnknownEndpoint (FAILED_PRECONDITION) for a dead or superseded incarnation.
+
+        An endpoint equal (seal included) to the one a live cached handle was connected with
+        passed every one of these checks when it connected, and a handle leaves the cache as
+        soon as its incarnation dies (:meth:`_install`), is dropped or the table closes: its
+        layout is returned without verifying the seal or parsing the layout again (the
+        common case, every write to a connected decode; issue 14's fixed cost per write).
         """
+        cached = self._live_handle(peer)
+        if cached is not None:
+            return cached.layout
         if peer is None:
             raise InvalidArgument("peer endpoint is missing")
         if not peer.endpoint_id:
@@ -119,11 +128,9 @@ class PeerTable:
         connected id sent with another address or descriptor, and Unavailable once the table
         is closed.
         """
-        if peer is not None:
-            with self._lock:
-                cached = self._handles.get(peer.endpoint_id)
-                if cached is not None and cached.info == peer and not cached.closed:
-                    return cached
+        cached = self._live_handle(peer)
+        if cached is not None:
+            return cached
         self.check(peer)
         with self._lock:
             gate = self._connecting.setdefault(peer.endpoint_id, threading.Lock())
@@ -209,6 +216,16 @@ class PeerTable:
             handles, self._handles = list(self._handles.values()), {}
         for handle in handles:
             self.transport.disconnect(handle)
+
+    def _live_handle(self, peer: kv_pb2.EndpointInfo | None) -> PeerHandle | None:
+        """The cached, open handle connected with exactly ``peer`` (None if there is none)."""
+        if peer is None:
+            return None
+        with self._lock:
+            cached = self._handles.get(peer.endpoint_id)
+            if cached is not None and not cached.closed and cached.info == peer:
+                return cached
+        return None
 
     # -- helpers (called with the lock held) ----------------------------------------------
 

@@ -247,6 +247,8 @@ class SidecarServer:
         if self.server is not None:
             self.server.stop(grace_s=1.0)
             self.server = None
+        if self.service is not None:
+            self.service.close()  # its hashing threads; the server above ran its last call
         if self.fencer is not None:
             self.fencer.stop()  # pending proofs stay pending: their pages are never freed
             self.fencer = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -120,6 +121,10 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         self.max_lease_ms = max_lease_ms
         self.abort_grace_s = abort_grace_s
         self.digester = digester if digester is not None else PageDigester(pool, enabled=False)
+        # WritePages hashes the pages it sends while the engine moves them (transfers.py):
+        # a few long-lived threads, never one per write.
+        self.hasher = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                         thread_name_prefix="page-digest")
         self.incarnation = incarnation or engines.endpoint.endpoint_id
         self._pm_lock = threading.RLock()
         self._counter_lock = threading.Lock()
@@ -130,6 +135,11 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         self.grants_refused = 0
         self.digest_mismatches = 0
         self.log = log.bind(role=f"{role}-sidecar")
+
+    def close(self) -> None:
+        """Stop the hashing threads (after the server stopped: no write is running).
+        Idempotent."""
+        self.hasher.shutdown(wait=True)
 
     @property
     def transport(self) -> Transport:

@@ -5,18 +5,21 @@ it uses the service's pool, page manager, peers, rooms, engines, key, digester, 
 log). ``WritePages`` strings the prefill side of the one write path together: the peer table
 checks the decode endpoint (its seal included), :func:`~deltakv.sidecar.grants.verify_grant`
 decode's grant for exactly this write, :func:`~deltakv.sidecar.planner.plan_delta` the
-``TransferInfo``; the source pages' digests are taken (:mod:`deltakv.sidecar.digests`), the room
-registry admits the room, the source pages are held while the write may read them, and the
-transport moves each planned batch. ``WritePagesStream`` is the same write fed while prefill
-still computes: checked, planned and admitted once, then each part writes the pages that became
-complete. ``AbortWrite`` stops a room's writer; decode's own fence,
-not this, proves that nothing can land (docs/architecture.md, "Fencing").
+``TransferInfo``; cached source pages are checked against their digests
+(:mod:`deltakv.sidecar.digests`), the room registry admits the room, the source pages are held
+while the write may read them, and the transport moves each planned batch while the other
+source pages are hashed beside it (one write costs max(engine, hash), not the sum).
+``WritePagesStream`` is the same write fed while prefill still computes: checked, planned and
+admitted once, then each part writes the pages that became complete. ``AbortWrite`` stops a
+room's writer; decode's own fence, not this, proves that nothing can
+land (docs/architecture.md, "Fencing").
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +43,20 @@ from deltakv.sidecar.planner import WritePlan, plan_delta
 from deltakv.sidecar.rooms import RoomState, RoomTicket
 from deltakv.v1 import kv_pb2, sidecar_pb2
 
+#: Below this many bytes a write's fresh source pages are hashed inline, before the engine
+#: moves them. Hashing beside the engine only pays when a core is free and the hash is long:
+#: on the loaded 2-core test machine (load 9-47, 2026-11-30) a 5-page SmolLM2 delta (3.7 MB,
+#: the issue's incremental turn) cost 5.3-5.7 ms beyond the engine with the hand-off and
+#: 3.8 ms inline (separate runs of ``deltakv bench transfer``'s small-write rows). xxh3_64
+#: runs at 30-60 GB/s on a quiet core, so 16 MiB inline is 0.3-0.6 ms.
+INLINE_HASH_BYTES = 16 << 20
+
+
+def _joined(hashing: Future[list[int]] | None) -> list[int]:
+    """The digests ``hashing`` computed (``[]`` for None). Hashing held pages is bounded CPU
+    work, so this waits for it without a deadline."""
+    return [] if hashing is None else hashing.result()
+
 
 @dataclass
 class _Write:
@@ -54,6 +71,9 @@ class _Write:
     ticket: RoomTicket = None  # type: ignore[assignment]  # set by _admit_write
     peer: Any = None
     digests: list[int] = field(default_factory=list)
+    receipt: float = 0.0
+    checked: float = 0.0
+    prepared: float = 0.0
     ready: int = 0
     pages_done: int = 0
     runs: int = 0
@@ -76,8 +96,10 @@ class TransferRpcs:
         page range, INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if
         in flight or used — a replayed grant —, ABORTED if fenced, UNAVAILABLE while
         draining); hold the source pages; connect (cached per endpoint); then write batch by
-        batch. The deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms,
-        time left on the grant)``, tightened by the call's own gRPC deadline. No batch starts
+        batch. Cached source pages are checked against their digests before the room is
+        admitted (DATA_LOSS); the other source pages are hashed while the batches move. The
+        deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms, time left on
+        the grant)``, tightened by the call's own gRPC deadline. No batch starts
         after the deadline (DEADLINE_EXCEEDED), an abort or a cancelled call (ABORTED); an
         engine error fails the room at once and stops the remaining batches (UNAVAILABLE
         with the reason); a destination that revoked the room refuses the run
@@ -89,11 +111,27 @@ class TransferRpcs:
         """
         def run() -> sidecar_pb2.WritePagesResponse:
             write = self._check_write(request, context)
-            # Taken before the room is admitted: a corrupt cached source costs no room.
-            write.digests = self._source_digests(write.plan.source_pages, write.log)
+            sources = write.plan.source_pages
+            # Checked before the room is admitted: a corrupt cached source costs no room.
+            known = self._check_cached_sources(sources, write.log)
             self._admit_write(write)
-            return self._run_write(write, lambda: self._move(write, 0, write.plan.pages,
-                                                             context))
+
+            def move() -> None:
+                # The other source pages' digests (nothing recorded to check them against)
+                # are taken while the engine moves them: the pages are held and nobody writes
+                # them, so the hash and the engine read the same bytes, and a write's time is
+                # max(copy, hash) instead of their sum (issue 14; xxh3 releases the GIL).
+                fresh_pages = [p for p in sources if p not in known]
+                hashing = self._hash_later(fresh_pages)
+                try:
+                    self._move(write, 0, write.plan.pages, context)
+                finally:
+                    fresh = _joined(hashing)  # before the hold is lifted: the hash reads them
+                if self.digester.enabled:
+                    fresh_of = dict(zip(fresh_pages, fresh, strict=True))
+                    write.digests = [known[p] if p in known else fresh_of[p] for p in sources]
+
+            return self._run_write(write, move)
 
         return self._traced(request, run)
 
@@ -199,6 +237,7 @@ class TransferRpcs:
             raise
         plan = plan_delta(info, request.src_page_indices, self.layout, remote,
                           self.transport.limits, max_lease_ms=self.max_lease_ms)
+        checked = time.monotonic()
         lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
         # Nothing starts after the grant expires either (decode stops admitting the room).
         grant_left_ms = grant.expires_unix_ms - time.time() * 1e3
@@ -209,6 +248,7 @@ class TransferRpcs:
         if rpc_left is not None:
             deadline = min(deadline, time.monotonic() + rpc_left)
         return _Write(info=info, plan=plan, deadline=deadline, started=receipt,
+                      receipt=receipt, checked=checked,
                       prefill_cached_len=request.prefill_cached_len,
                       log=self.log.bind(room=info.room, request_id=info.request_id))
 
@@ -221,6 +261,7 @@ class TransferRpcs:
             # The source pages are not freed while this write may read them (I2): a Release
             # meanwhile quarantines them until the hold is lifted.
             self.page_manager.hold(("room", info.room), write.plan.source_pages)
+            write.prepared = time.monotonic()
             write.peer = self.peers.connect(info.decode_endpoint)
             write.ticket.check_alive()
         except BaseException:
@@ -253,8 +294,13 @@ class TransferRpcs:
                                     prefill_cached_len=write.prefill_cached_len)
         stats.runs, stats.batches = write.runs, write.batches
         stats.page_digests.extend(write.digests)
+        # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
+        # source hold, connect (cached after the first write), engine; microseconds.
         write.log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                       batches=stats.batches, duration_us=duration_us)
+                       batches=stats.batches, duration_us=duration_us,
+                       check_us=int((write.checked - write.receipt) * 1e6),
+                       prepare_us=int((write.prepared - write.checked) * 1e6),
+                       connect_us=int((write.started - write.prepared) * 1e6))
         return sidecar_pb2.WritePagesResponse(stats=stats)
 
     def _finish(self, write: _Write, ok: bool) -> RoomState:
@@ -299,8 +345,8 @@ class TransferRpcs:
         if ready == write.ready:
             return
         write.ticket.check_alive()
-        write.digests.extend(self._source_digests(list(write.plan.src[write.ready:ready]),
-                                                  write.log))
+        write.digests.extend(self._part_digests(list(write.plan.src[write.ready:ready]),
+                                                write.log))
         self._move(write, write.ready, ready, context)
         write.ready = ready
 
@@ -315,24 +361,47 @@ class TransferRpcs:
             raise Aborted("WritePagesStream: the call was cancelled or timed out while "
                           "waiting for the next part") from None
 
-    def _source_digests(self, sources: list[int], room_log: Any) -> list[int]:
-        """Digests of source pages ``sources`` (prompt order; ``[]`` with digests off), read
-        before any of them moves. Source pages cached in this sidecar's index must still
-        match the digest they were cached with: DATA_LOSS otherwise (a corrupt prefill cache
-        must not reach decode with a fresh, matching digest)."""
-        digests = self.digester.digest(sources)
-        if not digests:
-            return []
+    def _check_cached_sources(self, sources: list[int], room_log: Any) -> dict[int, int]:
+        """Hash the delta's source pages that this sidecar's index cached with a digest and
+        check them against it, before any byte moves: DATA_LOSS otherwise (a corrupt prefill
+        cache must not reach decode with a fresh, matching digest). Returns page -> digest
+        of those pages (``{}`` with digests off or none cached)."""
+        if not self.digester.enabled or not sources:
+            return {}
         with self._pm_lock:
-            recorded = self.page_manager.digests_of(sources)
-        bad = [p for p, want, got in zip(sources, recorded, digests, strict=True)
-               if want is not None and want != got]
+            recorded = dict(zip(sources, self.page_manager.digests_of(sources), strict=True))
+        cached = [p for p in sources if recorded[p] is not None]
+        digests = dict(zip(cached, self.digester.digest(cached), strict=True))
+        bad = [p for p in cached if digests[p] != recorded[p]]
         if bad:
             self._count_mismatches(len(bad), "source")
             room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
             raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
                            f"from their digests; run AuditCache with evict", pages=bad)
         return digests
+
+    def _hash_later(self, pages: list[int]) -> Future[list[int]] | None:
+        """Digests of ``pages`` on the service's hashing threads (None when there is
+        nothing to hash or digests are off). Fewer than :data:`INLINE_HASH_BYTES` are hashed
+        here and now: handing them to a thread would cost more than hashing them."""
+        if not self.digester.enabled or not pages:
+            return None
+        if len(pages) * self.layout.page_bytes < INLINE_HASH_BYTES:
+            done: Future[list[int]] = Future()
+            done.set_result(self.digester.digest(pages))
+            return done
+        return self.hasher.submit(self.digester.digest, pages)
+
+    def _part_digests(self, sources: list[int], room_log: Any) -> list[int]:
+        """Digests of one stream part's source pages in prompt order (``[]`` with digests
+        off), taken before they move; cached ones checked as :meth:`_check_cached_sources`
+        (DATA_LOSS fails the room)."""
+        known = self._check_cached_sources(sources, room_log)
+        if not self.digester.enabled:
+            return []
+        fresh_pages = [p for p in sources if p not in known]
+        fresh = dict(zip(fresh_pages, self.digester.digest(fresh_pages), strict=True))
+        return [known[p] if p in known else fresh[p] for p in sources]
 
     def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:

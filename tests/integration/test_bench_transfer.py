@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltakv.services.cli.bench.timing import Trial, time_interleaved
 from deltakv.services.cli.bench.transfer import bench_layout, time_page_writes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,8 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "deltakv.services.cli.main", "bench", "transfer", "--backend", "all",
-         "--pages", "3", "--page-bytes", "4096", "--repeats", "2", "--json", str(out)],
+         "--pages", "3", "--page-bytes", "4096", "--repeats", "2", "--small-repeats", "2",
+         "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -51,12 +53,36 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
             assert rec[key] > 0
         assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
         assert rec["grant_check_us"] > 0 and rec["grant_rpc_ms"] > 0
+        # Small writes: 1 page (5 > --pages 3 is skipped), sidecar beside raw, verified.
+        assert set(rec["small"]) == {"1"}, rec["small"]
+        row = rec["small"]["1"]
+        assert row["verified"] is True and row["sidecar_ms"] > 0 and row["raw_ms"] > 0
+        assert row["fixed_ms"] == pytest.approx(row["sidecar_ms"] - row["raw_ms"])
     # The write path's safety, per backend: shm pays a fence per run, network engines none.
     assert result["backends"]["shm"]["fence_kind"] == "words"
     assert result["backends"]["shm"]["fence_us_per_run"] > 0
     assert result["backends"]["mooncake"]["fence_kind"] == "incarnation"
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
     assert "grant check" in proc.stdout
+    # Honest figures: when and under what load they were taken, and the small-write rows.
+    assert result["date"] in proc.stdout and "load average" in proc.stdout
+    assert "small writes" in proc.stdout and "fixed ms" in proc.stdout
+
+
+def test_methods_are_interleaved_and_verified_per_repeat() -> None:
+    calls: list[str] = []
+
+    def trial(name: str, good: bool = True) -> Trial:
+        return Trial(prepare=lambda: calls.append(f"prep {name}"),
+                     action=lambda: calls.append(name),
+                     verify=lambda: good or len([c for c in calls if c == name]) == 1)
+
+    result = time_interleaved(2, {"a": trial("a"), "b": trial("b"), "c": trial("c", False)})
+    runs = [c for c in calls if not c.startswith("prep")]
+    # A warm-up round and 2 timed rounds, every method once a round, the order rotated.
+    assert runs == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert calls[:2] == ["prep a", "a"]  # each repetition prepared just before it runs
+    assert result["a"][1] and result["b"][1] and not result["c"][1]  # c verified only once
 
 
 def test_every_timed_repeat_must_write_its_own_bytes() -> None:

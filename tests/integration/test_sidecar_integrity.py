@@ -12,6 +12,7 @@ worker left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import grpc
@@ -149,6 +150,35 @@ def test_audit_finds_a_cached_page_corrupted_later_and_evicts_its_subtree(pair: 
                                              timeout=30).corrupt_pages
 
 
+def test_cached_and_fresh_source_pages_get_their_digests_in_prompt_order(pair: Pair) -> None:
+    # issue 14: cached source pages are checked before the write, fresh ones hashed while
+    # the engine moves them; the digests still come back in prompt order and match the bytes.
+    toks = tokens(2 * PAGE + 3, seed=7)
+    src, _, _ = transfer(pair, "dig-7", len(toks), seed=7)
+    commit(pair.prefill, "dig-7", toks, src)  # 2 full pages cached with their digests
+    release(pair.prefill, "dig-7")
+    release(pair.decode, "dig-7")
+    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
+        request_id="dig-7b", token_ids=toks), timeout=10)
+    assert list(match.page_indices) == src[:2]
+    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="dig-7b", num_pages=1), timeout=10).page_indices)
+    fill(pair.prefill_pool, extra, seed=8)
+    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="dig-7b", num_pages=3), timeout=10).page_indices)
+    info = grant(pair.decode, "dig-7b", kv_pb2.TransferInfo(
+        request_id="dig-7b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
+    table = src[:2] + extra
+    stats = pair.prefill.stub().WritePages(write_request(info, table), timeout=20).stats
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == [digest_of(pair.prefill_pool, s) for s in table]
+    assert list(stats.page_digests) == [digest_of(pair.decode_pool, d) for d in dst]
+    commit(pair.decode, "dig-7b", toks, dst, verify=(dst, list(stats.page_digests)))
+    release(pair.prefill, "dig-7b")
+    release(pair.decode, "dig-7b")
+
+
 def test_prefill_refuses_to_send_a_corrupt_cached_source_page(pair: Pair) -> None:
     toks = tokens(2 * PAGE + 3, seed=4)
     src, dst, _ = transfer(pair, "dig-4", len(toks), seed=4)
@@ -254,3 +284,39 @@ def test_digests_off_take_and_check_nothing() -> None:
     finally:
         factory.close()
 
+
+
+@pytest.mark.timeout(300)  # two more sidecars of 24 MiB pools each
+def test_a_large_write_hashes_beside_the_engine_and_returns_exact_digests() -> None:
+    # Above INLINE_HASH_BYTES the fresh pages are hashed on the sidecar's page-digest threads
+    # while the engine copies them; the digests must still name exactly the bytes that landed.
+    from deltakv.sidecar.transfers import INLINE_HASH_BYTES
+
+    big = dataclasses.replace(TOY_LAYOUT, head_dim=TOY_LAYOUT.head_dim * 32, num_pages=24)
+    n = 20
+    assert n * big.page_bytes > INLINE_HASH_BYTES
+    factory = SidecarFactory()
+    try:
+        p = Pair(factory.start("decode", layout=big), factory.start("prefill", layout=big))
+        try:
+            src = list(p.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+                request_id="big", num_pages=n), timeout=10).page_indices)
+            dst = list(p.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+                request_id="big", num_pages=n), timeout=10).page_indices)
+            gen = torch.Generator().manual_seed(11)
+            for page in src:
+                p.prefill_pool.as_bytes()[page].copy_(torch.randint(
+                    0, 256, (big.page_bytes,), dtype=torch.uint8, generator=gen))
+            info = grant(p.decode, "big", kv_pb2.TransferInfo(
+                request_id="big", dst_page_indices=dst, decode_prefix_len=0,
+                prompt_len=n * big.page_size, lease_ms=60_000))
+            stats = p.prefill.stub().WritePages(write_request(info, src), timeout=60).stats
+            close_grant(p.decode, info.room)
+            want = [xxhash.xxh3_64_intdigest(p.prefill_pool.as_bytes()[s].numpy()) for s in src]
+            assert list(stats.page_digests) == want
+            assert list(stats.page_digests) == [
+                xxhash.xxh3_64_intdigest(p.decode_pool.as_bytes()[d].numpy()) for d in dst]
+        finally:
+            p.close()
+    finally:
+        factory.close()

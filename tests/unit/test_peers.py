@@ -307,3 +307,51 @@ def test_a_slow_connect_to_another_peer_does_not_block(prefill_pool, decode) -> 
     finally:
         table.close()
         other.close()
+
+
+def test_a_connected_endpoint_is_checked_once_and_its_replacement_still_refused(
+        prefill_pool, decode, monkeypatch) -> None:
+    # issue 14: a write to a connected decode does not verify the seal or parse the layout
+    # again, yet the cache never lets through what a full check refuses.
+    table, transport = make_table(prefill_pool)
+    verified: list[str] = []
+    real_verify = pairing.verify_endpoint
+    monkeypatch.setattr(pairing, "verify_endpoint",
+                        lambda info, key: (verified.append(info.endpoint_id),
+                                           real_verify(info, key))[1])
+    old_info = decode.info
+    handle = table.connect(old_info)
+    assert verified == [old_info.endpoint_id]
+    copy = kv_pb2.EndpointInfo()
+    copy.CopyFrom(old_info)  # what each WritePages request carries: an equal message
+    assert table.check(copy) == TOY_LAYOUT and table.connect(copy) is handle
+    assert verified == [old_info.endpoint_id]  # cached: no second seal check
+    # The same id with a tampered field is not the cached endpoint: full check, refused.
+    tampered = kv_pb2.EndpointInfo()
+    tampered.CopyFrom(old_info)
+    tampered.address = "attacker/x"
+    with pytest.raises(Unauthenticated):
+        table.check(tampered)
+    # A new incarnation replaces the pre-connected one: the old handle is closed and the old
+    # endpoint refused by check and connect alike, the new one connected and written.
+    new_info = decode.restart()
+    new = table.connect(new_info)
+    assert handle.closed
+    for attempt in (lambda: table.check(old_info), lambda: table.connect(old_info)):
+        with pytest.raises(UnknownEndpoint, match="dead incarnation"):
+            attempt()
+    with pytest.raises(UnknownEndpoint):
+        transport.write(handle, [PageRun(0, 0, 1)], ticket())
+    transport.write(new, [PageRun(2, 3, 1)], ticket())
+    assert torch.equal(decode.pool.as_bytes()[3], prefill_pool.as_bytes()[2])
+    # After a drop (an engine failure) the next check is a full one again, then reconnects.
+    table.drop(new_info.endpoint_id)
+    verified.clear()
+    assert table.check(new_info) == TOY_LAYOUT and verified == [new_info.endpoint_id]
+    again = table.connect(new_info)
+    assert again is not new and not again.closed
+    transport.write(again, [PageRun(4, 5, 1)], ticket())
+    assert torch.equal(decode.pool.as_bytes()[5], prefill_pool.as_bytes()[4])
+    table.close()
+    with pytest.raises(Unavailable):
+        table.connect(new_info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -17,36 +18,59 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
 
 
+@dataclass(frozen=True)
+class Trial:
+    """One benchmarked method: ``prepare`` and ``verify`` run untimed around every timed
+    ``action``; ``verify`` returns whether that repetition did its job."""
+
+    prepare: Callable[[], None]
+    action: Callable[[], None]
+    verify: Callable[[], bool]
+
+
+def time_interleaved(repeats: int, trials: dict[str, Trial]) -> dict[str, tuple[float, bool]]:
+    """Median seconds of each trial's ``action`` over ``repeats`` rounds, and whether every
+    repetition of it verified. One untimed warm-up round, then ``repeats`` rounds; a round
+    runs every trial once, the order rotated by one each round, so on a noisy machine every
+    method sees the same noise and none always follows the same neighbour (a benchmark that
+    runs all of one method and then all of another measures the load's drift instead)."""
+    names = list(trials)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    ok = dict.fromkeys(names, True)
+    for i in range(repeats + 1):
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            trial = trials[name]
+            trial.prepare()
+            t0 = time.perf_counter()
+            trial.action()
+            elapsed = time.perf_counter() - t0
+            ok[name] = trial.verify() and ok[name]
+            if i:
+                times[name].append(elapsed)
+    return {name: (statistics.median(times[name]), ok[name]) for name in names}
+
+
 def _median_timed(repeats: int, prepare: Callable[[], None], action: Callable[[], None],
                   verify: Callable[[], bool]) -> tuple[float, bool]:
-    """Median seconds of ``action`` over ``repeats`` (plus one untimed warm-up); ``prepare``
-    and ``verify`` run outside the timing around every repetition. Verified only if every
-    repetition verified."""
-    times, ok = [], True
-    for i in range(repeats + 1):
-        prepare()
-        t0 = time.perf_counter()
-        action()
-        elapsed = time.perf_counter() - t0
-        ok = verify() and ok
-        if i:
-            times.append(elapsed)
-    return statistics.median(times), ok
+    """:func:`time_interleaved` of one trial."""
+    return time_interleaved(repeats, {"": Trial(prepare, action, verify)})[""]
 
 
-def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view: Any,
-                     dst_pages: list[int], action: Callable[[], None],
-                     seed: int = 0, setup: Callable[[], None] = lambda: None,
-                     teardown: Callable[[], None] = lambda: None) -> tuple[float, bool]:
-    """Median seconds of ``action`` copying pages ``src_pages`` of ``src_view`` to pages
+def page_write_trial(src_view: Any, src_pages: list[int], dst_view: Any,
+                     dst_pages: list[int], action: Callable[[], None], seed: int = 0,
+                     setup: Callable[[], None] = lambda: None,
+                     teardown: Callable[[], None] = lambda: None) -> Trial:
+    """The :class:`Trial` of ``action`` copying pages ``src_pages`` of ``src_view`` to pages
     ``dst_pages`` of ``dst_view`` (both ``uint8 [num_pages, page_bytes]`` tensors over the
-    real pools), and whether every repetition verified. ``setup`` / ``teardown`` run
-    untimed before / after each repetition (e.g. issue and close its grant).
+    real pools). ``setup`` / ``teardown`` run untimed before / after each repetition (e.g.
+    issue and close its grant).
 
     Before each repetition the source pages get fresh random bytes and the destination pages
     zeros, written in place (``view[index] = ...``; ``view[index].zero_()`` would zero a
     copy): a repetition that wrote nothing, or wrote the previous repetition's bytes, fails
-    the byte-for-byte check after it.
+    the byte-for-byte check after it. Every method prepared this way touches its destination
+    the same way just before it runs, so all see equally warm memory.
     """
     import torch
 
@@ -64,7 +88,17 @@ def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view
         teardown()
         return bool(torch.equal(dst_view[dst_index], src_view[src_index]))
 
-    return _median_timed(repeats, prepare, action, verify)
+    return Trial(prepare, action, verify)
+
+
+def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view: Any,
+                     dst_pages: list[int], action: Callable[[], None],
+                     seed: int = 0, setup: Callable[[], None] = lambda: None,
+                     teardown: Callable[[], None] = lambda: None) -> tuple[float, bool]:
+    """Median seconds of one :func:`page_write_trial` over ``repeats`` (plus a warm-up) and
+    whether every repetition verified."""
+    return time_interleaved(repeats, {"": page_write_trial(
+        src_view, src_pages, dst_view, dst_pages, action, seed, setup, teardown)})[""]
 
 
 def measure_memcpy(nbytes: int, repeats: int) -> float:

@@ -31,8 +31,18 @@ IssueGrant + CloseGrant round trip. Before every repeat (the untimed warm-up inc
 method gets fresh random bytes in its source pages and zeros in its destination pages, both
 written in place, the same way for every method (so all see equally warm memory); after it
 the destination is compared byte for byte with the source (``verified``), so every timed
-repeat proves it wrote its own bytes. DESIGN §10's bar: contiguous sidecar >= 90 % of raw;
-shm close to memcpy.
+repeat proves it wrote its own bytes. The methods run interleaved (one untimed warm-up round,
+then ``--repeats`` rounds, each running every method once, the order rotated each round), so a
+loaded machine's drift hits every method alike; the raw engine gets its own grant per repeat
+like the sidecar methods.
+
+Small writes (issue 14, a delta of a few pages): for each ``--small-pages`` size the sidecar's
+contiguous write (digests on) and the raw engine's write of the same pages run interleaved
+``--small-repeats`` times; ``fixed_ms`` is the difference of their medians, what one
+``WritePages`` costs beyond the engine (RPC, checks, plan, digests, admission). The table
+prints the date and the load average at the start and end of the run.
+
+DESIGN §10's bar: contiguous sidecar >= 90 % of raw (issue 14: >= 95 %); shm close to memcpy.
 """
 
 from __future__ import annotations
@@ -50,9 +60,12 @@ from pathlib import Path
 from typing import Any
 
 from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
+    Trial,
     gbps,
     measure_memcpy,
     measure_xxh3,
+    page_write_trial,
+    time_interleaved,
     time_page_writes,
 )
 
@@ -71,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-bytes", type=int, default=None,
                         help="bytes per page instead of --model's (a multiple of 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
+    parser.add_argument("--small-pages", default="1,5", metavar="N,N",
+                        help="small-write sizes in pages, comma-separated: the sidecar's fixed "
+                             "cost per WritePages beside the raw engine (default 1,5; '' = none)")
+    parser.add_argument("--small-repeats", type=int, default=20,
+                        help="timed repeats of each small write (median, default 20)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option for the sidecars and the raw engine, repeatable")
@@ -138,9 +156,12 @@ class _Sidecar:
 
 def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
                     options: list[str], ready_timeout_s: float,
-                    model: str = DEFAULT_MODEL) -> dict[str, Any]:
-    """Run the three methods on ``backend``; returns the per-backend JSON record
-    (``page_bytes`` None: one page of ``model``, see :func:`bench_layout`)."""
+                    model: str = DEFAULT_MODEL, small_pages: tuple[int, ...] = (),
+                    small_repeats: int = 20) -> dict[str, Any]:
+    """Run the three methods on ``backend``, interleaved, then the small writes of
+    ``small_pages`` pages each (sidecar vs raw, interleaved, ``small_repeats`` rounds; sizes
+    above ``pages`` are skipped); returns the per-backend JSON record (``page_bytes`` None: one
+    page of ``model``, see :func:`bench_layout`)."""
     import grpc
 
     from deltakv.layout import KVLayout
@@ -208,9 +229,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         def close(room: int) -> None:
             dec_stub.CloseGrant(sidecar_pb2.CloseGrantRequest(room=room), timeout=10)
 
-        def sidecar_method(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
-                           digests: bool) -> tuple[float, bool, int]:
-            runs: list[int] = []
+        def sidecar_trial(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
+                          digests: bool, runs: list[int]) -> Trial:
             granted: list[kv_pb2.TransferInfo] = []
 
             def setup() -> None:
@@ -235,9 +255,33 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                                        f"digests for {len(src)} pages (digests {digests})")
                 runs.append(stats.runs)
 
-            seconds, ok = time_page_writes(repeats, source, src, dst_view, dst, action,
-                                           seed=seed, setup=setup, teardown=teardown)
-            return seconds, ok, runs[-1]
+            return page_write_trial(source, src, dst_view, dst, action, seed=seed, setup=setup,
+                                    teardown=teardown)
+
+        # Raw engine: this process's own transport over the same source pool, one write of
+        # one run covering the block, straight to the decode sidecar's endpoint, under a grant
+        # issued and closed around each repeat like the sidecar's (shm checks its fence words
+        # on every run).
+        engine = create_transport(backend, TransportOptions(
+            host="127.0.0.1", extra=parse_options(options)))
+        closers.append(engine.close)
+        engine.register_pool(pre_pool)
+        peer = engine.connect(dec_desc.endpoint)
+        closers.append(lambda: engine.disconnect(peer))
+
+        def raw_trial(n: int, seed: int) -> Trial:
+            block = [PageRun(src_page=0, dst_page=0, num_pages=n)]
+            pages_n = list(range(n))
+            granted: list[kv_pb2.TransferInfo] = []
+
+            def action() -> None:
+                ticket = RoomTicket(room=granted[-1].room, request_id="bench-raw",
+                                    deadline=time.monotonic() + 120.0)
+                engine.write(peer, block, ticket)
+
+            return page_write_trial(src_view, pages_n, dst_view, pages_n, action, seed=seed,
+                                    setup=lambda: granted.append(issue(pages_n)),
+                                    teardown=lambda: close(granted[-1].room))
 
         contiguous = list(range(pages))
         # Source on even pages ascending, destination on odd pages descending: no two
@@ -245,34 +289,40 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         scat_src = [2 * i for i in range(pages)]
         scat_dst = [2 * (pages - 1 - i) + 1 for i in range(pages)]
         plain_view = plain_pool.as_bytes()
-        t_contig, ok_contig, runs_contig = sidecar_method(pre_stub, src_view, contiguous,
-                                                          contiguous, 1, True)
-        t_contig_off, ok_contig_off, _ = sidecar_method(plain_stub, plain_view, contiguous,
-                                                        contiguous, 4, False)
-        t_scat, ok_scat, runs_scat = sidecar_method(pre_stub, src_view, scat_src, scat_dst, 2,
-                                                    True)
-        t_scat_off, ok_scat_off, _ = sidecar_method(plain_stub, plain_view, scat_src, scat_dst,
-                                                    5, False)
-
-        # Raw engine: this process's own transport over the same source pool, one write of
-        # one run covering the block, straight to the decode sidecar's endpoint.
-        engine = create_transport(backend, TransportOptions(
-            host="127.0.0.1", extra=parse_options(options)))
-        closers.append(engine.close)
-        engine.register_pool(pre_pool)
-        peer = engine.connect(dec_desc.endpoint)
-        closers.append(lambda: engine.disconnect(peer))
-        block = [PageRun(src_page=0, dst_page=0, num_pages=pages)]
-        raw_grant = issue(contiguous)  # shm checks its fence words on every run
-
-        def raw_write() -> None:
-            ticket = RoomTicket(room=raw_grant.room, request_id="bench-raw",
-                                deadline=time.monotonic() + 120.0)
-            engine.write(peer, block, ticket)
-
-        t_raw, ok_raw = time_page_writes(repeats, src_view, contiguous, dst_view, contiguous,
-                                         raw_write, seed=3)
-        close(raw_grant.room)
+        runs_contig: list[int] = []
+        runs_scat: list[int] = []
+        # All five methods in one interleaved run: each sees the same machine.
+        timed = time_interleaved(repeats, {
+            "contiguous": sidecar_trial(pre_stub, src_view, contiguous, contiguous, 1, True,
+                                        runs_contig),
+            "contiguous_nodigest": sidecar_trial(plain_stub, plain_view, contiguous, contiguous,
+                                                 4, False, []),
+            "scattered": sidecar_trial(pre_stub, src_view, scat_src, scat_dst, 2, True,
+                                       runs_scat),
+            "scattered_nodigest": sidecar_trial(plain_stub, plain_view, scat_src, scat_dst, 5,
+                                                False, []),
+            "raw": raw_trial(pages, 3),
+        })
+        t_contig, ok_contig = timed["contiguous"]
+        t_contig_off, ok_contig_off = timed["contiguous_nodigest"]
+        t_scat, ok_scat = timed["scattered"]
+        t_scat_off, ok_scat_off = timed["scattered_nodigest"]
+        t_raw, ok_raw = timed["raw"]
+        # Small writes (issue 14: a delta of a few pages): the sidecar's fixed cost per
+        # WritePages is its time minus the raw engine's for the same pages, interleaved.
+        small: dict[str, dict[str, Any]] = {}
+        small_ok = True
+        for n in small_pages:
+            if n > pages:
+                continue
+            block_n = list(range(n))
+            pair = time_interleaved(small_repeats, {
+                "sidecar": sidecar_trial(pre_stub, src_view, block_n, block_n, 10 + n, True, []),
+                "raw": raw_trial(n, 20 + n)})
+            (t_side, ok_side), (t_eng, ok_eng) = pair["sidecar"], pair["raw"]
+            small_ok = small_ok and ok_side and ok_eng
+            small[str(n)] = {"sidecar_ms": t_side * 1e3, "raw_ms": t_eng * 1e3,
+                             "fixed_ms": (t_side - t_eng) * 1e3, "verified": ok_side and ok_eng}
 
         # Safety costs, beside the write they protect.
         fence_view = None
@@ -295,22 +345,24 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "scattered_gbps": _gbps(nbytes, t_scat),
             "contiguous_ratio": _gbps(nbytes, t_contig) / raw,
             "scattered_ratio": _gbps(nbytes, t_scat) / raw,
-            "contiguous_runs": runs_contig,
-            "scattered_runs": runs_scat,
+            "contiguous_runs": runs_contig[-1],
+            "scattered_runs": runs_scat[-1],
             "grant_check_us": costs["grant_check_us"],
             "grant_check_pct": 100.0 * costs["grant_check_us"] / t_contig_us,
             "fence_kind": getattr(engine, "fence_kind", ""),
             "fence_us_per_run": costs.get("fence_us_per_run", 0.0),
-            "fence_pct_contiguous": 100.0 * costs.get("fence_us_per_run", 0.0) * runs_contig
-            / t_contig_us,
-            "fence_pct_scattered": 100.0 * costs.get("fence_us_per_run", 0.0) * runs_scat
-            / (t_scat * 1e6),
+            "fence_pct_contiguous": 100.0 * costs.get("fence_us_per_run", 0.0)
+            * runs_contig[-1] / t_contig_us,
+            "fence_pct_scattered": 100.0 * costs.get("fence_us_per_run", 0.0)
+            * runs_scat[-1] / (t_scat * 1e6),
             "grant_rpc_ms": statistics.median(grant_rtt) * 1e3,
             "contiguous_nodigest_gbps": _gbps(nbytes, t_contig_off),
             "scattered_nodigest_gbps": _gbps(nbytes, t_scat_off),
             # Share of the contiguous write's time the digests add (negative: noise).
             "digest_cost": (t_contig - t_contig_off) / t_contig,
-            "verified": ok_contig and ok_scat and ok_raw and ok_contig_off and ok_scat_off,
+            "small": small,
+            "verified": (ok_contig and ok_scat and ok_raw and ok_contig_off and ok_scat_off
+                         and small_ok),
         }
     finally:
         for close in reversed(closers):
@@ -323,11 +375,22 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (``/proc/loadavg``), "unknown" elsewhere."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable summary of a result dict."""
     lines = [f"bench transfer: {result['pages']} pages x {result['page_bytes']} B = "
              f"{result['pages'] * result['page_bytes'] / 2**20:.1f} MiB per write, median of "
-             f"{result['repeats']}",
+             f"{result['repeats']}, methods interleaved",
+             f"date {result['date']}, load average {result['loadavg']} at the start, "
+             f"{result.get('loadavg_end', '?')} at the end, {result['cpus']} CPUs (figures "
+             f"from a loaded machine are not comparable with a quiet one's)",
              f"memcpy: {result['memcpy_gbps']:.2f} GB/s, xxh3_64: {result['xxh3_gbps']:.2f} GB/s "
              f"(page digests: sidecar columns with digests on | off)", "",
              f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
@@ -353,14 +416,33 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{rec['fence_kind']:>13}{rec['fence_us_per_run']:>7.1f} us"
                      f"{rec['fence_pct_contiguous']:>9.3f}%{rec['fence_pct_scattered']:>10.3f}%"
                      f"{rec['grant_rpc_ms']:>9.2f} ms")
+    small = [(name, n, row) for name, rec in result["backends"].items()
+             for n, row in rec.get("small", {}).items()]
+    if small:
+        lines += ["", f"small writes (median of {result.get('small_repeats', '?')}, interleaved): "
+                  "fixed cost = sidecar WritePages - raw engine, same pages",
+                  f"{'backend':<10}{'pages':>6}{'raw ms':>10}{'sidecar ms':>12}{'fixed ms':>10}"
+                  "  verified"]
+        for name, n, row in small:
+            lines.append(f"{name:<10}{n:>6}{row['raw_ms']:>10.3f}{row['sidecar_ms']:>12.3f}"
+                         f"{row['fixed_ms']:>10.3f}  {row['verified']}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print the table, write JSON. Exit 0 if every measured backend verified, 1 if
     one did not or failed, 2 for bad arguments."""
-    if args.pages <= 0 or args.repeats <= 0:
-        print("bench transfer: --pages and --repeats must be > 0", file=sys.stderr)
+    if args.pages <= 0 or args.repeats <= 0 or args.small_repeats <= 0:
+        print("bench transfer: --pages, --repeats and --small-repeats must be > 0",
+              file=sys.stderr)
+        return 2
+    try:
+        small_pages = tuple(int(n) for n in args.small_pages.split(",") if n.strip())
+    except ValueError:
+        small_pages = (0,)
+    if any(n <= 0 for n in small_pages):
+        print(f"bench transfer: --small-pages must be positive page counts, got "
+              f"{args.small_pages!r}", file=sys.stderr)
         return 2
     from deltakv.errors import DeltaKVError
 
@@ -378,7 +460,9 @@ def run(args: argparse.Namespace) -> int:
         names = [args.backend]
     nbytes = args.pages * page_bytes
     result: dict[str, Any] = {"pages": args.pages, "page_bytes": page_bytes,
-                              "repeats": args.repeats,
+                              "repeats": args.repeats, "small_repeats": args.small_repeats,
+                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "loadavg": _loadavg(), "cpus": os.cpu_count(),
                               "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
                               "xxh3_gbps": measure_xxh3(nbytes, args.repeats),
                               "backends": {},
@@ -393,12 +477,14 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             rec = measure_backend(name, args.pages, args.page_bytes, args.repeats,
-                                  args.transport_option, args.ready_timeout_s, args.model)
+                                  args.transport_option, args.ready_timeout_s, args.model,
+                                  small_pages, args.small_repeats)
         except Exception as exc:  # noqa: BLE001 - report the backend, measure the others
             rec = {"error": f"{type(exc).__name__}: {exc}", "verified": False}
         result["backends"][name] = rec
         if not rec.get("verified"):
             status = 1
+    result["loadavg_end"] = _loadavg()
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
