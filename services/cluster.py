@@ -48,9 +48,10 @@ METRICS_PORT_OFFSETS = {"decode": 0, "prefill": 1, "decode-sidecar": 2, "prefill
 START_GROUPS = (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",), ("router",))
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str | None = None) -> None:
     """ClusterError if ``host:port`` cannot be bound now (another cluster or program listens
-    there): said before any process starts, instead of a child failing later.
+    there): said before any process starts, instead of a child failing later. ``flag``: the
+    option that chose the port (``--decode-port``), named first in the message.
 
     Binds with SO_REUSEADDR, as gRPC's own listener does, so a port that only has connections
     in TIME_WAIT (about a minute after a restart) counts as free, exactly as it is for gRPC.
@@ -60,8 +61,9 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise ClusterError(f"cannot use {host}:{port}: {exc.strerror}; choose another "
-                               f"port (0 picks a free one)") from None
+            what = f"{flag} {port}" if flag else f"port {port}"
+            raise ClusterError(f"{what} is in use ({host}:{port}: {exc.strerror}); choose "
+                               f"another port (0 picks a free one)") from None
 
 
 def check_transport(name: str) -> None:
@@ -137,10 +139,11 @@ class LocalCluster:
                                f"prefill {config.prefill_replicas}")
         self.link = self._plan_link(config)
         # On a link the prefill host is a fresh namespace: every port there is free.
-        for port in (config.decode_port, 0 if self.link else config.prefill_port,
-                     config.http_port):
+        for port, flag in ((config.decode_port, "--decode-port"),
+                           (0 if self.link else config.prefill_port, "--prefill-port"),
+                           (config.http_port, "--http-port")):
             if port:
-                check_port_free(config.host, port)
+                check_port_free(config.host, port, flag)
         if config.decode_port == 0:
             config.decode_port = free_port(config.host)
         if config.prefill_port == 0:
@@ -183,6 +186,7 @@ class LocalCluster:
             generate_key_file(self.key_file)
         self.procs = self._plan()
         self._stopped = False
+        self._start_failed = False
 
     # -- process plan ---------------------------------------------------------------------------
 
@@ -345,9 +349,11 @@ class LocalCluster:
                         progress(f"waiting for {proc.name}")
                     proc.wait_serving(deadline - time.monotonic(), interrupted)
         except (ProcessError, LinkError) as exc:
+            self._start_failed = True
             self.stop()
             raise ClusterError(str(exc)) from None
         except BaseException:
+            self._start_failed = True
             self.stop()
             raise
 
@@ -367,9 +373,11 @@ class LocalCluster:
 
     def stop(self) -> dict[str, int | None]:
         """Stop decode, prefill, then the sidecars (SIGTERM, bounded wait, SIGKILL); unlink
-        the pool segment of a sidecar that had to be killed; remove a run directory this
-        object created unless a process failed (its logs are kept). Idempotent; returns each
-        process's exit status (None: never started)."""
+        the pool segment of a sidecar that had to be killed. A run directory this object
+        created is removed after a clean stop and kept, with its logs, when start-up failed or
+        a process exited other than by our SIGTERM (:attr:`kept_logs` says where); the pairing
+        key in a kept one is deleted (a secret with no use once the cluster is gone).
+        Idempotent; returns each process's exit status (None: never started)."""
         if not self._stopped:
             self._stopped = True
             for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
@@ -379,9 +387,24 @@ class LocalCluster:
             for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            if self.own_run_dir and not self.dead_with_error():
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.own_run_dir:
+                if self._start_failed or self.dead_with_error():
+                    with contextlib.suppress(FileNotFoundError):
+                        self.key_file.unlink()
+                else:
+                    shutil.rmtree(self.run_dir, ignore_errors=True)
         return {p.name: p.returncode for p in self.procs}
+
+    @property
+    def kept_logs(self) -> Path | None:
+        """The run directory if it holds logs after :meth:`stop` (one this object created and
+        kept after a failure, or the caller's ``run_dir``), else None (removed)."""
+        return self.run_dir if self.run_dir.exists() else None
+
+    def killed(self) -> list[str]:
+        """Names of the processes that ended by SIGKILL (did not stop within their bound after
+        SIGTERM, or were killed from outside)."""
+        return [p.name for p in self.procs if p.returncode == -signal.SIGKILL]
 
     def segments(self) -> list[str]:
         """Paths under /dev/shm of this cluster's segments that exist now (pools of every

@@ -28,12 +28,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
     Internal,
     InvalidArgument,
+    Unavailable,
     from_rpc_error,
 )
 from deltakv.layout import delta_pages
@@ -46,6 +48,9 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # A CPU-only cluster (2 cores) can take tens of seconds for a long prompt; generous but bounded.
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
+# check_reachable's bound: a refused connection fails at once; this only bounds a silent one
+# (a host that drops packets).
+DEFAULT_REACH_TIMEOUT_S = 5.0
 DECODE_SERVICE_NAME = "deltakv.v1.DecodeService"
 #: Metadata key (HTTP header) of a conversation: routers keep one key on one decode replica.
 SESSION_HEADER = "x-deltakv-session"
@@ -327,6 +332,29 @@ class DecodeClient:
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()
+
+    async def check_reachable(self, timeout_s: float = DEFAULT_REACH_TIMEOUT_S) -> None:
+        """Fail fast when nothing answers at the target: one ``grpc.health.v1`` Check that does
+        not wait for the channel to connect (as a ``Generate`` call does not), bounded by
+        ``timeout_s`` seconds. Any answer, SERVING or not, counts as reachable; follow with
+        :meth:`wait_ready` for readiness.
+
+        Raises :class:`InvalidArgument` for a non-positive ``timeout_s`` and
+        :class:`Unavailable` (UNAVAILABLE) when the connection fails (refused, unknown host, a
+        failed TLS handshake) or no answer comes within ``timeout_s``.
+        """
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self._get_stub()
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE_NAME),
+                             timeout=timeout_s, wait_for_ready=False)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(f"cannot reach the decode service at {self.target} "
+                                  f"({err.code().name}: {err.details()})") from None
+            # NOT_FOUND, UNIMPLEMENTED, ...: a server answered.
 
     async def wait_ready(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         """Wait until the decode service reports SERVING on ``grpc.health.v1`` (seconds,

@@ -16,10 +16,17 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from deltakv.client import DEFAULT_TARGET, DecodeClient, GenerateResult
+from deltakv.client import DEFAULT_REACH_TIMEOUT_S, DEFAULT_TARGET, DecodeClient, GenerateResult
 from deltakv.errors import DeltaKVError, InvalidArgument
 from deltakv.rpc import tls as tls_files
 from deltakv.rpc.tls import TLSFiles
+from deltakv.services.cli.argtypes import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -102,6 +109,9 @@ def _print_text(out: TextIO) -> Callable[[str], None]:
 
 
 async def _connect(client: DecodeClient, timeout_s: float) -> None:
+    """Fail at once when nothing listens at the target (as ``deltakv generate`` does), then
+    wait up to ``timeout_s`` for a service that answers but is still starting."""
+    await client.check_reachable(min(timeout_s, DEFAULT_REACH_TIMEOUT_S))
     await client.wait_ready(timeout_s)
 
 
@@ -109,7 +119,8 @@ def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
               max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
               timeout_s: float, connect_timeout_s: float, tls: TLSFiles | None = None) -> int:
     """Run the chat until ``/quit`` or EOF on ``stdin``; returns the exit code (0, or 2 when
-    the service is unreachable within ``connect_timeout_s`` seconds — a refused TLS handshake
+    the service is unreachable — at once when nothing listens there, after at most
+    ``connect_timeout_s`` seconds when it answers but is not SERVING; a refused TLS handshake
     included). ``tls``: dial with TLS (see :class:`~deltakv.client.DecodeClient`).
 
     Lines are read synchronously between turns (a chat is sequential, and a blocking read in
@@ -124,7 +135,8 @@ def chat_loop(target: str, stdin: TextIO, out: TextIO, *, system: str | None,
         try:
             loop.run_until_complete(_connect(client, connect_timeout_s))
         except DeltaKVError as exc:
-            print(f"deltakv chat: {exc}", file=sys.stderr)
+            print(f"deltakv chat: {exc}; is the cluster up (`deltakv up`) and --target its "
+                  f"decode address?", file=sys.stderr)
             return 2
         session = ChatSession(client, system=system, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, seed=seed,
@@ -168,14 +180,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``deltakv chat``."""
     parser.add_argument("--target", default=DEFAULT_TARGET, help="decode service HOST:PORT")
     parser.add_argument("--system", default=None, help="system message of the conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS,
                         help="tokens per answer at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus filter (0 = off)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
-    parser.add_argument("--timeout", type=float, default=300.0, help="deadline per turn (s)")
-    parser.add_argument("--connect-timeout", type=float, default=30.0,
-                        help="bound on reaching the service (s)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=fraction, default=0.0, help="nucleus filter (0 = off)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, help="sampling seed")
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="deadline per turn (s)")
+    parser.add_argument("--connect-timeout", type=positive_float, default=30.0,
+                        help="bound on waiting for a service that answers but is still "
+                             "starting (s); nothing listening fails at once")
     tls_files.add_client_arguments(parser)
 
 

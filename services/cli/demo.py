@@ -32,6 +32,7 @@ from typing import TextIO
 
 from deltakv.client import DecodeClient, GenerateResult
 from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.services.cli.argtypes import positive_float
 from deltakv.services.cli.bench.multiturn import (
     MultiturnConfig,
     add_workload_arguments,
@@ -162,9 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="cluster run directory: sockets and each process's log (default: "
                              "a fresh temporary one, removed after a successful run)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
+    parser.add_argument("--startup-timeout", type=positive_float, default=600.0,
                         help="bound on the cluster becoming ready (s)")
-    parser.add_argument("--connect-timeout", type=float, default=60.0,
+    parser.add_argument("--connect-timeout", type=positive_float, default=60.0,
                         help="bound on reaching the decode service once ready (s)")
     parser.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                         help="extra `deltakv up` flag for the cluster (repeatable, e.g. "

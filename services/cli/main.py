@@ -19,6 +19,8 @@ import os
 import sys
 import traceback
 
+from deltakv.services.cli.argtypes import DefaultsHelpFormatter
+
 # Set by the entry point, never at import of a library module (models are built in or local
 # files; the loader also passes local_files_only).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
@@ -36,8 +38,12 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("chat",), "deltakv.services.cli.chat", "interactive multi-turn chat against a cluster"),
     (("demo",), "deltakv.services.cli.demo", "local cluster on SmolLM2: a chat and the multi-turn A/B"),
     (("bench", "transfer"), "deltakv.services.cli.bench.transfer", "sidecar vs raw engine vs memcpy"),
+    (("bench", "completion"), "deltakv.services.cli.bench.completion",
+     "mooncake completion: sending-sidecar CPU per GB, spinning waiter vs poller"),
     (("bench", "model"), "deltakv.services.cli.bench.model", "paged runner vs transformers"),
     (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
+    (("bench", "stream"), "deltakv.services.cli.bench.stream",
+     "per-token cost of the served streams vs the in-process loop"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]
@@ -63,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                 parents[prefix] = sub
                 groups[prefix] = sub.add_subparsers(dest=f"cmd_{depth}", required=True,
                                                     metavar="COMMAND")
-        leaf = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text)
+        leaf = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text,
+                                             formatter_class=DefaultsHelpFormatter)
         if module is None:
             # Its flags are unknown: main() lets them through, so the reason is what shows.
             leaf.set_defaults(_run=_unavailable(" ".join(words), reason), _accepts_any=True)

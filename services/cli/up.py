@@ -10,8 +10,10 @@ Starts the processes (each a ``deltakv serve ...`` command, exactly what the Hel
 runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check, prints
 **one** line with the decode address and then only errors (lines logged at level error by any
 process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
-(SIGTERM, bounded wait, SIGKILL), and removes any pool segment a killed sidecar left in
-``/dev/shm``. Children die with ``up`` (PR_SET_PDEATHSIG) so no orphan survives even a SIGKILL
+(SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
+pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
+clean stop; after a failure it stays, with every process's log, and its path is printed (the
+pairing key in it is deleted). Children die with ``up`` (PR_SET_PDEATHSIG) so no orphan survives even a SIGKILL
 of ``up``.
 
 Building the parser imports nothing heavy: the cluster, telemetry and transports are imported
@@ -27,7 +29,7 @@ import signal
 import sys
 import threading
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import non_negative_int, port_number, positive_float, positive_int
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -73,32 +75,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = ClusterConfig()
     parser.add_argument("--model", default=c.model, help="smollm2 | tiny-random | PATH")
     parser.add_argument("--transport", default=c.transport, help="shm | mooncake | mori")
-    parser.add_argument("--page-size", type=int, default=c.page_size, help="tokens per page")
-    parser.add_argument("--num-pages", type=int, default=c.num_pages,
+    parser.add_argument("--page-size", type=positive_int, default=c.page_size, help="tokens per page")
+    parser.add_argument("--num-pages", type=positive_int, default=c.num_pages,
                         help="pages per KV pool (each sidecar)")
     parser.add_argument("--decode-port", type=port_number, default=c.decode_port, help="0 = free port")
     parser.add_argument("--prefill-port", type=port_number, default=c.prefill_port, help="0 = free port")
     parser.add_argument("--http-port", type=port_number, default=DEFAULT_HTTP_PORT,
                         help="OpenAI-compatible HTTP API (0 = free port)")
     parser.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
-    parser.add_argument("--decode-replicas", type=int, default=c.decode_replicas,
+    parser.add_argument("--decode-replicas", type=positive_int, default=c.decode_replicas,
                         help="decode workers; more than 1 puts the affinity router in front")
-    parser.add_argument("--prefill-replicas", type=int, default=c.prefill_replicas,
+    parser.add_argument("--prefill-replicas", type=positive_int, default=c.prefill_replicas,
                         help="prefill workers; every decode balances over all of them")
     parser.add_argument("--run-dir", default=None,
-                        help="sockets and logs (default: a temporary dir, removed on exit)")
-    parser.add_argument("--start-timeout-s", type=float, default=c.start_timeout_s,
+                        help="sockets and logs (default: a temporary dir, removed after a "
+                             "clean stop, kept with the logs after a failure: its path is "
+                             "printed)")
+    parser.add_argument("--start-timeout-s", type=positive_float, default=c.start_timeout_s,
                         help="bound on the whole start-up: sidecars, model loads, handshake")
-    parser.add_argument("--prefill-timeout-ms", type=int, default=None,
+    parser.add_argument("--prefill-timeout-ms", type=positive_int, default=None,
                         help="decode's deadline for one Prefill (compute + transfer); long "
                              "prompts on a slow CPU may need more than the 60 s default")
-    parser.add_argument("--lease-ms", type=int, default=None,
+    parser.add_argument("--lease-ms", type=positive_int, default=None,
                         help="transfer lease (default: the decode service's, 60 s)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
                         help="end-to-end page digests in both sidecars (default on)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="TOKENS",
+    parser.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=None, metavar="TOKENS",
                         help="prefill's chunk: pages of each chunk are written while the next "
                              "computes (`deltakv serve prefill --prefill-chunk-tokens`; 0 = "
                              "one forward pass, then the write)")
@@ -108,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to RATE each way (tc rate, e.g. 1gbit, 10gbit); needs "
                              "--transport mooncake")
     parser.add_argument("--log-level", default=c.log_level,
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="log level of every process")
     from deltakv.services.runtime import otel
 
     otel.add_arguments(parser, metrics_port_help=(
@@ -190,8 +195,10 @@ def start_cluster(up_args: list[str], startup_timeout_s: float,
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 after Ctrl-C/SIGTERM, 1 if the cluster failed (start-up or later), 2 for
-    bad flags, 130 if interrupted during start-up."""
+    """Exit status: 0 after Ctrl-C/SIGTERM when every process stopped within its bound, 1 if
+    the cluster failed (start-up or later) or a process had to be SIGKILLed on the way down
+    (named on stderr), 2 for bad flags, 130 if interrupted during start-up. After a failure
+    the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
     from deltakv.services.cluster import ClusterError, LocalCluster, check_transport
 
@@ -212,13 +219,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster.start(interrupted=stop.is_set)
     except ClusterError as exc:
-        kept = cluster.run_dir.exists()
-        print(f"deltakv up: {exc}" + (f"\nlogs: {cluster.run_dir}" if kept else ""),
-              file=sys.stderr, flush=True)
+        print(f"deltakv up: {exc}{_logs_line(cluster)}", file=sys.stderr, flush=True)
         return 130 if stop.is_set() else 1
     except Exception as exc:  # e.g. a grpc import failure: report, never leave children
         cluster.stop()
-        print(f"deltakv up: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"deltakv up: {type(exc).__name__}: {exc}{_logs_line(cluster)}",
+              file=sys.stderr, flush=True)
         return 1
     follower = _ErrorFollower(cluster, stop)
     follower.start()
@@ -241,4 +247,19 @@ def run(args: argparse.Namespace) -> int:
             break
     stop.set()
     cluster.stop()
+    killed = cluster.killed()
+    if killed:
+        print(f"deltakv up: {', '.join(killed)} did not stop within "
+              f"{config.stop_timeout_s:g} s of SIGTERM and had to be killed (SIGKILL)"
+              f"{_logs_line(cluster)}", file=sys.stderr, flush=True)
+        return 1
+    if code:
+        print(f"deltakv up: cluster stopped after a failure{_logs_line(cluster)}",
+              file=sys.stderr, flush=True)
     return code
+
+
+def _logs_line(cluster) -> str:
+    """``\nlogs kept in DIR`` when the cluster's run directory is still there, else ""."""
+    kept = cluster.kept_logs
+    return f"\nlogs kept in {kept}" if kept is not None else ""

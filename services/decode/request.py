@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,13 +86,13 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
         sampling.max_new_tokens = default_max_new_tokens
     if sampling.max_new_tokens > max_new_tokens_limit:
         raise InvalidArgument(f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
-                              f"{max_new_tokens_limit}")
+                              f"{max_new_tokens_limit}", field="max_new_tokens")
     validate_sampling(sampling)
     positions = getattr(model.config, "max_position_embeddings", 0)
     if positions and len(prompt) + sampling.max_new_tokens > positions:
         raise InvalidArgument(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-            f"exceeds the model's context of {positions} positions")
+            f"exceeds the model's context of {positions} positions", field="max_new_tokens")
     return ParsedRequest(prompt=prompt, sampling=sampling,
                          reuse_prefix=not request.disable_decode_prefix_reuse,
                          echo_prompt=request.echo_prompt_token_ids,
@@ -154,17 +155,17 @@ class RequestState:
     answer_pieces: list[str] = field(default_factory=list)
     answer_text: list[str] = field(default_factory=list)
 
-    def streamed(self, token_id: int | None, piece: str, text: str
+    def streamed(self, token_ids: Sequence[int], pieces: Sequence[str], text: str
                  ) -> decode_pb2.GenerateResponse:
-        """The stream message for one generated token, recorded as part of the answer:
-        ``piece`` is the token's own text (detokenizer), ``text`` what is sent for it (stop
-        strings may hold text back or cut it). ``token_id`` None: the text held back until
-        the end of the stream."""
-        if token_id is not None:
-            self.answer_ids.append(token_id)
-            self.answer_pieces.append(piece)
+        """The stream message for generated tokens, recorded as part of the answer:
+        ``pieces`` holds each token's own text (detokenizer), ``text`` is what is sent for
+        them (stop strings may hold text back or cut it). No ``token_ids``: ``pieces`` is the
+        text held back until the end of the stream, added to the last token's piece."""
+        if token_ids:
+            self.answer_ids.extend(token_ids)
+            self.answer_pieces.extend(pieces)
         elif self.answer_pieces:
-            self.answer_pieces[-1] += piece
+            self.answer_pieces[-1] += "".join(pieces)
         self.answer_text.append(text)
-        ids = [] if token_id is None else [token_id]
-        return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=ids, text=text))
+        return decode_pb2.GenerateResponse(chunk=decode_pb2.TokenChunk(token_ids=token_ids,
+                                                                       text=text))

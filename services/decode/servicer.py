@@ -17,7 +17,8 @@
    (its pool is full) is retried with a new room and a new grant while the admission budget
    lasts, after the old grant was closed as abandoned (its fence proven) —
    :mod:`deltakv.services.decode.prefill_call`;
-4. **stream** — the first token, then the continuous batch's typed stream events;
+4. **stream** — the first token, then the continuous batch's typed stream events, the tokens
+   that queued up behind a slow client sent together (:mod:`deltakv.services.decode.stream`);
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
 
@@ -61,17 +62,10 @@ from deltakv.services.decode.request import (
     parse_generate,
     sampler_for_decode,
 )
-from deltakv.services.decode.scheduler import (
-    DecodeRequest,
-    DecodeScheduler,
-    ErrorEvent,
-    FinishEvent,
-    TokenEvent,
-)
-from deltakv.services.decode.stop import StopStrings
+from deltakv.services.decode.scheduler import DecodeRequest, DecodeScheduler
+from deltakv.services.decode.stream import StreamMessages, token_batches
 from deltakv.services.decode.teardown import Teardown
 from deltakv.services.model.sampling import should_stop
-from deltakv.services.model.tokenizer import IncrementalDetokenizer
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
 from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
@@ -299,52 +293,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def _stream(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest
                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
-        """Step 4: the first token (TTFT is measured as it is sent), then every token the
+        """Step 4: the first token (TTFT is measured as it is sent), then the tokens the
         continuous batch produces until the request stops, then any text the detokenizer
-        still held. A stop string in the text ends the request early (finish_reason "stop",
-        the text from the stop string on is not sent). An ``ErrorEvent`` from the batch is
-        raised (INTERNAL)."""
+        still held. Tokens that queued up while the previous message was being sent go out
+        together in one message (:mod:`deltakv.services.decode.stream`). A stop string in the
+        text ends the request early (finish_reason "stop", the text from the stop string on
+        and the tokens after the one that completed it are not sent). An ``ErrorEvent`` from
+        the batch is raised (INTERNAL) after the tokens queued before it were sent."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
                            decode_prefix_len=state.decode_prefix_len)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=parsed.prompt)
-        stops = StopStrings(parsed.stop)
-        async with contextlib.aclosing(self._tokens(state, decode_request)) as tokens:
-            async for token_id in tokens:
-                piece = detokenizer.push(token_id)
-                yield state.streamed(token_id, piece, stops.push(piece))
-                if stops.hit:
+        messages = StreamMessages(state, self.tokenizer, parsed.prompt, parsed.stop)
+        async with contextlib.aclosing(self._tokens(state, decode_request)) as batches:
+            async for batch in batches:
+                yield messages.chunk(batch)
+                if messages.stopped:
                     await self._stop_early(state, decode_request)
                     break
-        tail = detokenizer.flush()
-        text = stops.flush(tail)
-        if tail or text:
-            yield state.streamed(None, tail, text)
+        tail = messages.tail()
+        if tail is not None:
+            yield tail
 
     async def _tokens(self, state: RequestState, decode_request: DecodeRequest
-                      ) -> AsyncIterator[int]:
-        """The generated token ids: prefill's first one, then the continuous batch's."""
-        yield decode_request.tokens[-1]
+                      ) -> AsyncIterator[list[int]]:
+        """The generated token ids in batches: prefill's first one alone, then the
+        continuous batch's as they queue up (:func:`token_batches`)."""
+        yield [decode_request.tokens[-1]]
         if decode_request.finish_reason is None:
             self.scheduler.add(decode_request)
             state.in_scheduler = True
-            while True:
-                match await decode_request.events.get():
-                    case TokenEvent(token_id=token_id):
-                        yield token_id
-                    case FinishEvent():
-                        return
-                    case ErrorEvent(error=error):
-                        raise error
+            async with contextlib.aclosing(token_batches(decode_request.events)) as batches:
+                async for batch in batches:
+                    yield batch
 
     async def _stop_early(self, state: RequestState, decode_request: DecodeRequest) -> None:
         """A stop string ended the request: leave the batch (once no step can still write
-        its KV) and finish as "stop"."""
+        its KV) and finish as "stop". Tokens the batch generated after the streamed ones are
+        dropped, so usage and the cached pages count what the client got."""
         decode_request.finish_reason = "stop"
         if state.in_scheduler and not decode_request.detached.is_set():
             self.scheduler.cancel(decode_request)
             await decode_request.detached.wait()
+        del decode_request.tokens[decode_request.prompt_len + len(state.answer_ids):]
 
     async def _finish(self, state: RequestState, parsed: ParsedRequest,
                       decode_request: DecodeRequest) -> decode_pb2.GenerateResponse:

@@ -267,8 +267,10 @@ class ContextReader:
             hkv = new_k.shape[1]
             outs.append(out.reshape(1, 1, hkv, (h // hkv) * t, d))
             lses.append(lse.reshape(1, 1, hkv, (h // hkv) * t))
-        if len(outs) == 1 and outs[0].shape[1] == 1:  # one result per sequence: nothing to combine
-            return outs[0][:, 0].reshape(b, h, t, d)
+        if len(outs) == 1:  # one kind of partial result: no concatenation (a copy) needed
+            if outs[0].shape[1] == 1:  # one result per sequence: nothing to combine
+                return outs[0][:, 0].reshape(b, h, t, d)
+            return combine(outs[0], lses[0]).view(b, h, t, d)
         return combine(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, t, d)
 
     def _partials(self, layer: int, q: torch.Tensor

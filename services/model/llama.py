@@ -245,12 +245,13 @@ class PagedLlama:
         spec = self.spec
         n = h.shape[0]
         qkv = layer.qkv(h)
-        q_end = spec.num_heads * spec.head_dim
-        k_end = q_end + spec.num_kv_heads * spec.head_dim
-        q = qkv[:, :q_end].view(n, spec.num_heads, spec.head_dim)
-        k = qkv[:, q_end:k_end].view(n, spec.num_kv_heads, spec.head_dim)
+        k_end = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+        # q and k heads are adjacent in the fused projection: one RoPE over both (half the
+        # small ops per layer; the same arithmetic per element as two calls).
+        qk = self._apply_rope(qkv[:, :k_end].view(n, spec.num_heads + spec.num_kv_heads,
+                                                  spec.head_dim), cos, sin)
         v = qkv[:, k_end:].view(n, spec.num_kv_heads, spec.head_dim)
-        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
+        return qk[:, :spec.num_heads], qk[:, spec.num_heads:], v
 
     def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x, layer.post_norm)
@@ -323,7 +324,7 @@ class PagedLlama:
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = self._qkv(layer, h, cos, sin)
             self._store(kv, index, write_rows, k, v)
-            attn = reader.attend(index, q[:, :, None])  # one query position: no causal mask
+            attn = reader.attend(index, q.contiguous()[:, :, None])  # one query: no mask
             x = x + layer.o(attn.reshape(b, spec.num_heads * spec.head_dim))
             x = self._mlp_block(layer, x)
         return self._logits(x)

@@ -11,7 +11,8 @@ Routes (docs/openai.md has the curl examples):
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
 status of the typed error's gRPC code (:func:`deltakv.errors.http_status_of`); a malformed body
-is 400. An error after a stream started is sent as one ``data: {"error": ...}`` event before
+is 400, an unknown path 404 and a method a path does not take 405 (same shape). Errors about the
+output length name the field the client sent (``max_tokens``/``max_completion_tokens``). An error after a stream started is sent as one ``data: {"error": ...}`` event before
 the stream ends. A client that disconnects mid-stream cancels its request (pages released,
 full pages cached) exactly as a cancelled gRPC call does.
 
@@ -30,8 +31,9 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltakv.errors import DeltaKVError, NotFound, Unavailable, http_status_of
+from deltakv.errors import DeltaKVError, InvalidArgument, NotFound, Unavailable, http_status_of
 from deltakv.services.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,7 +46,8 @@ from deltakv.v1 import decode_pb2
 
 #: OpenAI's error ``type`` by HTTP status (anything else: ``server_error``).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+               403: "permission_error", 404: "not_found_error",
+               405: "invalid_request_error", 409: "conflict_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
@@ -100,6 +103,21 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
                                        "param": where or None, "code": "invalid_argument"}},
                             status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown path (404) or a method a path does not take (405): OpenAI's shape, not
+        # FastAPI's {"detail": ...}, so OpenAI clients show the message.
+        what = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({what}): no such route",
+                   405: f"Method not allowed ({what}); allowed: "
+                        f"{(exc.headers or {}).get('allow', '?')}"}.get(exc.status_code,
+                                                                        f"{exc.detail} ({what})")
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                       "code": code}},
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(DeltaKVError)
     async def typed_error(request: Request, exc: DeltaKVError) -> JSONResponse:
         return error_response(exc)
@@ -133,6 +151,11 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
             stream = engine.generate(generate)
             first = await anext(stream)  # prefill errors arrive here, before any byte is sent
         except DeltaKVError as exc:
+            if exc.details.get("field") == "max_new_tokens":
+                # The decode service checks the gRPC field; name the one this client sent.
+                field = body.max_tokens_field
+                return error_response(InvalidArgument(
+                    exc.message.replace("max_new_tokens", field)), param=field)
             return error_response(exc, param="model" if isinstance(exc, NotFound) else None)
         if body.stream:
             return StreamingResponse(

@@ -64,7 +64,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints. ``ignore_eos`` and ``top_k`` are the extensions vLLM
-    also accepts (benchmarks send ``ignore_eos`` to fix output lengths);
+    also accepts (benchmarks send ``ignore_eos`` to fix output lengths; ``top_k`` -1 or 0 is
+    off, as in vLLM);
     ``disable_decode_prefix_reuse`` is deltakv's (the full-transfer baseline)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -72,7 +73,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    # vLLM's "off" is -1, OpenAI's absent, deltakv's wire 0: -1 and 0 both mean no top-k.
+    top_k: int | None = Field(default=None, ge=-1)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,10 +98,16 @@ class _Sampling(BaseModel):
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         params = kv_pb2.SamplingParams(
             temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p or _MIN_TOP_P,
-            top_k=self.top_k or 0, max_new_tokens=max_tokens or 0, ignore_eos=self.ignore_eos)
+            top_k=max(self.top_k or 0, 0), max_new_tokens=max_tokens or 0,
+            ignore_eos=self.ignore_eos)
         if self.seed is not None:
             params.seed = self.seed
         return params
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that set the output length, for error messages."""
+        return "max_tokens"
 
     def stops(self) -> list[str]:
         """``stop`` as a list (checked by the decode service: at most 4, 1..256 chars)."""
@@ -118,6 +126,11 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def max_tokens_field(self) -> str:
+        """``max_completion_tokens`` when sent (it wins), else ``max_tokens``."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def to_generate(self, request_id: str) -> decode_pb2.GenerateRequest:
         """The ``GenerateRequest`` (chat input). InvalidArgument for unsupported options or an

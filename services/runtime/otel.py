@@ -58,6 +58,7 @@ from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 
 from deltakv.errors import FailedPrecondition, InvalidArgument
+from deltakv.services.cli.argtypes import port_number
 
 TRACES_GROUP = "opentelemetry_traces_exporter"
 METRICS_GROUP = "opentelemetry_metrics_exporter"
@@ -267,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser,
     group.add_argument("--otel-sampler-arg", default=None, metavar="RATIO",
                        help="fraction of requests traced, 0..1 (env OTEL_TRACES_SAMPLER_ARG; "
                             "alone it selects parentbased_traceidratio)")
-    group.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    group.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
                        help=metrics_port_help)
 
 

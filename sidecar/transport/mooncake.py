@@ -58,19 +58,18 @@ learns the new address the way it learns any new incarnation: the sealed endpoin
 grant (``TransferInfo.decode_endpoint``) has a new ``endpoint_id``, and the peer table connects
 it afresh.
 
-Bounded waits. The installed binding offers ``batch_transfer_async_write`` (submit) and
-``get_batch_transfer_status`` (a wait that returns only when the batch completed, failed, or
-hit the engine's own timeout of ``MC_TRANSFER_TIMEOUT`` seconds plus 1 ns per byte); it has
-no non-blocking poll for a whole batch. So each batch is submitted and waited for on a short-
-lived daemon thread (the engine releases the GIL) and the caller waits on that thread with a
-timeout: a stuck engine call cannot hang the caller. A submitted batch cannot be cancelled, so
-past the deadline the caller keeps waiting until the engine settles the batch — at most its
-own bound, which this transport sets from ``extra["transfer_timeout_s"]`` (engine minimum
-5 s) — and only then raises DeadlineExceeded: when ``write`` returns, no byte of it can land
-later *from this writer* (the receiving side is fenced by decode, above). Should the engine
-overrun its bound,
-the error says so and :meth:`MooncakeTransport.drain` waits for the stragglers; ``close``
-drains before tearing the engine down.
+Completion without a spinning waiter (issue 14; :mod:`.mooncake_writes` argues it from the
+binding's source). The binding's only batch status call spins a core until the batch ends, so
+each run is submitted as its own engine request on the caller's thread and one poller thread
+per transport (:mod:`.poller`) polls all pending requests with the non-blocking
+``transfer_check_status``, backing off to millisecond sleeps; the caller waits on an event.
+The poller applies the binding's own bound (``transfer_timeout_s``, engine minimum 5 s, + 1 ns
+per byte from submission: past it the write failed). A request cannot be cancelled, so past
+the caller's deadline ``write`` waits until the write ended or hit that bound, and only then
+raises DeadlineExceeded: when ``write`` returns no byte of it can land later *from this
+writer* as far as the engine's bound goes (the receiving side is fenced by decode, above).
+Should the poller overrun the bound, the error says so and :meth:`MooncakeTransport.drain`
+waits; ``close`` drains and stops the poller before destroying the engine.
 """
 
 from __future__ import annotations
@@ -79,7 +78,6 @@ import importlib.util
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -103,6 +101,7 @@ from deltakv.sidecar.transport.base import (
     TransportOptions,
 )
 from deltakv.sidecar.transport.mooncake_engine import engine_module, start_engine
+from deltakv.sidecar.transport.mooncake_writes import MODES, make_writes
 from deltakv.sidecar.transport.registry import BackendUnavailable
 from deltakv.v1 import kv_pb2
 
@@ -118,24 +117,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _DESCRIPTOR_VERSION = 1
-# batch_transfer_async_write returns 0 on a submit error, or (uint64)-1 when the peer's
-# segment cannot be opened (handshake failed).
-_BAD_BATCH_IDS = (0, (1 << 64) - 1)
-
-
-@dataclass
-class _Batch:
-    """One engine batch handed to a waiter thread; ``rc`` < 0 is an engine failure."""
-
-    session: str
-    srcs: list[int]
-    dsts: list[int]
-    lengths: list[int]
-    deadline: float
-    rc: int | None = None
-    reason: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
-
 
 class MooncakePeer(PeerHandle):
     """A connected Mooncake peer: its session address and registered pool base address."""
@@ -159,7 +140,8 @@ class MooncakeTransport(Transport):
     "rdma", default "tcp"), ``device_name`` (RDMA NIC filter, default all), ``max_entries``
     (runs per batch, default 1024), ``transfer_timeout_s`` (engine-side bound of one batch,
     default 10, minimum 5), ``connect_timeout_s`` (bound of the reachability probe in
-    ``connect``, default 5).
+    ``connect``, default 5), ``completion`` ("poller" | "waiter", default "poller": see
+    :mod:`.mooncake_writes`).
 
     Raises InvalidArgument for bad options (a port the engine would ignore included),
     BackendUnavailable if the engine extension cannot be loaded, Unavailable if the engine
@@ -178,11 +160,15 @@ class MooncakeTransport(Transport):
         max_entries = int(extra.pop("max_entries", 1024))
         transfer_timeout_s = float(extra.pop("transfer_timeout_s", 10))
         self.connect_timeout_s = float(extra.pop("connect_timeout_s", 5))
+        completion = str(extra.pop("completion", "poller"))
         if extra:
             raise InvalidArgument(f"unknown mooncake options: {sorted(extra)}")
         if self.protocol not in ("tcp", "rdma"):
             raise InvalidArgument(f"mooncake protocol must be 'tcp' or 'rdma', got "
                                   f"{self.protocol!r}")
+        if completion not in MODES:
+            raise InvalidArgument(f"mooncake completion must be one of {MODES}, got "
+                                  f"{completion!r}")
         if max_entries <= 0 or transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise InvalidArgument("mooncake max_entries, transfer_timeout_s and "
                                   "connect_timeout_s must be > 0")
@@ -194,6 +180,8 @@ class MooncakeTransport(Transport):
         self._engine = start_engine(options.host, options.port, self.protocol, device_name,
                                     self.transfer_timeout_s)
         self.session = f"{self.host}:{self._engine.get_rpc_port()}"
+        self.completion = completion
+        self._writes = make_writes(completion, self._engine, self.session)
         self._pool: SharedKVPool | None = None
         # This incarnation's own mapping of the pool (register_pool; retired by close).
         self._mapping: PoolMapping | None = None
@@ -349,24 +337,23 @@ class MooncakeTransport(Transport):
              lengths: list[int], ticket: RoomTicket) -> None:
         ticket.check_alive()
         deadline = time.monotonic() + ticket.remaining_s()
-        batch = _Batch(handle.session, srcs, dsts, lengths, deadline)
         with self._lock:
             if self._closed:
                 raise Unavailable("mooncake transport is closed")
             self._in_flight += 1
-        worker = threading.Thread(target=self._submit_and_wait, args=(batch,),
-                                  name=f"mooncake-batch-{handle.session}", daemon=True)
         try:
-            worker.start()
+            write = self._writes.start(handle.session, srcs, dsts, lengths,
+                                       self._engine_bound_s(lengths) - 1.0,
+                                       self._batch_finished)
         except BaseException:
             self._batch_finished()
             raise
-        if not batch.done.wait(max(0.0, deadline - time.monotonic())):
-            # The engine cannot cancel a submitted batch. Returning now would let its bytes
+        if not write.done.wait(max(0.0, deadline - time.monotonic())):
+            # The engine cannot cancel a submitted request. Returning now would let its bytes
             # land after the caller's room is finished and its pages possibly reused, so wait
-            # for the engine's own bound first (it measures from submission, this from the
-            # deadline: a superset), then report the deadline.
-            settled = batch.done.wait(self._engine_bound_s(lengths))
+            # for the engine's bound first (it runs from submission, this from the deadline:
+            # a superset), then report the deadline.
+            settled = write.done.wait(self._engine_bound_s(lengths))
             if not settled:
                 log.error("mooncake_batch_outlived_engine_timeout", session=handle.session,
                           endpoint=handle.endpoint_id, note="drain() before reusing its "
@@ -376,39 +363,20 @@ class MooncakeTransport(Transport):
                 f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline"
                 + ("" if settled else "; it is still in the engine"),
                 in_flight=not settled)
-        if batch.rc is None or batch.rc < 0:
+        if write.overdue:
+            raise TransferFailed(
+                f"mooncake write to {handle.endpoint_id!r} at {handle.session} failed: not "
+                f"ended within the engine's bound ({self._engine_bound_s(lengths) - 1.0:.1f} "
+                f"s; peer frozen or gone)", rc=-1)
+        if write.failed:
             raise TransferFailed(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session} failed: "
-                f"{batch.reason}", rc=batch.rc)
+                f"{write.reason}", rc=-1)
 
     def _engine_bound_s(self, lengths: list[int]) -> float:
-        # Mooncake gives up on a batch after MC_TRANSFER_TIMEOUT s + 1 ns per byte.
+        # The binding's rule (get_batch_transfer_status): MC_TRANSFER_TIMEOUT s + 1 ns per
+        # byte from submission; + 1 s of slack for the caller's wait.
         return self.transfer_timeout_s + sum(lengths) / 1e9 + 1.0
-
-    def _submit_and_wait(self, batch: _Batch) -> None:
-        # Runs on the waiter thread; the engine calls release the GIL.
-        try:
-            if time.monotonic() >= batch.deadline:
-                batch.rc, batch.reason = -1, "deadline passed before submission"
-                return
-            batch_id = self._engine.batch_transfer_async_write(
-                batch.session, batch.srcs, batch.dsts, batch.lengths)
-            if batch_id in _BAD_BATCH_IDS or batch_id < 0:
-                batch.rc = -1
-                batch.reason = (f"submission of {len(batch.srcs)} writes refused (peer "
-                                f"unreachable or its segment unknown)")
-                return
-            batch.rc = self._engine.get_batch_transfer_status([batch_id])
-            if batch.rc < 0:
-                batch.reason = (f"engine reported failure (rc={batch.rc}) for a batch of "
-                                f"{len(batch.srcs)} writes (peer gone, or engine timeout)")
-        except Exception as exc:  # noqa: BLE001 - surfaced to the caller as TransferFailed
-            batch.rc, batch.reason = -1, f"{type(exc).__name__}: {exc}"
-        finally:
-            # Count it settled before waking the caller, so a caller that sees the result
-            # also sees in_flight without it.
-            self._batch_finished()
-            batch.done.set()
 
     def _batch_finished(self) -> None:
         with self._lock:
@@ -418,7 +386,7 @@ class MooncakeTransport(Transport):
 
     @property
     def in_flight(self) -> int:
-        """Batches submitted (or being submitted) whose engine wait has not returned."""
+        """Writes submitted (or being submitted) that have not ended or hit their bound."""
         with self._lock:
             return self._in_flight
 
@@ -444,9 +412,11 @@ class MooncakeTransport(Transport):
             log.warning("mooncake_close_leaks_engine", in_flight=self.in_flight,
                         reason="batches still in the engine past its bound")
             return False
+        self._writes.close()
         self._unregister_all()
         self._pool = None
-        # The only reference: the C++ destructor runs here, synchronously.
+        # The only reference left (self._writes dropped its own): the C++ destructor runs
+        # here, synchronously.
         self._engine = None  # type: ignore[assignment]
         if self._mapping is not None:
             # Only now (engine gone) may the range stop being the pool: it becomes an

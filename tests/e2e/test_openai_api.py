@@ -191,3 +191,26 @@ def test_sigterm_mid_stream_ends_the_stream_with_an_error_within_the_grace(tmp_p
         assert c.proc("decode").popen.wait(timeout=grace_s + 10) == 0
     finally:
         c.stop()
+
+
+def test_fresh_user_errors_and_vllm_top_k(client, cluster) -> None:
+    """A fresh user's trial: unknown paths/methods answer OpenAI's error shape, length errors
+    name the API field, and vLLM's top_k=-1 ("off") is accepted."""
+    base = f"http://{cluster.http_address}"
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+        reply = httpx.request(method, base + path)
+        assert reply.status_code == status
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as err:  # past the decode service's limit
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert err.value.body["param"] == "max_tokens"
+    assert "max_tokens=1000000 exceeds" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # past the model's positions
+        client.chat.completions.create(model=MODEL, max_completion_tokens=4,
+                                       messages=[{"role": "user", "content": "x" * 9000}])
+    assert "context" in err.value.body["message"]
+    assert "max_completion_tokens" in err.value.body["message"]
+    assert "max_new_tokens" not in err.value.body["message"]
+    greedy = dict(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+    off = client.completions.create(**greedy, extra_body={"top_k": -1})
+    assert off.choices[0].text == client.completions.create(**greedy).choices[0].text

@@ -45,6 +45,7 @@ CASES = {
     "serve decode --help": ["serve", "decode", "--help"],
     "demo --help": ["demo", "--help"],
     "bench transfer --help": ["bench", "transfer", "--help"],
+    "bench completion --help": ["bench", "completion", "--help"],
     "argument error": ["up", "--decode-port", "99999"],
     "missing required flag": ["serve", "sidecar", "--role", "decode"],
 }

@@ -43,7 +43,7 @@ def test_bench_model_rejects_bad_lists(argv, capsys):
 
 
 def test_bench_model_rejects_bad_counts(capsys):
-    args = build_parser().parse_args(["bench", "model", "--model", "tiny-random",
-                                      "--extend", "0"])
-    assert args._run(args) == 2
-    assert "--extend must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse, before anything loads
+        build_parser().parse_args(["bench", "model", "--model", "tiny-random", "--extend", "0"])
+    assert exit_.value.code == 2
+    assert "argument --extend: must be >= 1, got 0" in capsys.readouterr().err

@@ -150,3 +150,77 @@ def test_malformed_bodies_get_a_plain_error(data, headers, expected) -> None:
     error = reply.json()["error"]
     assert error["message"].startswith(expected) and error["param"] is None
     assert "File " not in error["message"] and "/" not in error["message"].split("(")[0]
+
+
+@pytest.mark.parametrize("top_k, wire", [(-1, 0), (0, 0), (None, 0), (5, 5)])
+def test_top_k_minus_one_and_zero_mean_off(top_k, wire) -> None:
+    # vLLM's "off" is -1; deltakv's wire says off with 0.
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": top_k})
+    assert body.sampling(8).top_k == wire
+
+
+def test_top_k_below_minus_one_is_a_400_naming_top_k() -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    reply = TestClient(create_app(_NoEngine(), "m")).post("/v1/completions", json={
+        "model": "m", "prompt": "hi", "top_k": -2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_k"
+
+
+@pytest.mark.parametrize("method, path, status, code", [
+    ("GET", "/v1/nope", 404, "not_found"),
+    ("POST", "/v2/chat/completions", 404, "not_found"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ("DELETE", "/v1/models", 405, "method_not_allowed"),
+])
+def test_unknown_paths_and_methods_answer_the_openai_error_shape(method, path, status,
+                                                                 code) -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    reply = TestClient(create_app(_NoEngine(), "m")).request(method, path)
+    assert reply.status_code == status
+    body = reply.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code and path in body["error"]["message"]
+    if status == 405:
+        assert "POST" in reply.headers["allow"] or "GET" in reply.headers["allow"]
+
+
+class _LengthLimitEngine:
+    """Refuses every request as the decode service refuses a too-long max_new_tokens."""
+
+    def generate(self, request):
+        async def refuse():
+            raise InvalidArgument(f"max_new_tokens={request.sampling.max_new_tokens} exceeds "
+                                  f"the limit 4096", field="max_new_tokens")
+            yield  # pragma: no cover - an async generator that raises at once
+
+        return refuse()
+
+    async def cached_prefix(self, request):  # pragma: no cover
+        raise AssertionError("not reached")
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 5000}, "max_completion_tokens"),
+])
+def test_length_errors_name_the_api_field(path, body, field) -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    reply = TestClient(create_app(_LengthLimitEngine(), "m")).post(path, json={"model": "m",
+                                                                                **body})
+    error = reply.json()["error"]
+    assert reply.status_code == 400
+    assert error["message"] == f"{field}=5000 exceeds the limit 4096"
+    assert error["param"] == field and "max_new_tokens" not in error["message"]

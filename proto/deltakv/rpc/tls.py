@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,8 +155,10 @@ def aio_channel(target: str, credentials: grpc.ChannelCredentials | None,
 # --------------------------------------------------------------------------- CLI flags
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tls-cert``, ``--tls-key``, ``--tls-ca`` and ``--health-port`` of a TCP gRPC server."""
+def add_server_arguments(parser: argparse.ArgumentParser,
+                         port_type: Callable[[str], int] = int) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca`` and ``--health-port`` of a TCP gRPC server;
+    ``port_type``: the argparse type of ``--health-port`` (the CLI passes its range check)."""
     parser.add_argument("--tls-cert", default=None, metavar="PATH",
                         help="PEM certificate chain: serve gRPC with TLS (needs --tls-key)")
     parser.add_argument("--tls-key", default=None, metavar="PATH",
@@ -163,7 +166,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, metavar="PATH",
                         help="PEM CA bundle: require client certificates signed by it "
                              "(mutual TLS; needs --tls-cert/--tls-key)")
-    parser.add_argument("--health-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--health-port", type=port_type, default=0, metavar="PORT",
                         help="also serve grpc.health.v1 (only) in plain text on this port, on "
                              "--host, mirroring the main port's status: for kubelet gRPC "
                              "probes, which cannot speak TLS (0 = off)")

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deltakv.services.cli.argtypes import positive_int
+
 # Plain English prose for realistic token statistics; repeated to reach any length.
 _TEXT = (
     "The history of computing is a story of layers. Each generation of engineers built on the "
@@ -58,19 +60,19 @@ def _int_list(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``deltakv bench model``."""
     parser.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
-    parser.add_argument("--context", type=int, default=2048,
+    parser.add_argument("--context", type=positive_int, default=2048,
                         help="tokens already cached per sequence for extend and decode "
                              "(default 2048)")
-    parser.add_argument("--extend", type=int, default=16,
+    parser.add_argument("--extend", type=positive_int, default=16,
                         help="new tokens of the extend prefill (default 16)")
     parser.add_argument("--decode-batches", type=_int_list, default=[1, 8],
                         help="decode batch sizes (default 1,8)")
-    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps (default 16)")
+    parser.add_argument("--decode-steps", type=positive_int, default=16, help="decode steps (default 16)")
     parser.add_argument("--prefill-lens", type=_int_list, default=[],
                         help="cold prefill lengths in tokens, comma-separated (default none)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed pairs per point (median)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed pairs per point (median)")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads for both sides (default: torch's own choice)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")

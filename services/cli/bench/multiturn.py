@@ -61,6 +61,7 @@ from deltakv.client import DEFAULT_TARGET, DecodeClient
 from deltakv.errors import DeltaKVError
 from deltakv.rpc import tls as tls_files
 from deltakv.rpc.tls import TLSFiles
+from deltakv.services.cli.argtypes import non_negative_int, positive_float, positive_int
 from deltakv.services.cli.bench.multiturn_report import (  # noqa: F401 (re-exported)
     FULL,
     INCREMENTAL,
@@ -186,25 +187,25 @@ async def run_multiturn(target: str, config: MultiturnConfig,
 def add_workload_arguments(parser: argparse.ArgumentParser, defaults: MultiturnConfig) -> None:
     """The workload flags (shared with ``deltakv demo``, which passes smaller defaults)."""
     d = defaults
-    parser.add_argument("--clients", type=int, default=d.clients, help="conversations")
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="turns per conversation")
-    parser.add_argument("--request-length", type=int, default=d.request_length,
+    parser.add_argument("--clients", type=positive_int, default=d.clients, help="conversations")
+    parser.add_argument("--rounds", type=positive_int, default=d.rounds, help="turns per conversation")
+    parser.add_argument("--request-length", type=positive_int, default=d.request_length,
                         help="round-0 prompt length (tokens)")
-    parser.add_argument("--sub-question-length", type=int, default=d.sub_question_length,
+    parser.add_argument("--sub-question-length", type=positive_int, default=d.sub_question_length,
                         help="new question per later round (tokens)")
-    parser.add_argument("--output-length", type=int, default=d.output_length,
+    parser.add_argument("--output-length", type=positive_int, default=d.output_length,
                         help="generated tokens per request")
-    parser.add_argument("--max-parallel", type=int, default=d.max_parallel,
+    parser.add_argument("--max-parallel", type=non_negative_int, default=d.max_parallel,
                         help="requests in flight at once (0 = --clients)")
-    parser.add_argument("--runs", type=int, default=d.runs,
+    parser.add_argument("--runs", type=positive_int, default=d.runs,
                         help="repeat the whole workload on fresh conversations")
-    parser.add_argument("--seed", type=int, default=d.seed, help="workload seed")
-    parser.add_argument("--vocab-low", type=int, default=d.vocab_low,
+    parser.add_argument("--seed", type=non_negative_int, default=d.seed, help="workload seed")
+    parser.add_argument("--vocab-low", type=non_negative_int, default=d.vocab_low,
                         help="random token ids are >= this")
-    parser.add_argument("--vocab-high", type=int, default=d.vocab_high,
+    parser.add_argument("--vocab-high", type=positive_int, default=d.vocab_high,
                         help="random token ids are < this (keep it <= the model's vocab size; "
                              "tiny-random: --vocab-low 3 --vocab-high 259)")
-    parser.add_argument("--timeout", type=float, default=d.timeout_s,
+    parser.add_argument("--timeout", type=positive_float, default=d.timeout_s,
                         help="deadline per request (s)")
 
 
@@ -238,7 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=APIS, default="grpc",
                         help="grpc: token ids over DecodeService; openai: text chat over the "
                              "OpenAI HTTP API (--target HOST:PORT of it)")
-    parser.add_argument("--connect-timeout", type=float, default=60.0,
+    parser.add_argument("--connect-timeout", type=positive_float, default=60.0,
                         help="bound on reaching the service (s)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     own = parser.add_argument_group("own two-host cluster (--link)")
@@ -247,11 +248,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "1gbit, 10gbit; root): `deltakv up --link RATE`, stopped afterwards")
     own.add_argument("--model", default="smollm2", help="with --link: the cluster's model")
     own.add_argument("--transport", default="mooncake", help="with --link: the backend")
-    own.add_argument("--num-pages", type=int, default=512,
+    own.add_argument("--num-pages", type=positive_int, default=512,
                      help="with --link: pages per KV pool (RAM in /dev/shm)")
     own.add_argument("--run-dir", default=None,
                      help="with --link: sockets and logs (default: a temporary dir)")
-    own.add_argument("--startup-timeout", type=float, default=600.0,
+    own.add_argument("--startup-timeout", type=positive_float, default=600.0,
                      help="with --link: bound on the cluster becoming ready (s)")
     own.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                      help="with --link: extra `deltakv up` flag (repeatable, e.g. "

@@ -51,10 +51,17 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltakv.errors import DeltaKVError, InvalidArgument
+from deltakv.services.cli.argtypes import (
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 ALLOWED = ("OK", "CANCELLED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
 CANCEL_POINTS = ("before_first_token", "mid_stream", "after_last_token")
@@ -410,11 +417,35 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+# Each SoakConfig field's flag: (argparse type, help). Ranges are argparse's to refuse (exit 2);
+# the checks between fields stay in SoakConfig.check.
+FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "requests": (positive_int, "requests in the whole run"),
+    "concurrency": (positive_int, "requests in flight at once"),
+    "seed": (non_negative_int, "seed of the workload (prompts, sampling, cancels)"),
+    "model": (str, "built-in model of the cluster (tiny-random | smollm2 | PATH)"),
+    "transport": (str, "KV transfer backend of the cluster (shm | mooncake | mori)"),
+    "page_size": (positive_int, "tokens per page"),
+    "num_pages": (positive_int, "pages of decode's pool (small on purpose: admission waits)"),
+    "prefill_num_pages": (positive_int, "pages of prefill's pool"),
+    "admission_timeout_s": (positive_float, "decode's bound on waiting for pages (s; below "
+                                            "--timeout-s)"),
+    "max_new_tokens": (positive_int, "tokens per request at most"),
+    "cancel_fraction": (fraction, "share of requests the client cancels, 0..1"),
+    "degenerate_fraction": (fraction, "share sending degenerate sampling (must be "
+                                      "INVALID_ARGUMENT), 0..1"),
+    "never_fits_fraction": (fraction, "share asking for more pages than decode's pool (must "
+                                      "be RESOURCE_EXHAUSTED at once), 0..1"),
+    "sampled_fraction": (fraction, "share using temperature/top-p/top-k with a seed, 0..1"),
+    "timeout_s": (positive_float, "deadline of each request (s)"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``deltakv bench soak``."""
-    d = SoakConfig()
-    for name, value in asdict(d).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    """Flags of ``deltakv bench soak`` (one per :class:`SoakConfig` field, see :data:`FLAGS`)."""
+    for name, value in asdict(SoakConfig()).items():
+        kind, text = FLAGS[name]
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=text)
     parser.add_argument("--run-dir", default=None, help="logs of the cluster (default: temp)")
     parser.add_argument("--json", default=None, help="write the report here")
 

@@ -59,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
     Trial,
     gbps,
@@ -78,21 +79,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="all",
                         help="transport registry name to measure; all = every backend "
                              "available here (default; the others are listed as skipped)")
-    parser.add_argument("--pages", type=int, default=64, help="pages per write (default 64)")
+    parser.add_argument("--pages", type=positive_int, default=64, help="pages per write (default 64)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="page geometry of this model (default smollm2: 737280 B a page)")
-    parser.add_argument("--page-bytes", type=int, default=None,
+    parser.add_argument("--page-bytes", type=positive_int, default=None,
                         help="bytes per page instead of --model's (a multiple of 128)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats (median)")
     parser.add_argument("--small-pages", default="1,5", metavar="N,N",
                         help="small-write sizes in pages, comma-separated: the sidecar's fixed "
                              "cost per WritePages beside the raw engine (default 1,5; '' = none)")
-    parser.add_argument("--small-repeats", type=int, default=20,
+    parser.add_argument("--small-repeats", type=positive_int, default=20,
                         help="timed repeats of each small write (median, default 20)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option for the sidecars and the raw engine, repeatable")
-    parser.add_argument("--ready-timeout-s", type=float, default=60.0,
+    parser.add_argument("--ready-timeout-s", type=positive_float, default=60.0,
                         help="bound on each sidecar's start-up (default 60)")
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import (
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_PORT = 50051
 
@@ -22,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "address NAME resolves to (a headless Service); repeatable or "
                              "comma-separated: requests are balanced over the paired, "
                              "connected backends (round robin) and each is pinned to one")
-    parser.add_argument("--prefill-resolve-interval-s", type=float, default=10.0,
+    parser.add_argument("--prefill-resolve-interval-s", type=positive_float, default=10.0,
                         help="how often dns:/// prefill targets are re-resolved")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
@@ -32,41 +37,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requiring client certificates with --tls-ca, like the gRPC port")
     parser.add_argument("--served-model-name", default=None,
                         help="model name of the OpenAI API (default: --model)")
-    parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+    parser.add_argument("--max-batch-size", type=positive_int, default=d.max_batch_size,
                         help="sequences per decode step (continuous batching)")
-    parser.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
-    parser.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
-    parser.add_argument("--prefill-timeout-ms", type=int, default=d.prefill_timeout_ms,
+    parser.add_argument("--default-max-new-tokens", type=positive_int, default=d.default_max_new_tokens,
+                        help="tokens per request when the request sets no max_new_tokens")
+    parser.add_argument("--max-new-tokens-limit", type=positive_int, default=d.max_new_tokens_limit,
+                        help="largest max_new_tokens a request may ask for (INVALID_ARGUMENT above)")
+    parser.add_argument("--prefill-timeout-ms", type=positive_int, default=d.prefill_timeout_ms,
                         help="deadline of the Prefill RPC (compute + transfer)")
-    parser.add_argument("--lease-ms", type=int, default=d.lease_ms,
+    parser.add_argument("--lease-ms", type=positive_int, default=d.lease_ms,
                         help="transfer lease: no write lands after receipt + lease")
-    parser.add_argument("--abort-timeout-ms", type=int, default=d.abort_timeout_ms,
+    parser.add_argument("--abort-timeout-ms", type=positive_int, default=d.abort_timeout_ms,
                         help="bound of the AbortTransfer call to prefill after a failure "
                              "(advisory: the pages wait for the decode sidecar's fence)")
-    parser.add_argument("--prefill-connect-timeout-ms", type=int,
+    parser.add_argument("--prefill-connect-timeout-ms", type=positive_int,
                         default=d.prefill_connect_timeout_ms,
                         help="how long a request waits for the prefill connection (re)established")
-    parser.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
+    parser.add_argument("--admission-timeout-s", type=non_negative_float, default=d.admission_timeout_s,
                         help="how long a request may wait for free pages (decode's and, by "
                              "retrying Prefill, prefill's), FIFO, from its start")
-    parser.add_argument("--max-waiting", type=int, default=d.max_waiting,
+    parser.add_argument("--max-waiting", type=positive_int, default=d.max_waiting,
                         help="requests waiting for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
-    parser.add_argument("--connect-timeout-s", type=float, default=60.0,
+    parser.add_argument("--connect-timeout-s", type=positive_float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
-    parser.add_argument("--drain-timeout-s", type=float, default=10.0)
-    parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
+    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
+                        help="on SIGTERM, give in-flight requests this long to finish (s)")
+    parser.add_argument("--sidecar-reattach-timeout-s", type=positive_float, default=60.0,
                         help="after a sidecar restart: how long the sidecar may stay away and "
                              "the old pool's requests may take to end before this worker "
                              "exits 1 instead of re-attaching")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log records below this level are dropped")
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                        help="json: one JSON object a line; console: for people; auto: console "
+                             "on a terminal, else json")
     from deltakv.rpc import tls
     from deltakv.services.runtime import otel
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
-    tls.add_server_arguments(parser)
+    tls.add_server_arguments(parser, port_type=port_number)
     tls.add_prefill_channel_arguments(parser)
     otel.add_arguments(parser)
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_PORT = 50061
 
@@ -16,17 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Unix socket of this worker's sidecar (role prefill)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
-    parser.add_argument("--sidecar-timeout-s", type=float, default=60.0,
+    parser.add_argument("--sidecar-timeout-s", type=positive_float, default=60.0,
                         help="wait at most this long for the sidecar to become healthy")
-    parser.add_argument("--drain-timeout-s", type=float, default=10.0,
+    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
                         help="on SIGTERM, give in-flight prefills this long to finish")
-    parser.add_argument("--admission-timeout-s", type=float, default=30.0,
+    parser.add_argument("--admission-timeout-s", type=non_negative_float, default=30.0,
                         help="how long a prefill may queue for pages of its pool (FIFO; a "
                              "request's queue_timeout_ms may shorten it)")
-    parser.add_argument("--max-waiting", type=int, default=1024,
+    parser.add_argument("--max-waiting", type=positive_int, default=1024,
                         help="prefills queued for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="TOKENS",
+    parser.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=None, metavar="TOKENS",
                         help="compute prompts longer than this in chunks of TOKENS tokens and "
                              "write each chunk's completed pages to decode while the next "
                              "chunk computes (a multiple of the page size; 0 = one forward "
@@ -35,18 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
                         help="compute the same chunks but write the pages only after the last "
                              "one (the baseline of the overlap: identical KV bytes)")
-    parser.add_argument("--sidecar-reattach-timeout-s", type=float, default=60.0,
+    parser.add_argument("--sidecar-reattach-timeout-s", type=positive_float, default=60.0,
                         help="after a sidecar restart: how long the sidecar may stay away and "
                              "the old pool's requests may take to end before this worker "
                              "exits 1 instead of re-attaching")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log records below this level are dropped")
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                        help="json: one JSON object a line; console: for people; auto: console "
+                             "on a terminal, else json")
     from deltakv.rpc import tls
     from deltakv.services.runtime import otel
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
-    tls.add_server_arguments(parser)
+    tls.add_server_arguments(parser, port_type=port_number)
     otel.add_arguments(parser)
 
 

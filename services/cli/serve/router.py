@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import non_negative_float, port_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", required=True, metavar="GRPC[=HTTP]",
                         help="one decode replica: its gRPC HOST:PORT and, for the HTTP side, "
                              "=HOST:PORT of its OpenAI API (repeatable, one per replica)")
-    parser.add_argument("--drain-timeout-s", type=float, default=10.0)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
+                        help="on SIGTERM, give in-flight requests this long to finish (s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log records below this level are dropped")
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                        help="json: one JSON object a line; console: for people; auto: console "
+                             "on a terminal, else json")
     from deltakv.services.runtime import otel
 
     otel.add_arguments(parser)

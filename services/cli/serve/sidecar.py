@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from deltakv.services.cli.argtypes import port_number
+from deltakv.services.cli.argtypes import non_negative_float, port_number, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", required=True, metavar="PATH",
                         help="Unix domain socket to serve SidecarService on")
     geo = parser.add_argument_group("pool geometry")
-    geo.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    geo.add_argument("--num-pages", type=int, default=1024, help="pages in the pool")
+    geo.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
+    geo.add_argument("--num-pages", type=positive_int, default=1024, help="pages in the pool")
     geo.add_argument("--model", default=None,
                      help="take layers/heads/head_dim/fingerprint from this model")
-    geo.add_argument("--num-layers", type=int, default=None)
-    geo.add_argument("--num-kv-heads", type=int, default=None)
-    geo.add_argument("--head-dim", type=int, default=None)
+    geo.add_argument("--num-layers", type=positive_int, default=None, help="layers (explicit geometry, without --model)")
+    geo.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads per layer (explicit geometry)")
+    geo.add_argument("--head-dim", type=positive_int, default=None, help="head dimension (explicit geometry)")
     geo.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     geo.add_argument("--fingerprint", default="", help="model fingerprint (explicit geometry)")
     eng = parser.add_argument_group("transfer engine")
@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reclaims a leftover segment)")
     parser.add_argument("--health-port", type=port_number, default=0,
                         help="TCP port serving only grpc.health.v1 for probes (0 = off)")
-    parser.add_argument("--drain-timeout-s", type=float, default=10.0,
+    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
                         help="on SIGTERM, wait this long for in-flight writes (default 10)")
-    parser.add_argument("--max-lease-ms", type=int, default=600_000,
+    parser.add_argument("--max-lease-ms", type=positive_int, default=600_000,
                         help="longest TransferInfo.lease_ms accepted (default 600000)")
     from deltakv.sidecar.pairing import add_key_argument
 
@@ -57,9 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end-to-end page digests (xxh3_64): taken by a prefill sidecar's "
                              "writes, checked before decode commits, kept by cached pages for "
                              "AuditCache (default on)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning",
-                                                                "error"))
-    parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"))
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"),
+                        help="log records below this level are dropped")
+    parser.add_argument("--log-format", default="json", choices=("json", "console", "auto"),
+                        help="json: one JSON object a line; console: for people; auto: console "
+                             "on a terminal, else json")
     from deltakv.services.runtime import otel
 
     otel.add_arguments(parser)
