@@ -29,7 +29,12 @@ import signal
 import sys
 import threading
 
-from deltakv.services.cli.argtypes import non_negative_int, port_number, positive_float, positive_int
+from deltakv.services.cli.argtypes import (
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_HTTP_PORT = 8000
 
