@@ -82,6 +82,14 @@ class Usage:
     total_ms: float = 0.0
     #: the prompt's token ids, only when the request set ``echo_prompt_token_ids``
     prompt_token_ids: tuple[int, ...] = ()
+    #: ``"remote"`` (prefill computed, delta pages transferred) or ``"local"`` (decode
+    #: computed the uncached tail itself); ``local_prefill_tokens`` the tokens it computed
+    prefill_location: str = ""
+    local_prefill_tokens: int = 0
+    #: the cost model's two estimates (ms) and why: cheaper, full_hit, mode, no_reuse, no_prefix
+    local_estimate_ms: float = 0.0
+    remote_estimate_ms: float = 0.0
+    prefill_decision: str = ""
 
     @classmethod
     def from_proto(cls, msg: decode_pb2.Usage) -> Usage:
@@ -98,7 +106,10 @@ class Usage:
         return delta_pages(self.prompt_tokens, self.cached_tokens, self.page_size)
 
     def min_bytes(self) -> int:
-        """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes)."""
+        """The least bytes the handoff could move: ``delta_pages() * page_bytes`` (bytes), or
+        0 when decode computed the tail itself (``prefill_location == "local"``)."""
+        if self.prefill_location == "local":
+            return 0
         return self.delta_pages() * self.page_bytes
 
 

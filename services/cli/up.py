@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts on a slow CPU may need more than the 60 s default")
     parser.add_argument("--lease-ms", type=positive_int, default=None,
                         help="transfer lease (default: the decode service's, 60 s)")
+    parser.add_argument("--local-prefill", choices=("auto", "never", "always"), default=None,
+                        help="decode's --local-prefill: where a prompt's uncached tail is "
+                             "computed (default auto: the cheaper by decode's cost model; a "
+                             "full prefix hit is local)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
@@ -148,6 +152,8 @@ def _decode_bounds(args: argparse.Namespace) -> list[str]:
         out += ["--prefill-timeout-ms", str(args.prefill_timeout_ms)]
     if args.lease_ms is not None:
         out += ["--lease-ms", str(args.lease_ms)]
+    if args.local_prefill is not None:
+        out += ["--local-prefill", args.local_prefill]
     return out
 
 

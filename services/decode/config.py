@@ -17,6 +17,10 @@ class DecodeConfig:
     ``admission_timeout_s``: a request's budget for waiting for pages, decode's and prefill's,
     from its start; ``max_waiting``: requests queued for pages at most (one more is refused
     at once); ``release_retry_s``: how long a transiently failing ``Release`` is retried.
+    ``local_prefill``: ``auto`` (the cost model decides where the uncached tail is computed,
+    a full hit is local), ``never`` (always prefill), ``always`` (always decode);
+    ``local_prefill_stall_weight``: how much each running request's stall during a local
+    extend counts against it (:mod:`deltakv.services.decode.cost_model`).
     """
 
     max_batch_size: int = 8
@@ -29,3 +33,5 @@ class DecodeConfig:
     admission_timeout_s: float = 30.0
     max_waiting: int = 1024
     release_retry_s: float = 30.0
+    local_prefill: str = "auto"
+    local_prefill_stall_weight: float = 1.0

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
+from deltakv import telemetry
 from deltakv.errors import (
     DeadlineExceeded,
     DeltaKVError,
@@ -24,6 +26,7 @@ from deltakv.errors import (
     from_rpc_error,
 )
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.cost_model import PrefillCostModel
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import ParsedRequest, RequestState
 from deltakv.services.decode.teardown import Teardown
@@ -46,11 +49,42 @@ class PrefillCall:
     releases them)."""
 
     def __init__(self, worker: Worker, prefill: PrefillPool, config: DecodeConfig,
-                 teardown: Teardown) -> None:
+                 teardown: Teardown, costs: PrefillCostModel) -> None:
         self.worker = worker
         self.prefill = prefill
         self.config = config
         self.teardown = teardown
+        self.costs = costs
+
+    async def first_token(self, state: RequestState, parsed: ParsedRequest,
+                          time_remaining: Callable[[], float | None], span: Any
+                          ) -> prefill_pb2.PrefillResponse:
+        """The remote prefill of step 3: :meth:`run`, ``CloseGrant`` (the room's fence
+        proven), ``Commit`` of the prompt's full pages once the delta pages match prefill's
+        digests (DATA_LOSS otherwise: nothing cached, the pages go through the request's
+        normal release). The call's timings feed the cost model (prefill's tokens/s and
+        fixed cost, link rate, hops); ``span`` (the first-token span) gets the transfer's
+        figures. Errors as :meth:`run` and the sidecar's."""
+        t0 = time.monotonic()
+        response = await self.run(state, parsed, time_remaining)
+        await self.worker.sidecar.close_grant(state.room)
+        call_ms = (time.monotonic() - t0) * 1000.0
+        canonical, _ = await self.worker.sidecar.commit(
+            state.sidecar_id, parsed.prompt, state.page_table,
+            verify_pages=state.delta_pages if response.stats.page_digests else (),
+            verify_digests=response.stats.page_digests)
+        state.page_table[: len(canonical)] = canonical
+        stats = response.stats
+        self.costs.record_remote(state.prompt_len - stats.prefill_cached_len,
+                                 response.prefill_ms, stats.bytes, response.transfer_ms,
+                                 call_ms)
+        if span.is_recording():
+            span.set_attributes(telemetry.prefixed(dict(
+                room=state.room, first_token_id=response.first_token_id,
+                transferred_pages=stats.pages, transferred_bytes=stats.bytes,
+                prefill_ms=response.prefill_ms, transfer_ms=response.transfer_ms,
+                prefill_cached_len=stats.prefill_cached_len)))
+        return response
 
     async def run(self, state: RequestState, parsed: ParsedRequest,
                                     time_remaining: Callable[[], float | None]

@@ -127,7 +127,9 @@ class RequestState:
     (``SidecarPairing.enter``), released after cleanup.
     ``prefill``: the prefill backend the request is pinned to (its AbortTransfer goes there).
     ``answer_ids`` / ``answer_pieces``: the generated ids streamed so far and the text streamed
-    for each (what the completion memory remembers). Times are ``time.monotonic()`` seconds;
+    for each (what the completion memory remembers).
+    ``decision``: local or remote prefill; ``local_extend``: decode's own forward of the tail
+    while it runs (teardown waits for it before releasing the pages it writes). Times are ``time.monotonic()`` seconds;
     ``ttft_ms`` in ms.
     """
 
@@ -154,6 +156,9 @@ class RequestState:
     answer_ids: list[int] = field(default_factory=list)
     answer_pieces: list[str] = field(default_factory=list)
     answer_text: list[str] = field(default_factory=list)
+    decision: Any = None  # the cost model's Decision (services/decode/cost_model.py)
+    local_extend: asyncio.Future | None = None  # a local extend in flight (local_prefill.py)
+    local_extend_ms: float = 0.0
 
     def streamed(self, token_ids: Sequence[int], pieces: Sequence[str], text: str
                  ) -> decode_pb2.GenerateResponse:

@@ -54,6 +54,8 @@ from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.admission import AdmissionQueue
 from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
+from deltakv.services.decode.cost_model import PrefillCostModel
+from deltakv.services.decode.local_prefill import LocalPrefill, decision_attributes
 from deltakv.services.decode.prefill_call import PrefillCall
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import (
@@ -68,9 +70,11 @@ from deltakv.services.decode.teardown import Teardown
 from deltakv.services.model.sampling import should_stop
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
-from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
+from deltakv.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 log = get_logger()
+
+_NO_PREFILL = prefill_pb2.PrefillResponse()
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """The public decode service over one worker (model + sidecar) and a pool of prefill
@@ -92,7 +96,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.admission = AdmissionQueue("decode", max_waiting=config.max_waiting)
         self.teardown = Teardown(worker, self.scheduler, self.admission, config,
                                  remember=self._remember_answer)
-        self.prefill_call = PrefillCall(worker, prefill, config, self.teardown)
+        self.costs = PrefillCostModel(config.local_prefill,
+                                      stall_weight=config.local_prefill_stall_weight)
+        self.prefill_call = PrefillCall(worker, prefill, config, self.teardown, self.costs)
+        self.local_prefill = LocalPrefill(worker, self.scheduler.executor, self.costs)
         self.counters = {"requests_ok": 0, "requests_failed": 0, "requests_cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "transferred_bytes": 0}
 
@@ -244,36 +251,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _prefill(self, state: RequestState, parsed: ParsedRequest,
                        time_remaining: Callable[[], float | None]) -> DecodeRequest:
-        """Step 3: decode's sidecar grants the delta pages to a new room; prefill computes the
+        """Step 3: the cost model (:mod:`deltakv.services.decode.cost_model`) picks where the
+        prompt's uncached tail is computed. Local: decode's own runner extends the cached
+        prefix into the request's delta pages (nothing granted or transferred; a full hit
+        recomputes only the last position), :mod:`deltakv.services.decode.local_prefill`.
+        Remote: decode's sidecar grants the delta pages to a new room; prefill computes the
         first token and writes them into this pool (``Prefill`` with the granted
         ``TransferInfo`` and a deadline: the smaller of ``prefill_timeout_ms`` and the
         client's remaining time; retried with a new room and grant while prefill's pool is
-        full); the grant is closed (its fence proven) and the prompt's full pages enter
-        decode's radix index once the delta pages match prefill's page digests (DATA_LOSS
-        otherwise). Returns the request, ready to decode."""
-        # Prefill RPC (compute + delta transfer) and the commit: the time to the first token.
+        full); the grant is closed (its fence proven) and the delta pages must match
+        prefill's page digests (DATA_LOSS otherwise). Either way the prompt's full pages then
+        enter decode's radix index. Returns the request, ready to decode."""
+        decision = self.costs.decide(
+            state.prompt_len - state.decode_prefix_len,
+            len(state.delta_pages) * self.worker.page_bytes, self.scheduler.num_running,
+            reuse_prefix=parsed.reuse_prefix, held_prefix=state.decode_prefix_len > 0)
+        state.decision = decision
+        # Prefill (remote: compute + delta transfer, or local: decode's own extend) and the
+        # commit: the time to the first token.
         with telemetry.span("decode.first_token", prompt_len=state.prompt_len,
                             decode_prefix_len=state.decode_prefix_len,
                             delta_pages=len(state.delta_pages),
                             lease_ms=self.config.lease_ms) as span:
-            response = await self.prefill_call.run(state, parsed, time_remaining)
-            await self.worker.sidecar.close_grant(state.room)
-            # The sidecar checks the delta pages against prefill's digests first: DATA_LOSS,
-            # nothing cached, and the pages go through this request's normal release.
-            canonical, _ = await self.worker.sidecar.commit(
-                state.sidecar_id, parsed.prompt, state.page_table,
-                verify_pages=state.delta_pages if response.stats.page_digests else (),
-                verify_digests=response.stats.page_digests)
-            state.page_table[: len(canonical)] = canonical
             if span.is_recording():
-                span.set_attributes(telemetry.prefixed(dict(
-                    room=state.room, first_token_id=response.first_token_id,
-                    transferred_pages=response.stats.pages,
-                    transferred_bytes=response.stats.bytes, prefill_ms=response.prefill_ms,
-                    transfer_ms=response.transfer_ms,
-                    prefill_cached_len=response.stats.prefill_cached_len)))
-        state.response = response
-        first = response.first_token_id
+                span.set_attributes(telemetry.prefixed(decision_attributes(decision)))
+            if decision.location == "local":
+                first = await self.local_prefill.run(state, parsed)
+                if decision.tail_tokens:  # a full hit's pages are in the index already
+                    canonical, _ = await self.worker.sidecar.commit(
+                        state.sidecar_id, parsed.prompt, state.page_table)
+                    state.page_table[: len(canonical)] = canonical
+            else:
+                state.response = await self.prefill_call.first_token(state, parsed,
+                                                                     time_remaining, span)
+                first = state.response.first_token_id
         eos = self.worker.model.eos_token_ids
         sampling = parsed.sampling
 
@@ -302,7 +313,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         the batch is raised (INTERNAL) after the tokens queued before it were sent."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
-                           decode_prefix_len=state.decode_prefix_len)
+                           decode_prefix_len=state.decode_prefix_len,
+                           prefill_location=state.decision.location)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
         messages = StreamMessages(state, self.tokenizer, parsed.prompt, parsed.stop)
         async with contextlib.aclosing(self._tokens(state, decode_request)) as batches:
@@ -357,7 +369,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.counters["requests_ok"] += 1
         log.info("request_done", prompt_tokens=usage.prompt_tokens,
                  cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-                 transferred_bytes=usage.transferred_bytes, ttft_ms=round(state.ttft_ms, 2))
+                 transferred_bytes=usage.transferred_bytes, ttft_ms=round(state.ttft_ms, 2),
+                 prefill_location=usage.prefill_location)
         return decode_pb2.GenerateResponse(usage=usage)
 
     async def _fail(self, state: RequestState, exc: DeltaKVError) -> None:
@@ -397,16 +410,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             usage.cached_tokens // self.worker.page_size * self.worker.page_bytes)
 
     def _usage(self, state: RequestState, decode_request: DecodeRequest) -> decode_pb2.Usage:
-        stats = state.response.stats
+        response = state.response or _NO_PREFILL  # a local prefill: nothing sent, nothing moved
+        stats, decision = response.stats, state.decision
+        local = decision.location == "local"
         self.counters["prompt_tokens"] += state.prompt_len
         self.counters["cached_tokens"] += state.decode_prefix_len
         self.counters["transferred_bytes"] += stats.bytes
         return decode_pb2.Usage(
+            prefill_location=decision.location, prefill_decision=decision.reason,
+            local_prefill_tokens=decision.tail_tokens if local else 0,
+            local_estimate_ms=decision.local_ms, remote_estimate_ms=decision.remote_ms,
             prompt_tokens=state.prompt_len, cached_tokens=state.decode_prefix_len,
             completion_tokens=len(decode_request.generated), transferred_pages=stats.pages,
             transferred_bytes=stats.bytes, page_size=self.worker.page_size,
             page_bytes=self.worker.page_bytes, ttft_ms=state.ttft_ms,
-            prefill_ms=state.response.prefill_ms, transfer_ms=state.response.transfer_ms,
+            prefill_ms=state.local_extend_ms if local else response.prefill_ms,
+            transfer_ms=response.transfer_ms,
             finish_reason=decode_request.finish_reason or "stop",
             prefill_cached_tokens=stats.prefill_cached_len, request_id=state.request_id,
             total_ms=(time.monotonic() - state.started_at) * 1000.0)

@@ -5,7 +5,8 @@ awaits the same shielded task, :meth:`Teardown.once` (a cancelled handler cannot
 it, and the finish step uses it too, so nothing releases twice or not at all):
 
 1. leave the decode batch and wait until no step can still write the request's KV
-   (``DecodeRequest.detached``);
+   (``DecodeRequest.detached``), or until a decode-local extend of the prompt's tail
+   (:mod:`deltakv.services.decode.local_prefill`) finished writing its pages;
 2. a Prefill that was sent and not answered: prefill is asked to stop the room
    (``AbortTransfer(room)`` to the backend the request is pinned to, bounded and advisory);
    the decode sidecar revokes the room's open grant on the ``Release`` below and keeps its
@@ -100,6 +101,10 @@ class Teardown:
         if not state.holds_pages:
             return
         try:
+            if state.local_extend is not None and not state.local_extend.done():
+                # A local extend cannot be stopped mid-forward: its pages are released only
+                # once it stopped writing them.
+                await asyncio.wait([state.local_extend])
             decode_request = state.decode_request
             if state.in_scheduler and not decode_request.detached.is_set():
                 self.scheduler.cancel(decode_request)

@@ -181,7 +181,8 @@ class CompletionRequest(_Sampling):
 
 def usage_dict(usage: decode_pb2.Usage) -> dict[str, Any]:
     """OpenAI ``usage`` from deltakv's: token counts, ``prompt_tokens_details.cached_tokens``
-    and the ``deltakv`` extension (transfer figures, bytes and milliseconds)."""
+    and the ``deltakv`` extension (transfer figures, bytes and milliseconds; where the tail
+    was prefilled — ``prefill_location`` local/remote — and the cost model's estimates)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -199,6 +200,11 @@ def usage_dict(usage: decode_pb2.Usage) -> dict[str, Any]:
             "prefill_ms": round(usage.prefill_ms, 3),
             "transfer_ms": round(usage.transfer_ms, 3),
             "total_ms": round(usage.total_ms, 3),
+            "prefill_location": usage.prefill_location,
+            "local_prefill_tokens": usage.local_prefill_tokens,
+            "local_estimate_ms": round(usage.local_estimate_ms, 3),
+            "remote_estimate_ms": round(usage.remote_estimate_ms, 3),
+            "prefill_decision": usage.prefill_decision,
         },
     }
 

@@ -21,13 +21,18 @@ TOY_PAGE_BYTES = 32_768
 TOY_NUM_PAGES = 96
 
 
-def make_cluster(tmp_path_factory, name: str, **overrides) -> LocalCluster:
-    """A started tiny-random cluster in geometry T (stopped by the caller)."""
+def make_cluster(tmp_path_factory, name: str, local_prefill: str = "never",
+                 **overrides) -> LocalCluster:
+    """A started tiny-random cluster in geometry T (stopped by the caller). Decode's
+    ``--local-prefill`` is ``never`` unless asked: these tests audit the transfer path's
+    bytes, and on tiny-random's millisecond forwards decode's cost model would compute most
+    cached tails itself (test_local_prefill.py tests that path)."""
     config = ClusterConfig(model="tiny-random", page_size=TOY_PAGE_SIZE, num_pages=TOY_NUM_PAGES,
                            decode_port=0, prefill_port=0,
                            run_dir=str(tmp_path_factory.mktemp(name)), start_timeout_s=120.0)
     for key, value in overrides.items():
         setattr(config, key, value)
+    config.decode_args = [*config.decode_args, "--local-prefill", local_prefill]
     cluster = LocalCluster(config)
     cluster.start()
     return cluster

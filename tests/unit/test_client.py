@@ -323,6 +323,14 @@ def test_usage_from_proto_copies_every_field() -> None:
     assert u.min_bytes() == u.transferred_bytes == 65_536
     assert (u.finish_reason, u.request_id, u.total_ms, u.prefill_cached_tokens) == (
         "stop", "q", 9.0, 16)
+    local = Usage.from_proto(decode_pb2.Usage(
+        prompt_tokens=50, cached_tokens=32, page_size=16, page_bytes=32_768,
+        prefill_location="local", local_prefill_tokens=18, local_estimate_ms=3.5,
+        remote_estimate_ms=40.0, prefill_decision="cheaper"))
+    assert (local.prefill_location, local.local_prefill_tokens, local.prefill_decision) == (
+        "local", 18, "cheaper")
+    assert (local.local_estimate_ms, local.remote_estimate_ms) == (3.5, 40.0)
+    assert local.delta_pages() == 2 and local.min_bytes() == 0  # decode computed the tail
 
 
 # --------------------------------------------------------------------------- chat

@@ -14,8 +14,11 @@ page_size) - cached_tokens / page_size) * page_bytes`` (DESIGN.md §5); a mismat
 
 ``--compare`` runs two sets of conversations in one invocation: ``full`` (every request sets
 ``disable_decode_prefix_reuse``, so decode sends ``decode_prefix_len = 0``) and ``incremental``
-(decode prefix reuse on), and reports per round both modes and the improvement. Over gRPC the
-modes are **interleaved per round**: round r of one mode, then round r of the other, the order
+(decode prefix reuse on), and reports per round both modes and the improvement. ``full``
+stays the full-transfer baseline whatever decode's ``--local-prefill``: a request without
+decode-prefix reuse is always prefilled remotely (reason ``no_reuse``); ``incremental`` lets
+decode's cost model compute a short tail locally (``Usage.prefill_location``), as served.
+Over gRPC the modes are **interleaved per round**: round r of one mode, then round r of the other, the order
 reversed every other round and run, so a machine whose speed drifts (other tenants) shifts both
 modes alike. ``--runs N`` repeats the workload on fresh conversations and reports each round's
 per-run incremental/full TTFT ratio with its median and range.

@@ -112,7 +112,7 @@ async def _one_turn(http: httpx.AsyncClient, base: str, model: str, chat: _Chat,
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"], **{
             k: ext[k] for k in ("transferred_pages", "transferred_bytes", "page_size",
                                 "page_bytes", "ttft_ms", "transfer_ms", "prefill_ms",
-                                "prefill_cached_tokens")}),
+                                "prefill_cached_tokens", "prefill_location")}),
         ttft or 0.0, chat.previous_tokens)
     chat.previous_tokens = usage["prompt_tokens"] + usage["completion_tokens"]
     chat.messages += [{"role": "assistant", "content": "".join(parts)},

@@ -54,6 +54,7 @@ class RequestRecord:
     transfer_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_cached_tokens: int = 0
+    prefill_location: str = ""  # "local": decode computed the tail, min_bytes is 0
     error: str | None = None
     usage_problem: str | None = None
     reusable_tokens: int = 0

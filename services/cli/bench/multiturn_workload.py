@@ -148,8 +148,11 @@ def fill_record(rec: RequestRecord, usage, client_ttft_ms: float, previous_token
     rec.prefill_ms = u.prefill_ms
     rec.prefill_cached_tokens = u.prefill_cached_tokens
     rec.reusable_tokens = reusable_tokens(previous_tokens, u.prompt_tokens, u.page_size)
+    rec.prefill_location = getattr(u, "prefill_location", "")
     try:
         rec.min_bytes = min_bytes(u.prompt_tokens, u.cached_tokens, u.page_size, u.page_bytes)
+        if rec.prefill_location == "local":  # decode computed the tail: nothing may move
+            rec.min_bytes = 0
     except InvalidArgument as exc:
         # e.g. cached > prompt or page_size 0: the usage itself is wrong, so no byte count can
         # match; -1 makes the request a byte defect and the note says why.

@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=positive_int, default=d.max_waiting,
                         help="requests waiting for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
+    parser.add_argument("--local-prefill", choices=("auto", "never", "always"),
+                        default=d.local_prefill,
+                        help="where the prompt's uncached tail is computed: auto (a cost model "
+                             "of measured decode extend, prefill and link speeds picks the "
+                             "cheaper; a full prefix hit is always local), never (always "
+                             "prefill), always (always this decode worker)")
     parser.add_argument("--connect-timeout-s", type=positive_float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
@@ -113,7 +119,8 @@ async def build(args: argparse.Namespace, stack, log):
         prefill_timeout_ms=args.prefill_timeout_ms, lease_ms=args.lease_ms,
         abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
-        admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting)
+        admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
+        local_prefill=args.local_prefill)
     targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
