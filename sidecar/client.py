@@ -17,7 +17,7 @@ restarted sidecar refuses it; that refusal is raised as :class:`SidecarRestarted
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -235,6 +235,36 @@ class SidecarClient:
             transfer_info=info, src_page_indices=src_page_indices,
             lease_remaining_ms=lease_remaining_ms, prefill_cached_len=prefill_cached_len,
             prompt_digest=prompt_digest), timeout_s=timeout_s)
+        return resp.stats
+
+    async def write_pages_stream(self, info: kv_pb2.TransferInfo,
+                                 src_page_indices: Sequence[int], ready: AsyncIterator[int],
+                                 lease_remaining_ms: int = 0, prefill_cached_len: int = 0,
+                                 timeout_s: float | None = None,
+                                 prompt_digest: bytes = b"") -> kv_pb2.TransferStats:
+        """:meth:`write_pages` fed while the pages are still being computed
+        (``WritePagesStream``): ``ready`` yields the cumulative count of complete delta pages
+        (prompt order); the first value travels with the write, each later one as a part of
+        its own, and the sidecar writes what became complete at once. Returns when every
+        delta page is written (the last value must be the delta's page count). Ending
+        ``ready`` early, or cancelling the awaiting task, fails the room (ABORTED). Same
+        deadline and errors as :meth:`write_pages`."""
+        if timeout_s is None:
+            lease_ms = lease_remaining_ms or info.lease_ms
+            timeout_s = lease_ms / 1e3 + self.timeout_s
+        write = sidecar_pb2.WritePagesRequest(
+            transfer_info=info, src_page_indices=src_page_indices,
+            lease_remaining_ms=lease_remaining_ms, prefill_cached_len=prefill_cached_len,
+            prompt_digest=prompt_digest)
+
+        async def parts() -> AsyncIterator[sidecar_pb2.WritePagesPart]:
+            first = True
+            async for count in ready:
+                yield sidecar_pb2.WritePagesPart(write=write if first else None,
+                                                 ready_pages=count)
+                first = False
+
+        resp = await self._call("WritePagesStream", parts(), timeout_s=timeout_s)
         return resp.stats
 
     async def abort_write(self, room: int, timeout_s: float | None = None) -> bool:

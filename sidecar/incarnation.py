@@ -55,7 +55,8 @@ class IncarnationGuard(grpc.ServerInterceptor):
 
     ``endpoint_id``: this sidecar's incarnation. Install it inside the error-mapping
     interceptor (``SyncServer(interceptors=[...])``) so the refusal is mapped like any typed
-    error. Unary-unary handlers only (the sidecar has no streaming RPC of its own).
+    error. Unary-unary and client-streaming handlers (``WritePagesStream``) are guarded;
+    the sidecar serves no other kind.
     """
 
     def __init__(self, endpoint_id: str, on_refused: Callable[[str, str], None] | None = None
@@ -68,7 +69,10 @@ class IncarnationGuard(grpc.ServerInterceptor):
         """The handler of this call, or a refusal if it is bound to another incarnation."""
         handler = continuation(handler_call_details)
         claimed = incarnation_of(handler_call_details.invocation_metadata)
-        if handler is None or handler.unary_unary is None or claimed in (None, self.endpoint_id):
+        if handler is None or claimed in (None, self.endpoint_id):
+            return handler
+        streaming = handler.stream_unary is not None
+        if handler.unary_unary is None and not streaming:
             return handler
         method = handler_call_details.method
         current = self.endpoint_id
@@ -82,6 +86,8 @@ class IncarnationGuard(grpc.ServerInterceptor):
                 f"sidecar is incarnation {current} (it restarted; its pool is new): re-attach",
                 claimed=claimed, current=current)
 
-        return grpc.unary_unary_rpc_method_handler(
+        make = (grpc.stream_unary_rpc_method_handler if streaming
+                else grpc.unary_unary_rpc_method_handler)
+        return make(
             refuse, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)

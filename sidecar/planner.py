@@ -22,6 +22,10 @@ Coalescing: consecutive pairs whose source *and* destination pages are both cons
 one :class:`PageRun` (one engine write of ``num_pages * page_bytes`` bytes). Runs longer than
 the backend's ``max_message_bytes`` are split; runs are then grouped into batches of at most
 ``max_entries`` runs (one engine batch call each). Transports move each batch as it is.
+
+A write fed while prefill still computes (``WritePagesStream``) is planned and validated once
+too; each part then moves :meth:`WritePlan.segment` of the pages that became complete,
+coalesced and batched by the same rules (a run never crosses a part boundary).
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ class WritePlan:
     run longer than ``max_message_bytes``); ``batches``: ``runs`` split into consecutive
     groups of at most ``max_entries`` runs; ``pages``: delta pages; ``bytes``: exactly
     ``pages * page_bytes``; ``decode_prefix_len`` and ``prompt_len`` in tokens. An empty plan
-    (``pages == 0``, no runs, no batches) is a full-prefix hit.
+    (``pages == 0``, no runs, no batches) is a full-prefix hit. ``src`` / ``dst``: the delta's
+    page pairs in prompt order; ``max_run_pages`` (0: no cap) and ``max_entries``: the
+    backend's limits in pages, kept for :meth:`segment`.
     """
 
     runs: list[PageRun]
@@ -53,6 +59,20 @@ class WritePlan:
     bytes: int
     decode_prefix_len: int
     prompt_len: int
+    src: tuple[int, ...] = ()
+    dst: tuple[int, ...] = ()
+    max_run_pages: int = 0
+    max_entries: int = 1
+
+    def segment(self, first: int, last: int) -> list[list[PageRun]]:
+        """The batches moving delta pages ``[first, last)`` (prompt order) alone: coalesced and
+        batched as :func:`plan_delta` does for the whole delta. ``[]`` when ``first == last``.
+        Raises InvalidArgument (INVALID_ARGUMENT) unless ``0 <= first <= last <= pages``."""
+        if not 0 <= first <= last <= self.pages:
+            raise InvalidArgument(f"delta pages [{first}, {last}) are not inside the "
+                                  f"{self.pages} delta pages of this write")
+        runs = coalesce(self.src[first:last], self.dst[first:last], self.max_run_pages)
+        return _batched(runs, self.max_entries)
 
     @property
     def source_pages(self) -> list[int]:
@@ -182,11 +202,16 @@ def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local
             f"room {room}: source page {bad_src[0]} outside the prefill pool "
             f"(num_pages={local.num_pages})")
 
-    runs = coalesce(src_delta, dst, _max_run_pages(limits, page_bytes))
-    batches = [runs[i:i + limits.max_entries] for i in range(0, len(runs), limits.max_entries)]
-    return WritePlan(runs=runs, batches=batches, pages=delta_pages,
+    max_run_pages = _max_run_pages(limits, page_bytes)
+    runs = coalesce(src_delta, dst, max_run_pages)
+    return WritePlan(runs=runs, batches=_batched(runs, limits.max_entries), pages=delta_pages,
                      bytes=delta_pages * page_bytes, decode_prefix_len=info.decode_prefix_len,
-                     prompt_len=info.prompt_len)
+                     prompt_len=info.prompt_len, src=tuple(src_delta), dst=tuple(dst),
+                     max_run_pages=max_run_pages, max_entries=limits.max_entries)
+
+
+def _batched(runs: list[PageRun], max_entries: int) -> list[list[PageRun]]:
+    return [runs[i:i + max_entries] for i in range(0, len(runs), max_entries)]
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int], max_run_pages: int = 0) -> list[PageRun]:

@@ -9,14 +9,18 @@ decode's grant for exactly this write, :func:`~deltakv.sidecar.planner.plan_delt
 (:mod:`deltakv.sidecar.digests`), the room registry admits the room, the source pages are held
 while the write may read them, and the transport moves each planned batch while the other
 source pages are hashed beside it (one write costs max(engine, hash), not the sum).
-``AbortWrite`` stops a room's writer; decode's own fence, not this, proves that nothing can
+``WritePagesStream`` is the same write fed while prefill still computes: checked, planned and
+admitted once, then each part writes the pages that became complete. ``AbortWrite`` stops a
+room's writer; decode's own fence, not this, proves that nothing can
 land (docs/architecture.md, "Fencing").
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,9 +39,9 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.sidecar.grants import verify_grant
-from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.rooms import RoomState
-from deltakv.v1 import sidecar_pb2
+from deltakv.sidecar.planner import WritePlan, plan_delta
+from deltakv.sidecar.rooms import RoomState, RoomTicket
+from deltakv.v1 import kv_pb2, sidecar_pb2
 
 #: Below this many bytes a write's fresh source pages are hashed inline, before the engine
 #: moves them. Hashing beside the engine only pays when a core is free and the hash is long:
@@ -52,6 +56,28 @@ def _joined(hashing: Future[list[int]] | None) -> list[int]:
     """The digests ``hashing`` computed (``[]`` for None). Hashing held pages is bounded CPU
     work, so this waits for it without a deadline."""
     return [] if hashing is None else hashing.result()
+
+
+@dataclass
+class _Write:
+    """One room's write on this sidecar: what was checked, and how far it got."""
+
+    info: kv_pb2.TransferInfo
+    plan: WritePlan
+    deadline: float
+    started: float
+    prefill_cached_len: int
+    log: Any
+    ticket: RoomTicket = None  # type: ignore[assignment]  # set by _admit_write
+    peer: Any = None
+    digests: list[int] = field(default_factory=list)
+    receipt: float = 0.0
+    checked: float = 0.0
+    prepared: float = 0.0
+    ready: int = 0
+    pages_done: int = 0
+    runs: int = 0
+    batches: int = 0
 
 
 class TransferRpcs:
@@ -83,6 +109,82 @@ class TransferRpcs:
         docs/telemetry.md; a failure sets status ERROR with the reason) and counted in the
         ``deltakv.transfers`` / ``deltakv.transfer.*`` metrics.
         """
+        def run() -> sidecar_pb2.WritePagesResponse:
+            write = self._check_write(request, context)
+            sources = write.plan.source_pages
+            # Checked before the room is admitted: a corrupt cached source costs no room.
+            known = self._check_cached_sources(sources, write.log)
+            self._admit_write(write)
+
+            def move() -> None:
+                # The other source pages' digests (nothing recorded to check them against)
+                # are taken while the engine moves them: the pages are held and nobody writes
+                # them, so the hash and the engine read the same bytes, and a write's time is
+                # max(copy, hash) instead of their sum (issue 14; xxh3 releases the GIL).
+                fresh_pages = [p for p in sources if p not in known]
+                hashing = self._hash_later(fresh_pages)
+                try:
+                    self._move(write, 0, write.plan.pages, context)
+                finally:
+                    fresh = _joined(hashing)  # before the hold is lifted: the hash reads them
+                if self.digester.enabled:
+                    fresh_of = dict(zip(fresh_pages, fresh, strict=True))
+                    write.digests = [known[p] if p in known else fresh_of[p] for p in sources]
+
+            return self._run_write(write, move)
+
+        return self._traced(request, run)
+
+    def WritePagesStream(self, request_iterator: Iterator[sidecar_pb2.WritePagesPart],
+                         context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+        """``WritePages`` fed while prefill still computes (chunked prefill, docs/write-path.md).
+
+        The first part carries the whole ``WritePagesRequest``: checked, planned and admitted
+        exactly as ``WritePages`` (same errors, same deadline), once. Each part's
+        ``ready_pages`` (cumulative, delta pages in prompt order) says which pages are now
+        complete in this pool; their digests are taken and they are written at once
+        (:meth:`WritePlan.segment`), so transfer overlaps the next chunk's compute. Returns
+        TransferStats (digests of all delta pages in prompt order) when the last delta page
+        is written. INVALID_ARGUMENT for a first part without ``write``, a later one with it,
+        or a ``ready_pages`` that goes down or past the delta; ABORTED when the stream ends or
+        the call is cancelled before every page was ready — the room then fails like a
+        failed ``WritePages`` (no batch starts after it, decode fences). Waiting for the next
+        part is bounded by the call's deadline (prefill's lease).
+        """
+        parts = iter(request_iterator)
+        first = self._next_part(parts, context)
+        if first is None or not first.HasField("write"):
+            raise InvalidArgument("WritePagesStream: the first part must carry the write")
+        request = first.write
+
+        def run() -> sidecar_pb2.WritePagesResponse:
+            write = self._check_write(request, context)
+            self._admit_write(write)
+
+            def move_parts() -> None:
+                part: sidecar_pb2.WritePagesPart | None = first
+                while True:
+                    self._take_part(write, part, context)
+                    if write.ready >= write.plan.pages:
+                        return
+                    part = self._next_part(parts, context)
+                    if part is None:
+                        raise Aborted(f"room {write.info.room}: the write stream ended after "
+                                      f"{write.ready} of {write.plan.pages} delta pages")
+                    if part.HasField("write"):
+                        raise InvalidArgument("WritePagesStream: only the first part carries "
+                                              "the write")
+
+            return self._run_write(write, move_parts)
+
+        return self._traced(request, run)
+
+    # -- the steps of one write ----------------------------------------------------------
+
+    def _traced(self, request: sidecar_pb2.WritePagesRequest,
+                run: Callable[[], sidecar_pb2.WritePagesResponse]
+                ) -> sidecar_pb2.WritePagesResponse:
+        """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics."""
         info = request.transfer_info
         instruments = deltakv_metrics.instruments()
         with telemetry.span(
@@ -93,7 +195,7 @@ class TransferRpcs:
                 lease_ms=info.lease_ms,
                 backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
             try:
-                response = self._write_pages(request, context)
+                response = run()
             except Exception as exc:
                 instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
                 raise
@@ -109,8 +211,9 @@ class TransferRpcs:
             instruments.transfer_size.record(stats.bytes)
         return response
 
-    def _write_pages(self, request: sidecar_pb2.WritePagesRequest,
-                     context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+    def _check_write(self, request: sidecar_pb2.WritePagesRequest,
+                     context: grpc.ServicerContext) -> _Write:
+        """Endpoint, grant and plan (every check before any byte moves); the deadline."""
         receipt = time.monotonic()
         if self.role != "prefill":
             raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
@@ -144,75 +247,119 @@ class TransferRpcs:
         rpc_left = context.time_remaining()
         if rpc_left is not None:
             deadline = min(deadline, time.monotonic() + rpc_left)
+        return _Write(info=info, plan=plan, deadline=deadline, started=receipt,
+                      receipt=receipt, checked=checked,
+                      prefill_cached_len=request.prefill_cached_len,
+                      log=self.log.bind(room=info.room, request_id=info.request_id))
 
-        room_log = self.log.bind(room=info.room, request_id=info.request_id)
-        sources = plan.source_pages
-        known = self._check_cached_sources(sources, room_log)
-        ticket = self.rooms.begin(info.room, info.request_id, deadline)
-        # The source pages are not freed while this write may read them (I2): a Release
-        # meanwhile quarantines them until the hold is lifted below.
-        hold = ("room", info.room)
-        ok = False
-        pages_done = 0
-        started = receipt
-        hashing: Future[list[int]] | None = None
+    def _admit_write(self, write: _Write) -> None:
+        """Admit the room, hold the delta's source pages, connect the peer; on failure the
+        room is finished as failed and the hold lifted."""
+        info = write.info
+        write.ticket = self.rooms.begin(info.room, info.request_id, write.deadline)
         try:
-            self.page_manager.hold(hold, sources)
-            # The other source pages' digests (nothing recorded to check them against) are
-            # taken while the engine moves them: the pages are held and nobody writes them,
-            # so the hash and the engine read the same bytes, and a write's time is
-            # max(copy, hash) instead of their sum (issue 14; xxh3 releases the GIL).
-            hashing = self._hash_later([p for p in sources if p not in known])
-            prepared = time.monotonic()
-            peer = self.peers.connect(endpoint)
-            ticket.check_alive()
-            started = time.monotonic()
-            for batch in plan.batches:
-                if not context.is_active():
-                    raise Aborted(f"room {info.room}: WritePages call was cancelled")
-                ticket.check_can_start()
-                try:
-                    self.transport.write(peer, batch, ticket)
-                except (Unavailable, UnknownEndpoint):
-                    # The peer may be gone: the next connect checks and connects it afresh.
-                    self.peers.drop(peer.endpoint_id)
-                    raise
-                pages_done += sum(run.num_pages for run in batch)
+            # The source pages are not freed while this write may read them (I2): a Release
+            # meanwhile quarantines them until the hold is lifted.
+            self.page_manager.hold(("room", info.room), write.plan.source_pages)
+            write.prepared = time.monotonic()
+            write.peer = self.peers.connect(info.decode_endpoint)
+            write.ticket.check_alive()
+        except BaseException:
+            self._finish(write, ok=False)
+            raise
+        write.started = time.monotonic()
+
+    def _run_write(self, write: _Write, move: Callable[[], None]
+                   ) -> sidecar_pb2.WritePagesResponse:
+        """Run ``move`` (the write's batches) on an admitted room, then finish the room once."""
+        ok = False
+        try:
+            move()
             ok = True
         except DeltaKVError as exc:
-            room_log.warning("write_failed", code=exc.code.name, error=exc.message,
-                             batches_started=ticket.batches_started, pages_written=pages_done)
-            telemetry.annotate(batches_started=ticket.batches_started, pages_written=pages_done)
+            write.log.warning("write_failed", code=exc.code.name, error=exc.message,
+                              batches_started=write.ticket.batches_started,
+                              pages_written=write.pages_done)
+            telemetry.annotate(batches_started=write.ticket.batches_started,
+                               pages_written=write.pages_done)
             raise
         finally:
-            state = self.rooms.finish(ticket, ok)
-            fresh = _joined(hashing)  # before the hold is lifted: the hash reads the pages
-            self.page_manager.unhold(hold)
-            with self._counter_lock:
-                self.pages_written += pages_done
-                self.bytes_written += pages_done * self.layout.page_bytes
-                if ok and state is RoomState.DONE:
-                    self.transfers_ok += 1
-                else:
-                    self.transfers_failed += 1
+            state = self._finish(write, ok)
+        info = write.info
         if state is RoomState.ABORTED:
             # Fenced after the last batch landed: decode has given up on this room.
             raise Aborted(f"room {info.room} was aborted while its last batch completed")
-        done = time.monotonic()
-        duration_us = int((done - started) * 1e6)
-        stats = plan.to_stats(duration_us=duration_us, backend=self.transport.name,
-                              prefill_cached_len=request.prefill_cached_len)
-        if self.digester.enabled:
-            fresh_of = dict(zip([p for p in sources if p not in known], fresh, strict=True))
-            stats.page_digests.extend(known[p] if p in known else fresh_of[p] for p in sources)
+        duration_us = int((time.monotonic() - write.started) * 1e6)
+        stats = write.plan.to_stats(duration_us=duration_us, backend=self.transport.name,
+                                    prefill_cached_len=write.prefill_cached_len)
+        stats.runs, stats.batches = write.runs, write.batches
+        stats.page_digests.extend(write.digests)
         # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
         # source hold, connect (cached after the first write), engine; microseconds.
-        room_log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                      batches=stats.batches, duration_us=duration_us,
-                      check_us=int((checked - receipt) * 1e6),
-                      prepare_us=int((prepared - checked) * 1e6),
-                      connect_us=int((started - prepared) * 1e6))
+        write.log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
+                       batches=stats.batches, duration_us=duration_us,
+                       check_us=int((write.checked - write.receipt) * 1e6),
+                       prepare_us=int((write.prepared - write.checked) * 1e6),
+                       connect_us=int((write.started - write.prepared) * 1e6))
         return sidecar_pb2.WritePagesResponse(stats=stats)
+
+    def _finish(self, write: _Write, ok: bool) -> RoomState:
+        state = self.rooms.finish(write.ticket, ok)
+        self.page_manager.unhold(("room", write.info.room))
+        with self._counter_lock:
+            self.pages_written += write.pages_done
+            self.bytes_written += write.pages_done * self.layout.page_bytes
+            if ok and state is RoomState.DONE:
+                self.transfers_ok += 1
+            else:
+                self.transfers_failed += 1
+        return state
+
+    def _move(self, write: _Write, first: int, last: int, context: grpc.ServicerContext
+              ) -> None:
+        """Write delta pages ``[first, last)``, batch by batch."""
+        plan, ticket = write.plan, write.ticket
+        whole = first == 0 and last == plan.pages
+        for batch in plan.batches if whole else plan.segment(first, last):
+            if not context.is_active():
+                raise Aborted(f"room {write.info.room}: WritePages call was cancelled")
+            ticket.check_can_start()
+            try:
+                self.transport.write(write.peer, batch, ticket)
+            except (Unavailable, UnknownEndpoint):
+                # The peer may be gone: the next connect checks and connects it afresh.
+                self.peers.drop(write.peer.endpoint_id)
+                raise
+            write.pages_done += sum(run.num_pages for run in batch)
+            write.runs += len(batch)
+            write.batches += 1
+
+    def _take_part(self, write: _Write, part: sidecar_pb2.WritePagesPart,
+                   context: grpc.ServicerContext) -> None:
+        """Digest and write the delta pages ``part`` says became complete."""
+        ready = part.ready_pages
+        if not write.ready <= ready <= write.plan.pages:
+            raise InvalidArgument(
+                f"room {write.info.room}: ready_pages={ready} must be in [{write.ready}, "
+                f"{write.plan.pages}] (cumulative, at most the delta)")
+        if ready == write.ready:
+            return
+        write.ticket.check_alive()
+        write.digests.extend(self._part_digests(list(write.plan.src[write.ready:ready]),
+                                                write.log))
+        self._move(write, write.ready, ready, context)
+        write.ready = ready
+
+    @staticmethod
+    def _next_part(parts: Iterator[sidecar_pb2.WritePagesPart], context: grpc.ServicerContext
+                   ) -> sidecar_pb2.WritePagesPart | None:
+        """The next part, None at the end of the stream; ABORTED if the call was cancelled
+        or its deadline passed while waiting (gRPC ends the wait then)."""
+        try:
+            return next(parts, None)
+        except grpc.RpcError:
+            raise Aborted("WritePagesStream: the call was cancelled or timed out while "
+                          "waiting for the next part") from None
 
     def _check_cached_sources(self, sources: list[int], room_log: Any) -> dict[int, int]:
         """Hash the delta's source pages that this sidecar's index cached with a digest and
@@ -244,6 +391,17 @@ class TransferRpcs:
             done.set_result(self.digester.digest(pages))
             return done
         return self.hasher.submit(self.digester.digest, pages)
+
+    def _part_digests(self, sources: list[int], room_log: Any) -> list[int]:
+        """Digests of one stream part's source pages in prompt order (``[]`` with digests
+        off), taken before they move; cached ones checked as :meth:`_check_cached_sources`
+        (DATA_LOSS fails the room)."""
+        known = self._check_cached_sources(sources, room_log)
+        if not self.digester.enabled:
+            return []
+        fresh_pages = [p for p in sources if p not in known]
+        fresh = dict(zip(fresh_pages, self.digester.digest(fresh_pages), strict=True))
+        return [known[p] if p in known else fresh[p] for p in sources]
 
     def AbortWrite(self, request: sidecar_pb2.AbortWriteRequest,
                    context: grpc.ServicerContext) -> sidecar_pb2.AbortWriteResponse:

@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
                         help="end-to-end page digests in both sidecars (default on)")
+    parser.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=None, metavar="TOKENS",
+                        help="prefill's chunk: pages of each chunk are written while the next "
+                             "computes (`deltakv serve prefill --prefill-chunk-tokens`; 0 = "
+                             "one forward pass, then the write)")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="two hosts on this machine (root): prefill and its sidecar in a "
                              "fresh network namespace, joined to decode's by a veth pair shaped "
@@ -178,7 +182,13 @@ def cluster_config(args: argparse.Namespace):
                          page_digests=getattr(args, "page_digests", "on") == "on",
                          link=getattr(args, "link", None),
                          torch_threads=getattr(args, "torch_threads", 0),
-                         metrics_port=_metrics_base_port(args))
+                         metrics_port=_metrics_base_port(args),
+                         prefill_args=_prefill_chunk(args))
+
+
+def _prefill_chunk(args: argparse.Namespace) -> list[str]:
+    chunk = getattr(args, "prefill_chunk_tokens", None)
+    return [] if chunk is None else ["--prefill-chunk-tokens", str(chunk)]
 
 
 def start_cluster(up_args: list[str], startup_timeout_s: float,

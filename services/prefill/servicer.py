@@ -16,7 +16,10 @@ Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
 3. the forward pass on one dedicated thread (torch never blocks the event loop; forwards are
    serialised), then the first token is sampled;
 4. ``WritePages`` on the sidecar writes pages ``[decode_prefix_len / page_size, ...)`` into the
-   decode pool and returns only when every write completed;
+   decode pool and returns only when every write completed. A prompt longer than one chunk
+   (``chunk_tokens``) is computed chunk by chunk instead, and one ``WritePagesStream`` writes
+   each chunk's completed delta pages while the next chunk computes
+   (:mod:`deltakv.services.prefill.overlap`); the first token comes from the last chunk;
 5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every
    path, exactly once, even when the sidecar did not answer the abort (the sidecar itself keeps
    the pages of a write still reading them quarantined until it ends), and only after no
@@ -57,6 +60,13 @@ from deltakv.services.admission import (
     release_retried,
 )
 from deltakv.services.model.sampling import Sampler, validate_sampling
+from deltakv.services.prefill.chunks import (
+    DEFAULT_CHUNK_TOKENS,
+    Chunk,
+    check_chunk_tokens,
+    plan_chunks,
+)
+from deltakv.services.prefill.overlap import run_overlapped
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
 from deltakv.sidecar.grants import prompt_digest, verify_grant
@@ -124,13 +134,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ``admission_timeout_s``: the longest an attempt queues for prefill pages (a request's
     ``queue_timeout_ms`` may shorten it); ``max_waiting``: attempts queued at most (one more
     is refused at once); ``release_retry_s``: how long an unanswered ``Release`` of an attempt
-    is retried (long: a stopped sidecar may come back and must get its pages back).
+    is retried (long: a stopped sidecar may come back and must get its pages back);
+    ``chunk_tokens``: tokens per forward pass of a chunked prefill whose completed pages are
+    written while the next chunk computes (:mod:`deltakv.services.prefill.chunks`; 0 = one
+    forward pass, then the write; a multiple of the page size, INVALID_ARGUMENT otherwise);
+    ``overlap`` False computes the same chunks but writes only after the last one (the
+    baseline the overlap is compared with: the same KV bytes, written later).
     """
 
     def __init__(self, worker: Worker, model_name: str, key: PairingKey,
                  admission_timeout_s: float = 30.0, max_waiting: int = 1024,
-                 release_retry_s: float = 600.0) -> None:
+                 release_retry_s: float = 600.0,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: bool = True) -> None:
         self.worker = worker
+        self.overlap = overlap
+        self.chunk_tokens = check_chunk_tokens(chunk_tokens, worker.layout.page_size)
         self.model_name = model_name
         self.key = key
         self.admission_timeout_s = admission_timeout_s
@@ -277,19 +295,45 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
         sampler = Sampler.from_proto(request.sampling)
         runner = self.worker.runner
-        t0 = time.monotonic()
+        chunks = plan_chunks(len(tokens), cached_len, info.decode_prefix_len,
+                             self.worker.layout.page_size, self.chunk_tokens)
 
-        def forward() -> int:
-            logits = runner.prefill(tokens, page_table, cached_len)
-            return sampler.sample(logits)
+        def forward(chunk: Chunk) -> int | None:
+            # The first chunk passes cached_len itself: the runner's own rule then keeps a
+            # full prefix hit from writing into shared cached pages.
+            start = cached_len if chunk is chunks.chunks[0] else chunk.start
+            logits = runner.prefill(tokens[:chunk.end], page_table, start)
+            return sampler.sample(logits) if chunk.end == len(tokens) else None
+
+        def write_timeout_s() -> tuple[int, float]:
+            lease_left_ms = int((lease_end - time.monotonic()) * 1000)
+            rpc_left = context.time_remaining()
+            timeout_s = lease_left_ms / 1000.0 + 1.0
+            if rpc_left is not None:
+                timeout_s = min(timeout_s, rpc_left)
+            return max(lease_left_ms, 1), timeout_s
 
         with telemetry.span("prefill.forward", prompt_len=len(tokens),
                             prefill_cached_len=cached_len,
                             computed_tokens=len(tokens) - cached_len,
-                            pages=len(page_table)) as span:
-            attempt.forward = asyncio.get_running_loop().run_in_executor(self.compute, forward)
-            first_token = await attempt.forward
-            prefill_ms = (time.monotonic() - t0) * 1000.0
+                            pages=len(page_table), chunks=len(chunks.chunks)) as span:
+            if chunks.overlapped and self.overlap:
+                lease_ms, timeout_s = write_timeout_s()
+                done = await run_overlapped(
+                    chunks, forward=forward, executor=self.compute, attempt=attempt,
+                    check_alive=lambda where: self._check_alive(attempt, lease_end, context,
+                                                                where),
+                    write=lambda ready: sidecar.write_pages_stream(
+                        info, page_table, ready, lease_remaining_ms=lease_ms,
+                        prefill_cached_len=cached_len, timeout_s=timeout_s,
+                        prompt_digest=digest))
+                first_token, prefill_ms = done.first_token, done.prefill_ms
+            else:
+                t0 = time.monotonic()
+                attempt.forward = asyncio.get_running_loop().run_in_executor(
+                    self.compute, lambda: [forward(c) for c in chunks.chunks][-1])
+                first_token = await attempt.forward
+                prefill_ms = (time.monotonic() - t0) * 1000.0
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))
@@ -297,28 +341,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         instruments.prefill_duration.record(prefill_ms / 1000.0)
         instruments.prefill_tokens.add(len(tokens) - cached_len, {"kind": "computed"})
         instruments.prefill_tokens.add(cached_len, {"kind": "cached"})
-        self._check_alive(attempt, lease_end, context, "before the transfer")
 
-        lease_left_ms = int((lease_end - time.monotonic()) * 1000)
-        rpc_left = context.time_remaining()
-        timeout_s = lease_left_ms / 1000.0 + 1.0
-        if rpc_left is not None:
-            timeout_s = min(timeout_s, rpc_left)
-        t1 = time.monotonic()
-        attempt.write_started = True
-        stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=max(lease_left_ms, 1),
-                                          prefill_cached_len=cached_len, timeout_s=timeout_s,
-                                          prompt_digest=digest)
-        attempt.write_done = True
-        transfer_ms = (time.monotonic() - t1) * 1000.0
+        if chunks.overlapped and self.overlap:
+            stats, transfer_ms = done.stats, done.transfer_ms
+            after_compute_ms = done.transfer_after_compute_ms
+        else:
+            self._check_alive(attempt, lease_end, context, "before the transfer")
+            lease_ms, timeout_s = write_timeout_s()
+            t1 = time.monotonic()
+            attempt.write_started = True
+            stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=lease_ms,
+                                              prefill_cached_len=cached_len,
+                                              timeout_s=timeout_s, prompt_digest=digest)
+            attempt.write_done = True
+            transfer_ms = after_compute_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
         await sidecar.commit(attempt.sidecar_request_id, tokens, page_table)
         log.info("prefill_done", prompt_len=len(tokens), prefill_cached_len=cached_len,
                  decode_prefix_len=stats.decode_prefix_len, delta_pages=stats.pages,
                  bytes=stats.bytes, prefill_ms=round(prefill_ms, 2),
-                 transfer_ms=round(transfer_ms, 2))
+                 transfer_ms=round(transfer_ms, 2), chunks=len(chunks.chunks),
+                 transfer_after_compute_ms=round(after_compute_ms, 2))
         return prefill_pb2.PrefillResponse(first_token_id=first_token, stats=stats,
-                                           prefill_ms=prefill_ms, transfer_ms=transfer_ms)
+                                           prefill_ms=prefill_ms, transfer_ms=transfer_ms,
+                                           chunks=len(chunks.chunks),
+                                           transfer_after_compute_ms=after_compute_ms)
 
     def abort_all(self, reason: str) -> None:
         """This worker's sidecar pool incarnation is lost: every attempt computing in it

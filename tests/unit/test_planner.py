@@ -276,3 +276,37 @@ def test_property_runs_cover_exactly_the_delta_pairs(case):
         if joinable:
             assert limits.max_message_bytes
             assert a.num_pages * layout.page_bytes + layout.page_bytes > limits.max_message_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1,
+                      max_size=24, unique_by=(lambda p: p[0], lambda p: p[1])),
+       cuts=st.lists(st.integers(0, 24), max_size=4), entries=st.integers(1, 4),
+       run_pages=st.integers(0, 3))
+def test_segments_move_exactly_the_delta_and_respect_the_limits(pairs, cuts, entries,
+                                                                 run_pages) -> None:
+    """WritePagesStream's parts: the segments between any cut points move every delta pair
+    once, in prompt order, each batch and run within the backend's limits."""
+    src = [s for s, _ in pairs]
+    dst = [d for _, d in pairs]
+    limits = BatchLimits(max_entries=entries, max_message_bytes=run_pages * PB)
+    p = plan(info(len(src) * PS, dst), src, local=TOY_LAYOUT.with_pages(64),
+             remote=TOY_LAYOUT.with_pages(64), limits=limits)
+    bounds = sorted({0, len(src), *(c for c in cuts if c <= len(src))})
+    moved = []
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        for batch in p.segment(first, last):
+            assert 0 < len(batch) <= entries
+            for run in batch:
+                assert run_pages == 0 or run.num_pages <= run_pages
+                moved += [(run.src_page + i, run.dst_page + i) for i in range(run.num_pages)]
+    assert moved == list(zip(src, dst, strict=True))
+    assert p.segment(0, p.pages) == p.batches
+    assert p.segment(3, 3) == [] if p.pages >= 3 else True
+
+
+def test_segment_outside_the_delta_is_refused() -> None:
+    p = plan(info(3 * PS, [5, 6, 7]), [1, 2, 3])
+    for first, last in ((2, 1), (-1, 2), (0, 4)):
+        with pytest.raises(InvalidArgument):
+            p.segment(first, last)

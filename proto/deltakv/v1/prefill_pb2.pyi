@@ -34,16 +34,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "stats", "prefill_ms", "transfer_ms")
+    __slots__ = ("first_token_id", "stats", "prefill_ms", "transfer_ms", "chunks", "transfer_after_compute_ms")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_AFTER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     stats: _kv_pb2.TransferStats
     prefill_ms: float
     transfer_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., stats: _Optional[_Union[_kv_pb2.TransferStats, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    chunks: int
+    transfer_after_compute_ms: float
+    def __init__(self, first_token_id: _Optional[int] = ..., stats: _Optional[_Union[_kv_pb2.TransferStats, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., chunks: _Optional[int] = ..., transfer_after_compute_ms: _Optional[float] = ...) -> None: ...
 
 class AbortTransferRequest(_message.Message):
     __slots__ = ("room", "request_id")

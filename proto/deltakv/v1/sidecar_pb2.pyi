@@ -194,6 +194,14 @@ class WritePagesRequest(_message.Message):
     prompt_digest: bytes
     def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
+class WritePagesPart(_message.Message):
+    __slots__ = ("write", "ready_pages")
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    READY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    write: WritePagesRequest
+    ready_pages: int
+    def __init__(self, write: _Optional[_Union[WritePagesRequest, _Mapping]] = ..., ready_pages: _Optional[int] = ...) -> None: ...
+
 class WritePagesResponse(_message.Message):
     __slots__ = ("stats",)
     STATS_FIELD_NUMBER: _ClassVar[int]

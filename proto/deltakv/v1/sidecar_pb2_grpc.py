@@ -87,6 +87,11 @@ class SidecarServiceStub:
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.FromString,
                 _registered_method=True)
+        self.WritePagesStream = channel.stream_unary(
+                '/deltakv.v1.SidecarService/WritePagesStream',
+                request_serializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesPart.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.FromString,
+                _registered_method=True)
         self.AbortWrite = channel.unary_unary(
                 '/deltakv.v1.SidecarService/AbortWrite',
                 request_serializer=deltakv_dot_v1_dot_sidecar__pb2.AbortWriteRequest.SerializeToString,
@@ -213,6 +218,18 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WritePagesStream(self, request_iterator, context):
+        """Prefill side: the same write, fed while prefill still computes (chunked prefill). The
+        first part carries the whole WritePagesRequest (checked, planned and admitted once, as
+        WritePages); every part says how many delta pages (prompt order) are complete so far, and
+        the pages that became complete are written at once. The call returns when all delta pages
+        are written. Errors as WritePages; the stream ending (or the call cancelled) before all
+        pages were ready fails the room with ABORTED, no further batch starting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AbortWrite(self, request, context):
         """Prefill side: stop a room's writer. Returns once this sidecar will start no further
         batch for it and no batch of it is running here. Not a proof that no byte can land at the
@@ -318,6 +335,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
             'WritePages': grpc.unary_unary_rpc_method_handler(
                     servicer.WritePages,
                     request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.SerializeToString,
+            ),
+            'WritePagesStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.WritePagesStream,
+                    request_deserializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesPart.FromString,
                     response_serializer=deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.SerializeToString,
             ),
             'AbortWrite': grpc.unary_unary_rpc_method_handler(
@@ -605,6 +627,33 @@ class SidecarService:
             target,
             '/deltakv.v1.SidecarService/WritePages',
             deltakv_dot_v1_dot_sidecar__pb2.WritePagesRequest.SerializeToString,
+            deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WritePagesStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/deltakv.v1.SidecarService/WritePagesStream',
+            deltakv_dot_v1_dot_sidecar__pb2.WritePagesPart.SerializeToString,
             deltakv_dot_v1_dot_sidecar__pb2.WritePagesResponse.FromString,
             options,
             channel_credentials,

@@ -232,6 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, MultiturnConfig())
     parser.add_argument("--compare", action="store_true",
                         help="full transfer and incremental transfer, interleaved per round")
+    parser.add_argument("--overlap-compare", action="store_true",
+                        help="round-0 TTFT of prefill's chunk/write overlap vs one forward "
+                             "pass then the write: two clusters side by side, requests "
+                             "interleaved (with --link: each on its own link; "
+                             "bench/multiturn_overlap.py)")
     parser.add_argument("--affinity-compare", action="store_true",
                         help="also run without the x-deltakv-session key (no router affinity)")
     parser.add_argument("--api", choices=APIS, default="grpc",
@@ -295,6 +300,21 @@ def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
                 signal.signal(sig, handler)
 
 
+def _overlap_compare(args: argparse.Namespace, config: MultiturnConfig,
+                     progress: Callable[[str], None], env: dict) -> int:
+    from deltakv.services.cli.bench.multiturn_overlap import format_overlap, run_overlap_compare
+
+    report = run_overlap_compare(args, config, progress)
+    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    report["environment"] = env
+    print(format_overlap(report))
+    print(f"date {env.get('date')}, load before {env.get('load_before')}, after "
+          f"{env['load_after']}, link {env.get('link')}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench; exit 0 if every request completed with exact bytes, 1 otherwise, 2 for
     bad flags, an unreachable service or a cluster (--link) that did not start."""
@@ -308,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
     env = environment(args.link)
     try:
         config = config_from_args(args, compare=args.compare)
+        if args.overlap_compare:
+            return _overlap_compare(args, config, progress, env)
         if args.link:
             report = _run_with_link(args, config, progress)
         else:

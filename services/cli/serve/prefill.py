@@ -6,6 +6,7 @@ import argparse
 
 from deltakv.services.cli.argtypes import (
     non_negative_float,
+    non_negative_int,
     port_number,
     positive_float,
     positive_int,
@@ -31,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=positive_int, default=1024,
                         help="prefills queued for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
+    parser.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=None, metavar="TOKENS",
+                        help="compute prompts longer than this in chunks of TOKENS tokens and "
+                             "write each chunk's completed pages to decode while the next "
+                             "chunk computes (a multiple of the page size; 0 = one forward "
+                             "pass, then the write; default 512, as vLLM's first chunked "
+                             "prefill)")
+    parser.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
+                        help="compute the same chunks but write the pages only after the last "
+                             "one (the baseline of the overlap: identical KV bytes)")
     parser.add_argument("--sidecar-reattach-timeout-s", type=positive_float, default=60.0,
                         help="after a sidecar restart: how long the sidecar may stay away and "
                              "the old pool's requests may take to end before this worker "
@@ -76,9 +86,12 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
+    chunk = {} if args.prefill_chunk_tokens is None else {
+        "chunk_tokens": args.prefill_chunk_tokens}
     servicer = PrefillServicer(worker, args.model, key,
                                admission_timeout_s=args.admission_timeout_s,
-                               max_waiting=args.max_waiting)
+                               max_waiting=args.max_waiting,
+                               overlap=args.prefill_overlap, **chunk)
     stack.callback(servicer.close)
     stack.push_async_callback(servicer.wait_cleanups, 10.0)  # unwound first: before close
     # A lost pool incarnation: the attempts computing in it stop at their next check.
