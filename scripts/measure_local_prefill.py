@@ -50,7 +50,10 @@ class _InProcess:
         from deltakv.services.model.loader import load_model
         from deltakv.services.model.runner import ModelRunner
         from deltakv.services.model.sampling import Sampler
+        from deltakv.services.runtime.threads import share_of_cores
 
+        # decode computes with the share of the cores LocalCluster gives it (1P1D: half).
+        torch.set_num_threads(share_of_cores(2))
         model = load_model(model_name)
         layout = model.kv_layout(page_size=16, num_pages=-(-len(prompt) // 16) + 1)
         self.runner = ModelRunner(model, torch.zeros(layout.pool_shape,

@@ -24,7 +24,12 @@ pages are ``delta_bytes`` bytes:
   charges to the local choice. Until decode measured one, ``extend(n)`` is prefill's fit
   times ``local_seed_factor`` (1.5): the same model, on hardware assumed no faster — so the
   first short tail after a measured remote call already goes local when hops and transfer
-  dominate, and is measured from then on.
+  dominate, and is measured from then on. That seed can keep ``auto`` remote for good when
+  prefill's fit is poor for short tails (one long cold prompt puts the whole time into the
+  fixed part), and remote is never measured against local if local is never tried: so the
+  first short tail behind a held prefix (at most ``explore_tokens``) is computed locally once
+  (reason ``explore``) to measure decode's own extend — the bounded exploration step of an
+  estimate-driven choice, costing at most one short extend (``explore_tokens=0``: never).
 
 Each timing is an :class:`AffineFit` — ``y = fixed + x / rate`` fitted by exponentially
 weighted least squares over recent samples, so both the per-call floor and the throughput are
@@ -131,7 +136,8 @@ def _seeded(fixed_ms: float, per_s: float, x2: float, alpha: float) -> AffineFit
 @dataclass(frozen=True)
 class Decision:
     """One request's choice: ``location`` ``"local"`` or ``"remote"``; ``reason`` one of
-    ``full_hit``, ``cheaper``, ``mode`` (forced by ``--local-prefill``), ``no_reuse`` (the
+    ``full_hit``, ``cheaper``, ``explore`` (the first short local extend, to measure it),
+    ``mode`` (forced by ``--local-prefill``), ``no_reuse`` (the
     request disabled decode-prefix reuse: the full-transfer baseline), ``no_prefix`` (decode
     holds nothing of the prompt); the two estimates (ms) and the inputs they were computed
     for."""
@@ -154,14 +160,20 @@ class PrefillCostModel:
     """
 
     def __init__(self, mode: Mode = "auto", *, seeds: Seeds = Seeds(), alpha: float = 0.2,
-                 stall_weight: float = 1.0, local_seed_factor: float = 1.5) -> None:
+                 stall_weight: float = 1.0, local_seed_factor: float = 1.5,
+                 explore_tokens: int = 256) -> None:
         if mode not in MODES:
             raise ValueError(f"local prefill mode must be one of {', '.join(MODES)}, got {mode!r}")
         if stall_weight < 0:
             raise ValueError(f"stall_weight must be >= 0, got {stall_weight}")
         if local_seed_factor <= 0:
             raise ValueError(f"local_seed_factor must be > 0, got {local_seed_factor}")
+        if explore_tokens < 0:
+            raise ValueError(f"explore_tokens must be >= 0, got {explore_tokens}")
         self.mode = mode
+        self.explore_tokens = explore_tokens
+        self._explored = False
+        self._explore_lock = threading.Lock()
         self.stall_weight = stall_weight
         self.local_seed_factor = local_seed_factor
         self.local = _seeded(seeds.prefill_fixed_ms * local_seed_factor,
@@ -209,7 +221,19 @@ class PrefillCostModel:
             return choose("local", "full_hit")
         if not held_prefix:  # nothing cached here: prefill's job (disaggregation's default)
             return choose("remote", "no_prefix")
+        if self._explore(tail_tokens):
+            return choose("local", "explore")
         return choose("local" if local < remote else "remote", "cheaper")
+
+    def _explore(self, tail_tokens: int) -> bool:
+        # Once per model, and only while decode has no extend of its own measured.
+        if self.local.samples or tail_tokens > self.explore_tokens:
+            return False
+        with self._explore_lock:
+            if self._explored:
+                return False
+            self._explored = True
+            return True
 
     def record_local(self, tail_tokens: int, extend_ms: float) -> None:
         """A local extend of ``tail_tokens`` (a full hit: 0, one position recomputed) took

@@ -183,7 +183,9 @@ def stop_prefill_sidecar(cluster, link) -> None:
 
 @pytest.mark.timeout(240)
 def test_short_blip_mid_transfer(shaped) -> None:
-    run_fault(shaped, blip, seed=1101, must_fail=True)
+    # With the poller a 4 s blip inside the deadlines can be survived by TCP retransmission:
+    # either outcome is fine; the output must be exact and no byte may land after the fence.
+    run_fault(shaped, blip, seed=1101, must_fail=False)
 
 
 @pytest.mark.timeout(240)

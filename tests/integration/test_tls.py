@@ -236,7 +236,7 @@ def test_helm_test_script_with_a_client_certificate(public_mtls, pki):
     ("prefill", lambda p: ["--tls-cert", p.server.cert, "--tls-key", p.server.key,
                            "--tls-ca", p.server.key], "no usable CA certificate"),
     ("decode", lambda p: ["--prefill-tls-ca", "/nonexistent/ca.crt"], "cannot read"),
-    ("prefill", lambda p: ["--health-port", "70000"], "--health-port must be in 1..65535"),
+    ("prefill", lambda p: ["--health-port", "70000"], "argument --health-port: port must be in 0..65535"),
 ], ids=["key-mismatch", "cert-without-key", "ca-without-cert", "ca-not-a-cert",
         "missing-prefill-ca", "health-port-range"])
 def test_bad_tls_flags_fail_start_up_before_the_model_loads(pki, tmp_path, role, flags, message):

@@ -79,8 +79,26 @@ def test_modes_full_hit_and_no_reuse():
 
 
 def test_seeds_favour_remote_until_measured():
-    model = PrefillCostModel(seeds=Seeds())
+    model = PrefillCostModel(seeds=Seeds(), explore_tokens=0)
     assert model.decide(64, 5 * 32768, running=0).location == "remote"
+
+
+def test_the_first_short_tail_is_explored_locally_once():
+    model = PrefillCostModel(seeds=Seeds(), explore_tokens=128)
+    # A long tail is never an exploration; the seeds send it remote.
+    assert model.decide(512, 32 * 32768, running=0).location == "remote"
+    first = model.decide(64, 5 * 32768, running=0)
+    assert (first.location, first.reason) == ("local", "explore")
+    # Once only, even before the measurement comes back (concurrent requests).
+    assert model.decide(64, 5 * 32768, running=0).reason == "cheaper"
+    # After a measured fast extend the estimate, not exploration, keeps short tails local.
+    fresh = PrefillCostModel(seeds=Seeds(), explore_tokens=128)
+    assert fresh.decide(64, 5 * 32768, running=0).reason == "explore"
+    fresh.record_local(64, 0.5)
+    assert fresh.decide(64, 5 * 32768, running=0).reason == "cheaper"
+    assert fresh.decide(64, 5 * 32768, running=0).location == "local"
+    with pytest.raises(ValueError):
+        PrefillCostModel(explore_tokens=-1)
 
 
 def _remote_calls(model: PrefillCostModel, hop_ms: float, n: int = 10) -> None:
@@ -91,7 +109,7 @@ def _remote_calls(model: PrefillCostModel, hop_ms: float, n: int = 10) -> None:
 
 
 def test_measured_hops_send_short_tails_local_and_long_ones_remote():
-    model = PrefillCostModel()
+    model = PrefillCostModel(explore_tokens=0)
     _remote_calls(model, hop_ms=40.0)
     assert model.snapshot()["hop_ms"] == pytest.approx(40.0, rel=0.05)
     assert model.snapshot()["prefill_tokens_per_s"] == pytest.approx(10_000, rel=0.05)
@@ -122,7 +140,7 @@ def test_running_batch_stall_counts_against_local():
 @given(tail=st.integers(0, 8192), delta=st.integers(0, 10**9), running=st.integers(0, 64),
        hop=st.floats(0.0, 200.0))
 def test_auto_picks_the_smaller_estimate(tail, delta, running, hop):
-    model = PrefillCostModel()
+    model = PrefillCostModel(explore_tokens=0)
     model.record_remote(128, 12.0, 4 * 32768, 3.0, 15.0 + hop)
     decision = model.decide(tail, delta, running)
     if tail == 0:

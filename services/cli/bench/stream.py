@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltakv.services.cli.argtypes import positive_int
+from deltakv.services.cli.argtypes import non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive_int, default=64, help="generated tokens (64)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--page-size", type=positive_int, default=16, help="in-process KV page size")
+    parser.add_argument("--threads", type=non_negative_int, default=0,
+                        help="torch threads of the in-process loop; 0 = what `deltakv up` gives "
+                             "decode in a 1P1D cluster (half this machine's cores), so both "
+                             "sides compute with the same pool")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")
 
@@ -117,6 +121,13 @@ async def run_bench(args: argparse.Namespace, log: Any = print) -> dict[str, Any
 
     if args.tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
         raise ValueError("--tokens must be >= 2, --prompt-len and --repeats >= 1")
+    import torch
+
+    from deltakv.services.runtime.threads import share_of_cores
+
+    # The served decode computes with its share of the cores (`up --torch-threads`); the
+    # floor must use the same pool, or it measures oversubscription, not the service.
+    torch.set_num_threads(args.threads or share_of_cores(2))
     load_before = os.getloadavg()
     model = load_model(args.model)
     per_seq = -(-(args.prompt_len + args.tokens) // args.page_size)
@@ -153,6 +164,7 @@ async def run_bench(args: argparse.Namespace, log: Any = print) -> dict[str, Any
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_before": list(load_before), "load_after": list(os.getloadavg()),
             "config": {"model": args.model, "prompt_len": args.prompt_len,
+                       "threads": torch.get_num_threads(),
                        "tokens": args.tokens, "repeats": args.repeats},
             "paths": paths}
 
