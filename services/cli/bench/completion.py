@@ -40,7 +40,7 @@ from typing import Any
 
 from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.timing import gbps
-from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, bench_layout
+from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, BenchSidecar, bench_layout
 
 MODES = ("waiter", "poller")
 
@@ -62,40 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="prefill sidecars on a second host joined by a link of RATE (tc "
                              "rate, e.g. 1gbit, 10gbit; root), see deltakv up --link")
-
-
-class _Sidecar:
-    """A ``deltakv serve sidecar`` child (a ManagedProcess: SIGTERM then SIGKILL on stop),
-    run behind ``wrap`` (a network namespace, or nothing) with its engine advertising
-    ``host``; started and waited for at construction."""
-
-    def __init__(self, role: str, name: str, layout: Any, workdir: str, options: list[str],
-                 ready_timeout_s: float, wrap: list[str], host: str,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        from deltakv.rpc.channel import uds_address
-        from deltakv.services.process import ManagedProcess
-
-        socket = os.path.join(workdir, f"{name}.sock")
-        self.target = uds_address(socket)
-        cmd = [*wrap, sys.executable, "-m", "deltakv.services.cli.serve.sidecar",
-               "--role", role, "--transport", "mooncake", "--socket", socket, "--host", host,
-               "--pairing-key-file", os.path.join(workdir, "pairing.key"),
-               "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
-               "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
-               "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
-               "--fingerprint", layout.model_fingerprint, "--log-level", "warning", *extra_args]
-        for opt in options:
-            cmd += ["--transport-option", opt]
-        self.proc = ManagedProcess(f"{name} sidecar", cmd, socket + ".log",
-                                   health_target=self.target).start()
-        try:
-            self.proc.wait_serving(ready_timeout_s)
-        except Exception:
-            self.proc.stop()
-            raise
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -142,23 +108,26 @@ def measure(pages: int, page_bytes: int | None, repeats: int, options: list[str]
     workdir = tempfile.mkdtemp(prefix="dkv-bench-completion-", dir="/tmp")
     generate_key_file(os.path.join(workdir, "pairing.key"))
     digest = prompt_digest([0])
-    sidecars: list[_Sidecar] = []
+    sidecars: list[BenchSidecar] = []
     closers: list[Callable[[], None]] = []
     try:
         def side(name: str) -> tuple[list[str], str]:
             return (link.wrap(name), link.host_for(name)) if link else ([], "127.0.0.1")
 
-        decode = _Sidecar("decode", "decode", layout, workdir, options, ready_timeout_s,
-                          *side("decode"))
+        wrap, host = side("decode")
+        decode = BenchSidecar("decode", "mooncake", layout, workdir, options, ready_timeout_s,
+                              wrap=wrap, host=host)
         sidecars.append(decode)
         senders = {}
         for mode in MODES:
-            senders[mode] = _Sidecar("prefill", f"prefill-{mode}", layout, workdir,
-                                     [*options, f"completion={mode}"], ready_timeout_s,
-                                     *side("prefill"), extra_args=("--page-digests", "off"))
+            wrap, host = side("prefill")
+            senders[mode] = BenchSidecar("prefill", "mooncake", layout, workdir,
+                                         [*options, f"completion={mode}"], ready_timeout_s,
+                                         extra_args=("--page-digests", "off"),
+                                         name=f"prefill-{mode}", wrap=wrap, host=host)
             sidecars.append(senders[mode])
 
-        def stub(sc: _Sidecar) -> Any:
+        def stub(sc: BenchSidecar) -> Any:
             channel = grpc.insecure_channel(sc.target)
             closers.append(channel.close)
             return sidecar_pb2_grpc.SidecarServiceStub(channel)

@@ -55,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,20 +121,25 @@ def bench_layout(page_bytes: int | None, num_pages: int, model: str = DEFAULT_MO
 _gbps = gbps  # the tables' GB/s
 
 
-class _Sidecar:
-    """A ``deltakv serve sidecar`` child of the benchmark (a ManagedProcess: dies with the
-    benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction."""
+class BenchSidecar:
+    """A ``deltakv serve sidecar`` child of a benchmark (a ManagedProcess: dies with the
+    benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction
+    (Unavailable/ProcessError if it does not serve within ``ready_timeout_s`` seconds).
+    ``wrap``: command prefix (e.g. ``ip netns exec NS`` of a two-host link); ``host``: the
+    address its engine advertises (default: the sidecar's own default)."""
 
     def __init__(self, role: str, backend: str, layout: Any, workdir: str,
                  options: list[str], ready_timeout_s: float,
-                 extra_args: tuple[str, ...] = (), name: str = "") -> None:
+                 extra_args: tuple[str, ...] = (), name: str = "",
+                 wrap: Sequence[str] = (), host: str | None = None) -> None:
         from deltakv.rpc.channel import uds_address
         from deltakv.services.process import ManagedProcess
 
         self.socket = os.path.join(workdir, f"{name or role}-{backend}.sock")
         self.target = uds_address(self.socket)
-        cmd = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
+        cmd = [*wrap, sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
                "--transport", backend, "--socket", self.socket,
+               *(["--host", host] if host else []),
                "--pairing-key-file", os.path.join(workdir, "pairing.key"),
                "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
                "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
@@ -143,7 +148,7 @@ class _Sidecar:
                *extra_args]
         for opt in options:
             cmd += ["--transport-option", opt]
-        self.proc = ManagedProcess(f"{role} sidecar ({backend})", cmd, self.socket + ".log",
+        self.proc = ManagedProcess(f"{name or role} sidecar ({backend})", cmd, self.socket + ".log",
                                    health_target=self.target).start()
         try:
             self.proc.wait_serving(ready_timeout_s)
@@ -182,15 +187,15 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     workdir = tempfile.mkdtemp(prefix="dkv-bench-", dir="/tmp")
     key = generate_key_file(os.path.join(workdir, "pairing.key"))
     digest = prompt_digest([0])  # the "prompt" is the benchmark's random bytes
-    sidecars: list[_Sidecar] = []
+    sidecars: list[BenchSidecar] = []
     closers: list[Callable[[], None]] = []
     try:
-        decode = _Sidecar("decode", backend, layout, workdir, options, ready_timeout_s)
+        decode = BenchSidecar("decode", backend, layout, workdir, options, ready_timeout_s)
         sidecars.append(decode)
-        prefill = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s)
+        prefill = BenchSidecar("prefill", backend, layout, workdir, options, ready_timeout_s)
         sidecars.append(prefill)
         # A second prefill sidecar with digests off: the A/B of what the digests cost.
-        plain = _Sidecar("prefill", backend, layout, workdir, options, ready_timeout_s,
+        plain = BenchSidecar("prefill", backend, layout, workdir, options, ready_timeout_s,
                          extra_args=("--page-digests", "off"), name="prefill-nodigest")
         sidecars.append(plain)
         dec_ch, pre_ch = grpc.insecure_channel(decode.target), grpc.insecure_channel(prefill.target)
