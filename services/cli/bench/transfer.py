@@ -246,7 +246,10 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                       cpu_ms: list[float] | None = None) -> Trial:
             """``cpu_ms``: where to put this process's CPU milliseconds per repeat (every
             thread: an engine's completion poller too), read just around the action."""
-            batch = coalesce(src, dst)
+            runs = coalesce(src, dst)
+            # In batches of at most the engine's limit, like the planner's (shm: 65,536 runs).
+            step = engine.limits.max_entries
+            batches = [runs[i:i + step] for i in range(0, len(runs), step)]
             granted: list[kv_pb2.TransferInfo] = []
             cpu0: list[float] = []
 
@@ -257,7 +260,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             def action() -> None:
                 ticket = RoomTicket(room=granted[-1].room, request_id="bench-raw",
                                     deadline=time.monotonic() + 120.0)
-                engine.write(peer, batch, ticket)
+                for batch in batches:
+                    engine.write(peer, batch, ticket)
 
             def teardown() -> None:
                 if cpu_ms is not None:
