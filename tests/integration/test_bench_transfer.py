@@ -22,7 +22,9 @@ KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
         "contiguous_ratio", "scattered_ratio", "contiguous_nodigest_gbps",
         "scattered_nodigest_gbps", "digest_cost", "verified", "grant_check_us",
         "grant_check_pct", "fence_kind", "fence_us_per_run", "fence_pct_contiguous",
-        "fence_pct_scattered", "grant_rpc_ms"}
+        "fence_pct_scattered", "grant_rpc_ms", "raw_scattered_gbps",
+        "scattered_vs_raw_contiguous", "sidecar_cpu_ms", "raw_cpu_ms", "contiguous_ms",
+        "raw_ms"}
 
 
 @pytest.mark.timeout(300)
@@ -36,6 +38,8 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["memcpy_gbps"] > 0 and result["xxh3_gbps"] > 0
+    # No spinning torch workers of the benchmark beside the sidecar's copy (issue 14 item 6).
+    assert result["torch_threads"] == 1
     # "all" is every backend the registry has available here; the rest are listed as skipped.
     from deltakv.sidecar.transport.registry import available_backends
 
@@ -52,6 +56,14 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
                     "scattered_nodigest_gbps"):
             assert rec[key] > 0
         assert rec["contiguous_ratio"] == pytest.approx(rec["contiguous_gbps"] / rec["raw_gbps"])
+        # Scattered is compared like for like: with the raw engine writing the same runs.
+        assert rec["raw_scattered_gbps"] > 0
+        assert rec["scattered_ratio"] == pytest.approx(
+            rec["scattered_gbps"] / rec["raw_scattered_gbps"])
+        assert rec["scattered_vs_raw_contiguous"] == pytest.approx(
+            rec["scattered_gbps"] / rec["raw_gbps"])
+        # Both sides did work for their write (a sidecar that never ran would show 0).
+        assert rec["sidecar_cpu_ms"] > 0 and rec["raw_cpu_ms"] > 0
         assert rec["grant_check_us"] > 0 and rec["grant_rpc_ms"] > 0
         # Small writes: 1 page (5 > --pages 3 is skipped), sidecar beside raw, verified.
         assert set(rec["small"]) == {"1"}, rec["small"]
@@ -64,6 +76,7 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
     assert result["backends"]["mooncake"]["fence_kind"] == "incarnation"
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
     assert "grant check" in proc.stdout
+    assert "raw scat" in proc.stdout and "sidecar cpu" in proc.stdout
     # Honest figures: when and under what load they were taken, and the small-write rows.
     assert result["date"] in proc.stdout and "load average" in proc.stdout
     assert "small writes" in proc.stdout and "fixed ms" in proc.stdout

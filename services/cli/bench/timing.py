@@ -6,6 +6,7 @@ for byte outside the timing, so a repetition that wrote nothing or the wrong byt
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -99,6 +100,22 @@ def time_page_writes(repeats: int, src_view: Any, src_pages: list[int], dst_view
     whether every repetition verified."""
     return time_interleaved(repeats, {"": page_write_trial(
         src_view, src_pages, dst_view, dst_pages, action, seed, setup, teardown)})[""]
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds process ``pid`` has run so far, all its live threads together (field 1
+    of ``/proc/<pid>/task/<tid>/schedstat``, the scheduler's own nanosecond clock; proc(5)).
+    Threads that ended are not counted, so take it around a span in which none ends. Reading
+    it costs about a millisecond for a sidecar's ~70 threads: call it outside timed code.
+    OSError if the process is gone."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended while listing
+    return total
 
 
 def measure_memcpy(nbytes: int, repeats: int) -> float:

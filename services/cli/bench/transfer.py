@@ -3,14 +3,25 @@
 For each backend it starts two real sidecar processes (prefill and decode) and moves the same
 bytes (default 64 pages of ``--model``'s geometry at 16 tokens per page, float32, as the model
 loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dims * 4 B =
-737,280 B) three ways:
+737,280 B) four ways:
 
 * **contiguous** — one consecutive run through the sidecar (``WritePages`` RPC, end to end);
 * **scattered** — fully scattered pages through the sidecar (every page its own run);
 * **raw** — the benchmark's own transport, in this process, writes the same source pages
   (the prefill sidecar's pool, mapped here) to the decode sidecar's endpoint as ONE
   ``Transport.write`` of one run covering the block: no RPC, no planner, no peer table —
-  what the backend can do without deltakv around it.
+  what the backend can do without deltakv around it;
+* **raw scattered** — the same, with the scattered method's pages as their runs (one run per
+  page, as the sidecar's planner makes them: :func:`~deltakv.sidecar.planner.coalesce`), so
+  the scattered ratio compares like with like (issue 14: Mooncake submits one engine request
+  per run on both sides).
+
+Where a write's time goes, load aside: the CPU milliseconds per contiguous write of the
+writing sidecar process (all threads, ``/proc/<pid>/task/*/schedstat``, read untimed right
+before and after the write) and of this process around the raw write, beside the wall times.
+This process runs torch with one thread (see :func:`run`): torch's OpenMP workers spinning
+after the set-up would otherwise take the second core from the sidecar but not from the raw
+engine.
 
 Page digests (issue 11, on by default): the sidecar methods run twice, against a prefill
 sidecar with ``--page-digests on`` (every write hashes its source pages, xxh3_64, and returns
@@ -18,7 +29,8 @@ the digests) and one with ``--page-digests off``, side by side; ``digest_cost`` 
 the sidecar's contiguous write time the digests add, ``xxh3_64`` the hash's GB/s over the same
 bytes in this process.
 
-It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw, and ``memcpy`` GB/s of
+It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw (contiguous against raw,
+scattered against raw scattered; ``scattered_vs_raw_contiguous`` the old one), and ``memcpy`` GB/s of
 the same bytes in this process. Every sidecar write carries a grant that the decode sidecar
 issued (``IssueGrant``, untimed) and closes after it (``CloseGrant``, untimed); the raw engine
 writes under one grant too, since the shm backend checks fence words on every run. Beside the
@@ -29,7 +41,9 @@ lock, word check and unlock of :meth:`~deltakv.sidecar.fence_table.FenceView.hol
 engines: nothing per run, they are fenced by recycling the engine after a failure), and the
 IssueGrant + CloseGrant round trip. Before every repeat (the untimed warm-up included) each
 method gets fresh random bytes in its source pages and zeros in its destination pages, both
-written in place, the same way for every method (so all see equally warm memory); after it
+written in place, the same way for every method (so all see equally warm memory: a copy's
+CPU time measured the same in the sidecar and in this process, 4.4-5.6 ms for 45 MiB,
+whichever core prepared it, 2026-12-01 03:44 UTC); after it
 the destination is compared byte for byte with the source (``verified``), so every timed
 repeat proves it wrote its own bytes. The methods run interleaved (one untimed warm-up round,
 then ``--repeats`` rounds, each running every method once, the order rotated each round), so a
@@ -55,23 +69,28 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from deltakv.services.cli.argtypes import positive_float, positive_int
+from deltakv.services.cli.bench.bench_sidecar import (  # noqa: F401 - bench_layout is API
+    DEFAULT_MODEL,
+    PAGE_SIZE,
+    BenchSidecar,
+    bench_layout,
+)
 from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
     Trial,
     gbps,
     measure_memcpy,
     measure_xxh3,
     page_write_trial,
+    process_cpu_ns,
     time_interleaved,
     time_page_writes,
 )
-
-DEFAULT_MODEL = "smollm2"
-PAGE_SIZE = 16  # tokens per page of the model-derived layout (deltakv up's default)
+from deltakv.services.cli.bench.transfer_report import format_table, loadavg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,69 +116,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on each sidecar's start-up (default 60)")
 
 
-def bench_layout(page_bytes: int | None, num_pages: int, model: str = DEFAULT_MODEL) -> Any:
-    """The benchmark's KVLayout (float32, 16-token pages, ``num_pages`` pages). ``page_bytes``
-    None: ``model``'s KV geometry from the model loader (config only, no weights loaded);
-    else 1 layer, 1 KV head and ``head_dim = page_bytes / 128``, exactly ``page_bytes`` a
-    page. Raises ValueError if ``page_bytes`` is not a positive multiple of 128, the loader's
-    InvalidArgument / NotFound for an unknown or missing model."""
-    from deltakv.layout import KVLayout
-
-    if page_bytes is None:
-        from deltakv.services.model.loader import kv_geometry
-
-        geometry = kv_geometry(model)
-        return KVLayout(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
-                        head_dim=geometry.head_dim, dtype="float32", page_size=PAGE_SIZE,
-                        num_pages=num_pages, model_fingerprint="bench")
-    if page_bytes <= 0 or page_bytes % 128:
-        raise ValueError(f"--page-bytes must be a positive multiple of 128, got {page_bytes}")
-    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=page_bytes // 128, dtype="float32",
-                    page_size=PAGE_SIZE, num_pages=num_pages, model_fingerprint="bench")
-
-
-_gbps = gbps  # the tables' GB/s
-
-
-class BenchSidecar:
-    """A ``deltakv serve sidecar`` child of a benchmark (a ManagedProcess: dies with the
-    benchmark, SIGTERM then SIGKILL on stop), started and waited for at construction
-    (Unavailable/ProcessError if it does not serve within ``ready_timeout_s`` seconds).
-    ``wrap``: command prefix (e.g. ``ip netns exec NS`` of a two-host link); ``host``: the
-    address its engine advertises (default: the sidecar's own default)."""
-
-    def __init__(self, role: str, backend: str, layout: Any, workdir: str,
-                 options: list[str], ready_timeout_s: float,
-                 extra_args: tuple[str, ...] = (), name: str = "",
-                 wrap: Sequence[str] = (), host: str | None = None) -> None:
-        from deltakv.rpc.channel import uds_address
-        from deltakv.services.process import ManagedProcess
-
-        self.socket = os.path.join(workdir, f"{name or role}-{backend}.sock")
-        self.target = uds_address(self.socket)
-        cmd = [*wrap, sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", role,
-               "--transport", backend, "--socket", self.socket,
-               *(["--host", host] if host else []),
-               "--pairing-key-file", os.path.join(workdir, "pairing.key"),
-               "--page-size", str(layout.page_size), "--num-pages", str(layout.num_pages),
-               "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
-               "--head-dim", str(layout.head_dim), "--dtype", layout.dtype,
-               "--fingerprint", layout.model_fingerprint, "--log-level", "warning",
-               *extra_args]
-        for opt in options:
-            cmd += ["--transport-option", opt]
-        self.proc = ManagedProcess(f"{name or role} sidecar ({backend})", cmd, self.socket + ".log",
-                                   health_target=self.target).start()
-        try:
-            self.proc.wait_serving(ready_timeout_s)
-        except Exception:
-            self.proc.stop()
-            raise
-
-    def stop(self) -> None:
-        self.proc.stop()
-
-
 def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: int,
                     options: list[str], ready_timeout_s: float,
                     model: str = DEFAULT_MODEL, small_pages: tuple[int, ...] = (),
@@ -175,9 +131,10 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     from deltakv.services.cli.serve.sidecar import parse_options
     from deltakv.sidecar.grants import prompt_digest
     from deltakv.sidecar.pairing import generate_key_file
+    from deltakv.sidecar.planner import coalesce
     from deltakv.sidecar.pool import SharedKVPool
     from deltakv.sidecar.rooms import RoomTicket
-    from deltakv.sidecar.transport.base import PageRun, TransportOptions
+    from deltakv.sidecar.transport.base import TransportOptions
     from deltakv.sidecar.transport.registry import create_transport
     from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -236,15 +193,24 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             dec_stub.CloseGrant(sidecar_pb2.CloseGrantRequest(room=room), timeout=10)
 
         def sidecar_trial(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
-                          digests: bool, runs: list[int]) -> Trial:
+                          digests: bool, runs: list[int], cpu_pid: int | None = None,
+                          cpu_ms: list[float] | None = None) -> Trial:
+            """``cpu_pid`` / ``cpu_ms``: the writing sidecar's process and where to put its
+            CPU milliseconds per repeat (all its threads, read untimed just before and
+            after the action: no other RPC reaches that sidecar in between)."""
             granted: list[kv_pb2.TransferInfo] = []
+            cpu0: list[int] = []
 
             def setup() -> None:
                 t0 = time.perf_counter()
                 granted.append(issue(dst))
                 grant_rtt.append(time.perf_counter() - t0)
+                if cpu_pid is not None:
+                    cpu0.append(process_cpu_ns(cpu_pid))
 
             def teardown() -> None:
+                if cpu_pid is not None and cpu_ms is not None:
+                    cpu_ms.append((process_cpu_ns(cpu_pid) - cpu0[-1]) / 1e6)
                 t0 = time.perf_counter()
                 close(granted[-1].room)
                 grant_rtt[-1] += time.perf_counter() - t0
@@ -264,10 +230,11 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             return page_write_trial(source, src, dst_view, dst, action, seed=seed, setup=setup,
                                     teardown=teardown)
 
-        # Raw engine: this process's own transport over the same source pool, one write of
-        # one run covering the block, straight to the decode sidecar's endpoint, under a grant
-        # issued and closed around each repeat like the sidecar's (shm checks its fence words
-        # on every run).
+        # Raw engine: this process's own transport over the same source pool, straight to
+        # the decode sidecar's endpoint: ONE Transport.write of the same runs the sidecar's
+        # planner makes of the same pages (coalesced; the contiguous block is one run, the
+        # scattered pages one run each), under a grant issued and closed around each repeat
+        # like the sidecar's (shm checks its fence words on every run).
         engine = create_transport(backend, TransportOptions(
             host="127.0.0.1", extra=parse_options(options)))
         closers.append(engine.close)
@@ -275,19 +242,34 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         peer = engine.connect(dec_desc.endpoint)
         closers.append(lambda: engine.disconnect(peer))
 
-        def raw_trial(n: int, seed: int) -> Trial:
-            block = [PageRun(src_page=0, dst_page=0, num_pages=n)]
-            pages_n = list(range(n))
+        def raw_trial(src: list[int], dst: list[int], seed: int,
+                      cpu_ms: list[float] | None = None) -> Trial:
+            """``cpu_ms``: where to put this process's CPU milliseconds per repeat (every
+            thread: an engine's completion poller too), read just around the action."""
+            runs = coalesce(src, dst)
+            # In batches of at most the engine's limit, like the planner's (shm: 65,536 runs).
+            step = engine.limits.max_entries
+            batches = [runs[i:i + step] for i in range(0, len(runs), step)]
             granted: list[kv_pb2.TransferInfo] = []
+            cpu0: list[float] = []
+
+            def setup() -> None:
+                granted.append(issue(dst))
+                cpu0.append(time.process_time())
 
             def action() -> None:
                 ticket = RoomTicket(room=granted[-1].room, request_id="bench-raw",
                                     deadline=time.monotonic() + 120.0)
-                engine.write(peer, block, ticket)
+                for batch in batches:
+                    engine.write(peer, batch, ticket)
 
-            return page_write_trial(src_view, pages_n, dst_view, pages_n, action, seed=seed,
-                                    setup=lambda: granted.append(issue(pages_n)),
-                                    teardown=lambda: close(granted[-1].room))
+            def teardown() -> None:
+                if cpu_ms is not None:
+                    cpu_ms.append((time.process_time() - cpu0[-1]) * 1e3)
+                close(granted[-1].room)
+
+            return page_write_trial(src_view, src, dst_view, dst, action, seed=seed,
+                                    setup=setup, teardown=teardown)
 
         contiguous = list(range(pages))
         # Source on even pages ascending, destination on odd pages descending: no two
@@ -297,23 +279,27 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         plain_view = plain_pool.as_bytes()
         runs_contig: list[int] = []
         runs_scat: list[int] = []
-        # All five methods in one interleaved run: each sees the same machine.
+        cpu_side: list[float] = []
+        cpu_raw: list[float] = []
+        # All six methods in one interleaved run: each sees the same machine.
         timed = time_interleaved(repeats, {
             "contiguous": sidecar_trial(pre_stub, src_view, contiguous, contiguous, 1, True,
-                                        runs_contig),
+                                        runs_contig, prefill.proc.pid, cpu_side),
             "contiguous_nodigest": sidecar_trial(plain_stub, plain_view, contiguous, contiguous,
                                                  4, False, []),
             "scattered": sidecar_trial(pre_stub, src_view, scat_src, scat_dst, 2, True,
                                        runs_scat),
             "scattered_nodigest": sidecar_trial(plain_stub, plain_view, scat_src, scat_dst, 5,
                                                 False, []),
-            "raw": raw_trial(pages, 3),
+            "raw": raw_trial(contiguous, contiguous, 3, cpu_raw),
+            "raw_scattered": raw_trial(scat_src, scat_dst, 6),
         })
         t_contig, ok_contig = timed["contiguous"]
         t_contig_off, ok_contig_off = timed["contiguous_nodigest"]
         t_scat, ok_scat = timed["scattered"]
         t_scat_off, ok_scat_off = timed["scattered_nodigest"]
         t_raw, ok_raw = timed["raw"]
+        t_raw_scat, ok_raw_scat = timed["raw_scattered"]
         # Small writes (issue 14: a delta of a few pages): the sidecar's fixed cost per
         # WritePages is its time minus the raw engine's for the same pages, interleaved.
         small: dict[str, dict[str, Any]] = {}
@@ -324,7 +310,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             block_n = list(range(n))
             pair = time_interleaved(small_repeats, {
                 "sidecar": sidecar_trial(pre_stub, src_view, block_n, block_n, 10 + n, True, []),
-                "raw": raw_trial(n, 20 + n)})
+                "raw": raw_trial(block_n, block_n, 20 + n)})
             (t_side, ok_side), (t_eng, ok_eng) = pair["sidecar"], pair["raw"]
             small_ok = small_ok and ok_side and ok_eng
             small[str(n)] = {"sidecar_ms": t_side * 1e3, "raw_ms": t_eng * 1e3,
@@ -340,17 +326,27 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         finally:
             if fence_view is not None:
                 close(armed.room)
-        raw = _gbps(nbytes, t_raw)
+        raw = gbps(nbytes, t_raw)
         t_contig_us = t_contig * 1e6
         return {
             "page_bytes": page_bytes,
             "pages": pages,
             "bytes": nbytes,
             "raw_gbps": raw,
-            "contiguous_gbps": _gbps(nbytes, t_contig),
-            "scattered_gbps": _gbps(nbytes, t_scat),
-            "contiguous_ratio": _gbps(nbytes, t_contig) / raw,
-            "scattered_ratio": _gbps(nbytes, t_scat) / raw,
+            "contiguous_gbps": gbps(nbytes, t_contig),
+            "scattered_gbps": gbps(nbytes, t_scat),
+            "raw_scattered_gbps": gbps(nbytes, t_raw_scat),
+            "contiguous_ratio": gbps(nbytes, t_contig) / raw,
+            # Like for like: the sidecar's scattered write against the raw engine writing
+            # the same scattered runs (one engine request per run on both sides).
+            "scattered_ratio": t_raw_scat / t_scat,
+            "scattered_vs_raw_contiguous": gbps(nbytes, t_scat) / raw,
+            # CPU per contiguous write (median over the repeats, warm-up included): the
+            # writing sidecar's whole process against this process's around the raw write.
+            "sidecar_cpu_ms": statistics.median(cpu_side),
+            "raw_cpu_ms": statistics.median(cpu_raw),
+            "contiguous_ms": t_contig * 1e3,
+            "raw_ms": t_raw * 1e3,
             "contiguous_runs": runs_contig[-1],
             "scattered_runs": runs_scat[-1],
             "grant_check_us": costs["grant_check_us"],
@@ -362,13 +358,13 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "fence_pct_scattered": 100.0 * costs.get("fence_us_per_run", 0.0)
             * runs_scat[-1] / (t_scat * 1e6),
             "grant_rpc_ms": statistics.median(grant_rtt) * 1e3,
-            "contiguous_nodigest_gbps": _gbps(nbytes, t_contig_off),
-            "scattered_nodigest_gbps": _gbps(nbytes, t_scat_off),
+            "contiguous_nodigest_gbps": gbps(nbytes, t_contig_off),
+            "scattered_nodigest_gbps": gbps(nbytes, t_scat_off),
             # Share of the contiguous write's time the digests add (negative: noise).
             "digest_cost": (t_contig - t_contig_off) / t_contig,
             "small": small,
-            "verified": (ok_contig and ok_scat and ok_raw and ok_contig_off and ok_scat_off
-                         and small_ok),
+            "verified": (ok_contig and ok_scat and ok_raw and ok_raw_scat and ok_contig_off
+                         and ok_scat_off and small_ok),
         }
     finally:
         for close in reversed(closers):
@@ -379,60 +375,6 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         for sc in reversed(sidecars):
             sc.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _loadavg() -> str:
-    """The 1, 5 and 15 minute load averages (``/proc/loadavg``), "unknown" elsewhere."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The human-readable summary of a result dict."""
-    lines = [f"bench transfer: {result['pages']} pages x {result['page_bytes']} B = "
-             f"{result['pages'] * result['page_bytes'] / 2**20:.1f} MiB per write, median of "
-             f"{result['repeats']}, methods interleaved",
-             f"date {result['date']}, load average {result['loadavg']} at the start, "
-             f"{result.get('loadavg_end', '?')} at the end, {result['cpus']} CPUs (figures "
-             f"from a loaded machine are not comparable with a quiet one's)",
-             f"memcpy: {result['memcpy_gbps']:.2f} GB/s, xxh3_64: {result['xxh3_gbps']:.2f} GB/s "
-             f"(page digests: sidecar columns with digests on | off)", "",
-             f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
-             f"{'scatter GB/s':>14}{'ratio':>8}{'contig off':>12}{'scatter off':>13}"
-             f"{'digest cost':>13}  verified"]
-    for name, rec in result["backends"].items():
-        if "error" in rec:
-            lines.append(f"{name:<10}unavailable: {rec['error']}")
-            continue
-        lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
-                     f"{rec['contiguous_ratio']:>8.2f}{rec['scattered_gbps']:>14.2f}"
-                     f"{rec['scattered_ratio']:>8.2f}{rec['contiguous_nodigest_gbps']:>12.2f}"
-                     f"{rec['scattered_nodigest_gbps']:>13.2f}"
-                     f"{rec['digest_cost'] * 100:>12.1f}%  {rec['verified']}")
-    for name, reason in result.get("skipped", {}).items():
-        lines.append(f"{name:<10}skipped: {reason}")
-    lines += ["", f"{'backend':<10}{'grant check':>13}{'% contig':>10}{'fence':>13}"
-              f"{'/run':>10}{'% contig':>10}{'% scatter':>11}{'grant RPCs':>12}"]
-    for name, rec in result["backends"].items():
-        if "error" in rec:
-            continue
-        lines.append(f"{name:<10}{rec['grant_check_us']:>10.1f} us{rec['grant_check_pct']:>9.3f}%"
-                     f"{rec['fence_kind']:>13}{rec['fence_us_per_run']:>7.1f} us"
-                     f"{rec['fence_pct_contiguous']:>9.3f}%{rec['fence_pct_scattered']:>10.3f}%"
-                     f"{rec['grant_rpc_ms']:>9.2f} ms")
-    small = [(name, n, row) for name, rec in result["backends"].items()
-             for n, row in rec.get("small", {}).items()]
-    if small:
-        lines += ["", f"small writes (median of {result.get('small_repeats', '?')}, interleaved): "
-                  "fixed cost = sidecar WritePages - raw engine, same pages",
-                  f"{'backend':<10}{'pages':>6}{'raw ms':>10}{'sidecar ms':>12}{'fixed ms':>10}"
-                  "  verified"]
-        for name, n, row in small:
-            lines.append(f"{name:<10}{n:>6}{row['raw_ms']:>10.3f}{row['sidecar_ms']:>12.3f}"
-                         f"{row['fixed_ms']:>10.3f}  {row['verified']}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -450,6 +392,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench transfer: --small-pages must be positive page counts, got "
               f"{args.small_pages!r}", file=sys.stderr)
         return 2
+    import torch
+
+    # Fairness (issue 14 item 6): this process's own torch work (filling the sources, zeroing
+    # the destinations, verifying) is untimed, but torch's OpenMP workers keep spinning for a
+    # while after each parallel region. Right after a repeat's set-up they held the second
+    # core: the raw engine (on this process's thread) did not notice, the sidecar's copy (in
+    # another process) shared a core with them. Measured 2026-12-01 03:48-03:51 UTC on the
+    # 2-core test machine, load 2.9-3.7: around one 45 MiB raw shm write this process used
+    # 9.0 ms of CPU with 2 torch threads, 4.9 ms (= the write's wall time) with 1.
+    torch.set_num_threads(1)
     from deltakv.errors import DeltaKVError
 
     try:
@@ -468,7 +420,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"pages": args.pages, "page_bytes": page_bytes,
                               "repeats": args.repeats, "small_repeats": args.small_repeats,
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "loadavg": _loadavg(), "cpus": os.cpu_count(),
+                              "loadavg": loadavg(), "cpus": os.cpu_count(),
+                              "torch_threads": torch.get_num_threads(),
                               "memcpy_gbps": measure_memcpy(nbytes, args.repeats),
                               "xxh3_gbps": measure_xxh3(nbytes, args.repeats),
                               "backends": {},
@@ -490,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
         result["backends"][name] = rec
         if not rec.get("verified"):
             status = 1
-    result["loadavg_end"] = _loadavg()
+    result["loadavg_end"] = loadavg()
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
