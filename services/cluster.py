@@ -122,6 +122,14 @@ class ClusterConfig:
     # (services/runtime/threads.py: co-located pools that each expect every core stall).
     torch_threads: int = 0
 
+    def model_threads(self) -> int:
+        """Torch threads each prefill/decode process computes with: ``torch_threads``, or
+        when 0 the share of this machine's cores of ``decode_replicas + prefill_replicas``
+        model processes (an in-process comparison uses the same, e.g. ``bench local-prefill``).
+        """
+        return self.torch_threads or threads_share_of_cores(self.decode_replicas
+                                                            + self.prefill_replicas)
+
 
 def replica_name(kind: str, index: int) -> str:
     """Process name of replica ``index`` of ``kind`` (``decode``, ``prefill-sidecar``, ...):
@@ -237,8 +245,7 @@ class LocalCluster:
         """Each process's command line, in start order."""
         c = self.config
         argvs: dict[str, list[str]] = {}
-        threads = ["--torch-threads", str(c.torch_threads or threads_share_of_cores(
-            c.decode_replicas + c.prefill_replicas))]
+        threads = ["--torch-threads", str(c.model_threads())]
         for role, count in (("decode", c.decode_replicas), ("prefill", c.prefill_replicas)):
             pages = c.num_pages if role == "decode" or not c.prefill_num_pages else c.prefill_num_pages
             for i in range(count):

@@ -44,6 +44,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "multiturn"), "deltakv.services.cli.bench.multiturn", "multi-turn incremental vs full"),
     (("bench", "stream"), "deltakv.services.cli.bench.stream",
      "per-token cost of the served streams vs the in-process loop"),
+    (("bench", "local-prefill"), "deltakv.services.cli.bench.local_prefill",
+     "decode-local prefill: full hit vs in-process forward, later turns local vs remote"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]

@@ -45,6 +45,17 @@ async def collect(queue: asyncio.Queue, max_tokens: int = 64) -> list[list[int]]
     return [batch async for batch in token_batches(queue, max_tokens)]
 
 
+@contextlib.asynccontextmanager
+async def running_scheduler(runner: ModelRunner):
+    """A started DecodeScheduler over ``runner``, stopped on exit."""
+    scheduler = DecodeScheduler(runner, max_batch_size=8)
+    scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        await scheduler.stop()
+
+
 def test_queued_tokens_come_as_batches_in_order_then_the_stream_ends() -> None:
     events = [TokenEvent(t) for t in range(10)]
     batches = asyncio.run(collect(queued(*events, FinishEvent("length")), max_tokens=4))
@@ -177,15 +188,11 @@ def test_scheduler_tokens_read_in_batches_equal_the_reference(tiny) -> None:  # 
     prompt = list(range(30, 57))
 
     async def main():
-        scheduler = DecodeScheduler(runner, max_batch_size=8)
-        scheduler.start()
-        try:
+        async with running_scheduler(runner) as scheduler:
             request = admitted(runner, prompt, 0, 12)
             scheduler.add(request)
             await asyncio.wait_for(request.detached.wait(), 60)  # all tokens queued: one batch
             return request, await asyncio.wait_for(collect(request.events), 60)
-        finally:
-            await scheduler.stop()
 
     request, batches = asyncio.run(main())
     assert batches == [request.generated[1:]]  # the first token is prefill's
@@ -198,9 +205,7 @@ def test_a_request_cancelled_mid_stream_sends_a_prefix_and_nothing_after(tiny) -
     prompt = list(range(60, 81))
 
     async def main():
-        scheduler = DecodeScheduler(runner, max_batch_size=8)
-        scheduler.start()
-        try:
+        async with running_scheduler(runner) as scheduler:
             request = admitted(runner, prompt, 0, 200)
             scheduler.add(request)
             got = []
@@ -214,8 +219,6 @@ def test_a_request_cancelled_mid_stream_sends_a_prefix_and_nothing_after(tiny) -
             await asyncio.sleep(0.2)
             left = [request.events.get_nowait() for _ in range(request.events.qsize())]
             return request, got, left
-        finally:
-            await scheduler.stop()
 
     request, got, left = asyncio.run(main())
     # Tokens left in the queue are later tokens of the same stream, never a Finish/Error.
