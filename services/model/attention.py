@@ -45,6 +45,14 @@ from deltakv.errors import InvalidArgument
 # leaves the cache); a whole decode step at 2 threads, 120 ms vs 240 ms.
 MIN_RUN_TOKENS = 512
 
+# A run's ``ps`` partial outputs cost about this many passes over them each (the kernel writes
+# them, the combination concatenates, weighs and sums them), where gathering copies each K and
+# V row once. Measured on the 2-core EPYC, SmolLM2, one thread, a T-token extend over a 2048-token
+# prefix in one run of 128 pages (query rows R = 3T), CPU ms in place vs gathered, interleaved
+# (2026-12-01, load ~3): T 16 (R 48) 140 vs 149; T 40 (R 120) 261 vs 236; T 80 (R 240) 437 vs
+# 415. The break-even lies between R = r / 2 and r, so in place needs R < 2 r / PARTIAL_PASSES.
+PARTIAL_PASSES = 4
+
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -148,10 +156,12 @@ class PagedKV:
     def reads_in_place(self, run_pages: int, query_rows: int) -> bool:
         """Whether a run of ``run_pages`` full pages is read in place for ``query_rows`` query
         rows per KV head: the run is long enough and its ``ps`` partial outputs (``ps * query
-        rows * D`` per KV head) are smaller than the K and V rows they save copying
-        (``2 * run_pages * ps * D``)."""
+        rows * D`` per KV head, :data:`PARTIAL_PASSES` passes over them) cost less than copying
+        the K and V rows (``2 * run_pages * ps * D``, one pass). Decode steps (query rows = the
+        query heads per KV head) read long runs in place; an extend of more than a few tokens
+        gathers."""
         return (self.in_place and run_pages * self.page_size >= self.min_run_tokens
-                and query_rows < 2 * run_pages)
+                and PARTIAL_PASSES * query_rows < 2 * run_pages)
 
     def plan(self, table: Sequence[int], num_keys: int, query_rows: int) -> ContextPlan:
         """Plan reading keys ``[0, num_keys)`` of a sequence with page ``table`` (validated by

@@ -144,9 +144,23 @@ def test_partial_last_page_joins_the_run_it_continues():
 def test_plan_gathers_runs_whose_partials_would_cost_more_than_a_copy():
     kv = PagedKV(_pool(40, 4), torch.float32, min_run_tokens=4)
     table = list(range(10, 20))  # one run of 10 pages
-    assert kv.plan(table, 40, query_rows=19).runs == (PageRun(10, 10),)
-    many = kv.plan(table, 40, query_rows=20)
+    # 4 passes over 10 * 4 partial rows per query row vs 2 * 40 K/V rows copied once.
+    assert kv.plan(table, 40, query_rows=4).runs == (PageRun(10, 10),)
+    many = kv.plan(table, 40, query_rows=5)
     assert many.runs == () and many.gather_rows.numel() == 40
+
+
+def test_extend_of_many_tokens_gathers_a_long_run_a_decode_step_reads_in_place():
+    """SmolLM2's geometry (3 query heads per KV head, page 16) over a 2064-token prefix in one
+    run of 129 pages: an 80-token extend (240 query rows: 16 partial outputs of 240 rows per
+    layer, slower than the copy) gathers the run, a decode step (3 query rows) and a 16-token
+    extend read it in place."""
+    kv = PagedKV(torch.zeros(140, 1, 2, 16, 1, 1), torch.float32)
+    table = list(range(130))
+    assert kv.plan(table, 2064, query_rows=80 * 3).runs == ()
+    assert kv.plan(table, 2064, query_rows=80 * 3).gather_rows.numel() == 2064
+    assert kv.plan(table, 2065, query_rows=3).runs == (PageRun(0, 130),)
+    assert kv.plan(table, 2064, query_rows=16 * 3).runs == (PageRun(0, 129),)
 
 
 def test_plan_gathers_everything_when_the_pool_dtype_is_not_the_compute_dtype():

@@ -107,6 +107,7 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.decode.config import DecodeConfig
     from deltakv.services.decode.prefill_pool import PrefillPool, parse_targets
     from deltakv.services.decode.servicer import DecodeServicer
+    from deltakv.services.model.host_memory import keep_freed_memory
     from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
     from deltakv.services.worker import start_worker, worker_server
@@ -115,6 +116,9 @@ async def build(args: argparse.Namespace, stack, log):
 
     key = key_from_args(args.pairing_key_file)
     threads.apply(args.torch_threads, log)
+    # Extends and decode steps run on a worker thread whose freed tensors glibc would unmap and
+    # fault in again every forward (host_memory's docstring has the measurement).
+    log.info("host_malloc", keep_freed_memory=keep_freed_memory())
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
