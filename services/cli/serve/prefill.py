@@ -71,6 +71,7 @@ async def build(args: argparse.Namespace, stack, log):
     """Sidecar, model, servicer and server of one prefill worker; each part's close goes
     onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model load."""
     from deltakv.rpc import tls
+    from deltakv.services.model.host_memory import keep_freed_memory
     from deltakv.services.prefill.servicer import PrefillServicer
     from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
@@ -80,6 +81,9 @@ async def build(args: argparse.Namespace, stack, log):
 
     key = key_from_args(args.pairing_key_file)
     threads.apply(args.torch_threads, log)
+    # Prefill's chunk forwards run on worker threads too: the same freed-and-refaulted
+    # activations as decode's extends (host_memory's docstring).
+    log.info("host_malloc", keep_freed_memory=keep_freed_memory())
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
