@@ -129,6 +129,9 @@ def test_f2_prefill_dies_mid_transfer(slow_cluster) -> None:
     s = run(stats(addr))
     assert s.pool.quarantined > 0 or s.pool.live == 0
     wait_for_baseline(addr, timeout_s=8.0)
+    # Reap the killed worker first (Kubernetes restarts a container once it is dead; a
+    # 2 GB process can still be tearing down its memory when decode has already noticed).
+    slow_cluster.proc("prefill").wait(10.0)
     slow_cluster.restart_proc("prefill")
     result = run(generate(addr, token_ids=tokens(20, seed=305), max_new_tokens=2))
     assert result.usage.transferred_pages == 2
