@@ -115,12 +115,15 @@ def combine(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     ``outs`` ``[B, n, ...]`` and ``lses`` ``[B, n, ...]`` (``outs`` with one more trailing axis,
     the head dim): ``n`` partial results per sequence, with the natural-log sum of their
     exponentiated scaled scores (the kernel's second output; -inf for a result over no keys).
-    Returns ``[B, ...]``, contiguous, in the dtype of ``outs``; weights are computed in float32
-    (elementwise ops only: tiny tensors stay on one thread).
+    Returns ``[B, ...]``, contiguous, in the dtype of ``outs``; the weights
+    ``exp(lse_i - lse)`` are ``softmax(lses)`` over the partial axis, computed in float32 (at
+    least one partial per sequence must have keys, else the result is NaN).
+
+    One fused softmax instead of max/subtract/exp/sum/divide: measured on the 2-core EPYC, two
+    threads, batch-8 decode shapes ``[8, 16, 3, 3, 64]``: 20 us vs 355 us per layer (the
+    elementwise chain paid a thread-pool round trip per op).
     """
-    lses = lses.float()
-    weights = (lses - lses.amax(dim=1, keepdim=True)).exp_()
-    weights /= weights.sum(dim=1, keepdim=True)
+    weights = torch.softmax(lses.float(), dim=1)
     return (outs * weights[..., None].to(outs.dtype)).sum(1)
 
 
