@@ -16,9 +16,10 @@ GB/s, sending-sidecar CPU seconds per GB moved (total CPU over total bytes of th
 repeats), the receiver's likewise, and waiter/poller ratios. It also splits the sender's CPU:
 "of it waiting" is the completion wait alone (:func:`completion_wait_seconds`: the per-batch
 waiter threads, or the poller thread), the rest is the engine's data path (Mooncake's TCP
-transport copies every byte through sockets; over RDMA that part is the NIC's) and gRPC. Before every write the source
-pages get fresh random bytes and the destination zeros (in place); after it the destination is
-compared byte for byte (``verified``). The first write of each mode is an untimed warm-up.
+transport copies every byte through sockets; over RDMA that part is the NIC's) and gRPC.
+Before every write the source pages get fresh random bytes and the destination zeros (in
+place); after it the destination is compared byte for byte (``verified``). The first write of
+each mode is an untimed warm-up.
 
 ``--link RATE`` (root) runs the prefill sidecars on a second host joined by a shaped link
 (:mod:`deltakv.services.netns`, as ``deltakv up --link``): the engine then writes over a veth
