@@ -451,6 +451,12 @@ def test_every_rendered_command_starts_serves_and_stops_cleanly(cases: list[Case
             failures.append(f"{name}: helm test exited {code}\n{proc.log_tail(30)}")
     failures += [f"{case.name}: {problem}" for case in cases
                  if (problem := case.check_http_api()) is not None]
+    # Model workers keep freed memory mapped (services/model/host_memory.py): as rendered,
+    # each decode and prefill worker logged that the setting took effect.
+    failures += [f"{proc.name}: no host_malloc keep_freed_memory=true at start-up"
+                 for case in cases for proc in case.processes("worker")
+                 if '"event": "host_malloc"' not in (text := proc.log_text())
+                 or '"keep_freed_memory": true' not in text]
     # Workers first, then sidecars (the kubelet's order), every pod at once.
     for kind in ("worker", "sidecar"):
         procs = [proc for case in cases for proc in case.processes(kind)]
