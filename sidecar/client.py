@@ -24,6 +24,7 @@ import grpc
 
 from deltakv.errors import InvalidArgument, SidecarRestarted, StaleIncarnation, from_rpc_error
 from deltakv.rpc.channel import options, uds_address, wait_serving_async
+from deltakv.rpc.streaming import stream_unary
 from deltakv.sidecar.incarnation import incarnation_of, metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -79,14 +80,18 @@ class SidecarClient:
         bound._owns_channel = False
         return bound
 
-    async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    async def _call(self, method: str, request: Any, timeout_s: float | None = None,
+                    client_streaming: bool = False) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidArgument(f"{method}: timeout must be > 0 s, got {timeout}")
         metadata = None if self.incarnation is None else metadata_for(self.incarnation)
+        rpc = getattr(self._get_stub(), method)
         try:
-            return await getattr(self._get_stub(), method)(request, timeout=timeout,
-                                                           metadata=metadata)
+            if client_streaming:
+                # Stops writing when the sidecar fails the call, so its status survives.
+                return await stream_unary(rpc, request, timeout=timeout, metadata=metadata)
+            return await rpc(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             raise self._typed(err, method) from None
 
@@ -264,7 +269,8 @@ class SidecarClient:
                                                  ready_pages=count)
                 first = False
 
-        resp = await self._call("WritePagesStream", parts(), timeout_s=timeout_s)
+        resp = await self._call("WritePagesStream", parts(), timeout_s=timeout_s,
+                                client_streaming=True)
         return resp.stats
 
     async def abort_write(self, room: int, timeout_s: float | None = None) -> bool:

@@ -93,7 +93,8 @@ def aio_server_interceptors(tracer_provider: Any = None) -> list[Any]:
 def aio_client_interceptors(tracer_provider: Any = None) -> list[Any]:
     """``grpc.aio`` channel interceptors for unary-unary calls (``[]`` when tracing is off).
     Only unary-unary is wrapped: the stock stream wrappers change the call object's type,
-    and no deltakv process makes streaming calls to another."""
+    and the one client-streaming call (prefill's ``WritePagesStream`` to its sidecar) needs
+    the call's initial metadata unwrapped (:mod:`deltakv.rpc.streaming`)."""
     provider = _provider(tracer_provider)
     if provider is None:
         return []

@@ -6,12 +6,16 @@ part by part; after each part it checks that exactly the pages reported ready ar
 travel while the "next chunk" is still being computed. Then: a stream that ends early fails its
 room like a failed WritePages (no page beyond the last part lands, the room is fenced, a new
 room writes cleanly), malformed parts get INVALID_ARGUMENT, and an engine failure in the middle
-of the parts (the fault-injecting transport) stops the write at once.
+of the parts (the fault-injecting transport) stops the write at once. A failed call first tells
+the client (initial metadata, deltakv.rpc.streaming), the client stops writing, and only then
+does the status come: every failure below checks the client was told.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +24,7 @@ import grpc
 import pytest
 import torch
 
+from deltakv.rpc.streaming import failed_code
 from deltakv.sidecar.incarnation import metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import Pair, SidecarFactory
@@ -57,6 +62,25 @@ class Feed:
         self._write = request
         self._sent = 0
         self.future = pair.prefill.stub().WritePagesStream.future(self._iter(), timeout=timeout_s)
+        # Like SidecarClient: stop writing once the sidecar says the call failed
+        # (deltakv.rpc.streaming); the sidecar ends the call after the half-close.
+        self.told: str | None = None
+        self._heard = threading.Event()
+        threading.Thread(target=self._heed, daemon=True).start()
+
+    def _heed(self) -> None:
+        try:
+            with contextlib.suppress(grpc.RpcError):
+                self.told = failed_code(self.future.initial_metadata())
+            if self.told is not None:
+                self._parts.put(None)
+        finally:
+            self._heard.set()
+
+    def notice(self) -> str | None:
+        """The failure code the sidecar told this client before its status (None: none)."""
+        assert self._heard.wait(10.0), "no initial metadata"
+        return self.told
 
     def _iter(self) -> Iterator[sidecar_pb2.WritePagesPart]:
         while (part := self._parts.get()) is not None:
@@ -189,6 +213,7 @@ def test_malformed_parts_are_refused(pair: Pair, parts: list) -> None:
         feed.future.result(timeout=30)
     feed.end()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert feed.notice() == "INVALID_ARGUMENT"
     release_all(pair, name)
     check_accounting(pair.prefill)
 
@@ -216,6 +241,7 @@ def test_engine_failure_between_parts_stops_the_write() -> None:
                 feed.future.result(timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert time.monotonic() - t0 < 5.0
+            assert feed.notice() == "UNAVAILABLE"  # told, so it stopped writing
             feed.ready(6)  # too late: the call is over
             feed.end()
             time.sleep(0.5)

@@ -10,7 +10,10 @@ Both flavours are assembled by the same code (:class:`_Assembly`):
   (``"internal error: <type>: <message>"``) with its traceback logged — never gRPC's UNKNOWN;
   every status message is clipped (:func:`deltakv.errors.clip_details`); a request body that
   is not a message is INVALID_ARGUMENT, not gRPC's INTERNAL/UNKNOWN (:mod:`deltakv.rpc.decoding`,
-  on every method, the health-only port's included);
+  on every method, the health-only port's included); a client-streaming handler that fails
+  first tells the client to stop writing and waits for its half-close, so grpc-python's
+  asyncio client keeps the status (:mod:`deltakv.rpc.streaming`, sync flavour: the sidecar's
+  ``WritePagesStream`` is the only client-streaming RPC);
 * ``grpc.health.v1`` and server reflection are registered once; health reports NOT_SERVING for
   ``""`` and every service until :meth:`set_serving`;
 * options come from the one table, :data:`deltakv.rpc.channel.OPTIONS` (``"server"``);
@@ -42,6 +45,7 @@ from grpc_reflection.v1alpha import reflection
 from deltakv.errors import DeltaKVError, Unavailable, status_of
 from deltakv.rpc import decoding
 from deltakv.rpc.channel import options
+from deltakv.rpc.streaming import end_request_stream
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +119,9 @@ def _sync_wrapped(kind: str, inner: Callable, method: str, logger: Any) -> Calla
         try:
             return inner(checked(request), context)
         except Exception as exc:
+            if streaming_request:
+                # No client write may follow the status (deltakv.rpc.streaming).
+                end_request_stream(request, context, status_of(exc)[0])
             fail(exc, context)
 
     return unary
