@@ -224,7 +224,9 @@ class SidecarServiceServicer:
         WritePages); every part says how many delta pages (prompt order) are complete so far, and
         the pages that became complete are written at once. The call returns when all delta pages
         are written. Errors as WritePages; the stream ending (or the call cancelled) before all
-        pages were ready fails the room with ABORTED, no further batch starting.
+        pages were ready fails the room with ABORTED, no further batch starting. A call that
+        fails first sends initial metadata "deltakv-stream-failed" (the code's name): the client
+        stops writing and half-closes, and the status follows (deltakv.rpc.streaming).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
