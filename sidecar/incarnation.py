@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from deltakv.errors import StaleIncarnation
+from deltakv.rpc.metadata import metadata_value
 
 #: gRPC metadata key carrying a pool incarnation (an endpoint id) in both directions.
 METADATA_KEY = "deltakv-incarnation"
@@ -41,13 +42,10 @@ def metadata_for(incarnation: str) -> tuple[tuple[str, str], ...]:
 
 
 def incarnation_of(metadata: Any) -> str | None:
-    """The incarnation named in ``metadata`` (a sequence of key/value pairs, e.g. an
-    ``RpcError``'s trailing metadata), or None."""
-    for item in metadata or ():
-        key, value = (item.key, item.value) if hasattr(item, "key") else item
-        if key == METADATA_KEY:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
+    """The incarnation named in ``metadata`` (any form
+    :func:`~deltakv.rpc.metadata.metadata_value` reads, e.g. an ``RpcError``'s trailing
+    metadata), or None."""
+    return metadata_value(metadata, METADATA_KEY)
 
 
 class IncarnationGuard(grpc.ServerInterceptor):

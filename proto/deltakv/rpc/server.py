@@ -101,10 +101,15 @@ def _sync_wrapped(kind: str, inner: Callable, method: str, logger: Any) -> Calla
     def checked(request: Any) -> Any:
         return decoding.decoded_iter(request) if streaming_request else decoding.decoded(request)
 
-    def fail(exc: Exception, context: grpc.ServicerContext) -> None:
-        if not isinstance(exc, DeltaKVError | grpc.RpcError) and context.code() is not None:
+    def fail(exc: Exception, context: grpc.ServicerContext, requests: Any = None) -> None:
+        own = not isinstance(exc, DeltaKVError | grpc.RpcError) and context.code() is not None
+        code, details = (context.code(), "") if own else _mapped_status(exc, method, logger)
+        if requests is not None:
+            # No client write may follow the status (deltakv.rpc.streaming).
+            end_request_stream(requests, context, code)
+        if own:
             raise exc  # the handler aborted on its own; the status is already set
-        context.abort(*_mapped_status(exc, method, logger))
+        context.abort(code, details)
 
     if kind.endswith("_stream"):
         def stream(request: Any, context: grpc.ServicerContext) -> Any:
@@ -119,10 +124,7 @@ def _sync_wrapped(kind: str, inner: Callable, method: str, logger: Any) -> Calla
         try:
             return inner(checked(request), context)
         except Exception as exc:
-            if streaming_request:
-                # No client write may follow the status (deltakv.rpc.streaming).
-                end_request_stream(request, context, status_of(exc)[0])
-            fail(exc, context)
+            fail(exc, context, request if streaming_request else None)
 
     return unary
 

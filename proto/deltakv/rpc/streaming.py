@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from deltakv.rpc.metadata import metadata_value
+
 #: Initial-metadata key by which a server says "this call failed; stop writing" (value: the
 #: status code's name, e.g. ``UNAVAILABLE``).
 STREAM_FAILED_KEY = "deltakv-stream-failed"
@@ -41,13 +43,9 @@ T = TypeVar("T")
 
 
 def failed_code(metadata: Any) -> str | None:
-    """The code name a server put under :data:`STREAM_FAILED_KEY` in ``metadata`` (a
-    sequence of key/value pairs or ``grpc.aio.Metadata``), or None."""
-    for item in metadata or ():
-        key, value = (item.key, item.value) if hasattr(item, "key") else item
-        if key == STREAM_FAILED_KEY:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
+    """The code name a server put under :data:`STREAM_FAILED_KEY` in ``metadata`` (any form
+    :func:`~deltakv.rpc.metadata.metadata_value` reads), or None."""
+    return metadata_value(metadata, STREAM_FAILED_KEY)
 
 
 def end_request_stream(requests: Iterator[Any], context: grpc.ServicerContext,
@@ -80,10 +78,6 @@ async def stream_unary(method: Callable[..., Any], requests: AsyncIterable[T],
     (``deltakv.services.runtime.otel_grpc``)."""
     watch: asyncio.Future[Any] | None = None
 
-    def refused() -> bool:
-        return (watch is not None and watch.done() and not watch.cancelled()
-                and watch.exception() is None and failed_code(watch.result()) is not None)
-
     async def guarded() -> AsyncIterator[T]:
         source = aiter(requests)
         while True:
@@ -91,17 +85,15 @@ async def stream_unary(method: Callable[..., Any], requests: AsyncIterable[T],
             assert watch is not None  # set before gRPC's consumer task first runs
             if not watch.done():
                 await asyncio.wait({following, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not refused():
-                # No notice (or initial metadata without it: the call ends on its own terms).
-                await asyncio.wait({following})
             # The notice wins even over a message that is ready: no write may follow it.
-            if refused():
+            if _told_to_stop(watch):
                 following.cancel()
                 with contextlib.suppress(BaseException):
                     await following
                 return
+            # The next message, or metadata without the notice (the call ends on its own).
             try:
-                item = following.result()
+                item = await following
             except StopAsyncIteration:
                 return
             yield item
@@ -114,3 +106,9 @@ async def stream_unary(method: Callable[..., Any], requests: AsyncIterable[T],
         watch.cancel()
         with contextlib.suppress(BaseException):
             await watch
+
+
+def _told_to_stop(watch: asyncio.Future[Any]) -> bool:
+    """Whether the initial metadata ``watch`` awaits has arrived carrying the notice."""
+    return (watch.done() and not watch.cancelled() and watch.exception() is None
+            and failed_code(watch.result()) is not None)
