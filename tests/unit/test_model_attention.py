@@ -214,3 +214,31 @@ def test_reader_equals_attention_over_the_gathered_context(pool_dtype):
         out = ContextReader(kv, [plans[b] for b in batch], kernel).attend(layer, q[batch])
         for row, b in enumerate(batch):
             torch.testing.assert_close(out[row:row + 1], references[b], atol=1e-5, rtol=0)
+
+
+def test_reader_extend_combines_context_partials_with_the_causal_new_keys():
+    """An extend (T new positions on top of a cached context, one sequence): the context read
+    as partial results (a run in place, loose pages gathered) combined with causal attention
+    over the new keys equals attention over context + new keys copied out in order. (A decode
+    step, no new keys, takes the one-softmax path the test above checks.)"""
+    page_size, layer, t = 4, 2, 2
+    pool = _pool(64, page_size)
+    kv = PagedKV(pool, torch.float32, min_run_tokens=4)
+    kernel = kernel_for(torch.device("cpu"))
+    table, n = list(range(20, 30)) + [3, 50, 51], 47
+    plan = kv.plan(table, n, query_rows=(2 * HKV // HKV) * t)
+    assert plan.runs and plan.gather_rows.numel()  # both kinds of partial result
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 2 * HKV, t, D, generator=generator)
+    new_k = torch.randn(1, HKV, t, D, generator=generator)
+    new_v = torch.randn(1, HKV, t, D, generator=generator)
+    rows = torch.tensor([kv.token_row(table, pos) for pos in range(n)])
+    k = torch.cat((kv.rows[rows + layer * kv.layer_rows].transpose(0, 1)[None], new_k), 2)
+    v = torch.cat((kv.rows[rows + layer * kv.layer_rows + page_size].transpose(0, 1)[None],
+                   new_v), 2)
+    mask = torch.zeros(t, n + t)
+    mask[:, n:] = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
+                                                 float("-inf"))
+    reference, _ = _reference(q, k, v, mask=mask)
+    out = ContextReader(kv, [plan], kernel).attend(layer, q, new_k, new_v)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
