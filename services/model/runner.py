@@ -23,6 +23,7 @@ from deltakv.services.model.attention import (
     MIN_RUN_TOKENS,
     ContextReader,
     PagedKV,
+    decode_kernel_for,
     kernel_for,
 )
 from deltakv.services.model.loader import LoadedModel
@@ -90,7 +91,12 @@ class ModelRunner:
         self.num_pages = int(num_pages)
         self._module = module
         self._kernel = kernel_for(kv_pool.device)
+        self._decode_kernel = decode_kernel_for(kv_pool.device)
         self._kv = PagedKV(kv_pool, module.dtype, min_run_tokens)
+        # "fused": decode steps of FUSED_MIN_BATCH sequences or more run the fused paged decode
+        # kernel (deltakv.services.model.paged_decode); "torch": PyTorch ops only.
+        self.decode_attention = ("fused" if self._decode_kernel is not None
+                                 and self._kv.fused_rows is not None else "torch")
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -204,5 +210,5 @@ class ModelRunner:
                      for table, seq in zip(tables, batch, strict=True)]
             ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
                                device=device)
-            return module.decode(kv, ContextReader(kv, plans, self._kernel), ids, lengths,
+            return module.decode(kv, ContextReader(kv, plans, self._kernel, self._decode_kernel), ids, lengths,
                                  write_rows)

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 
 from deltakv.errors import InvalidArgument
 from deltakv.services.model.attention import (
+    FUSED_MIN_BATCH,
     ContextReader,
     PagedKV,
     PageRun,
     combine,
+    decode_kernel_for,
     kernel_for,
     page_runs,
 )
@@ -184,11 +186,13 @@ def test_run_views_are_the_pool_itself_read_slot_major():
     assert k[1, 0, 1, 0] == 123.0
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_reader_equals_attention_over_the_gathered_context(pool_dtype):
+def test_reader_equals_attention_over_the_gathered_context(pool_dtype, fused):
     """Three sequences of different lengths — a long run plus loose pages, scattered pages, a
     run ending on a partial page — read together and alone: the reader's output equals
-    attention over each sequence's keys copied out in order."""
+    attention over each sequence's keys copied out in order, through the fused decode kernel
+    (batches of two or more on a float32 pool) and through the PyTorch path."""
     page_size, layer = 4, 1
     pool = _pool(64, page_size, pool_dtype)
     kv = PagedKV(pool, torch.float32, min_run_tokens=4)
@@ -210,8 +214,11 @@ def test_reader_equals_attention_over_the_gathered_context(pool_dtype):
         v = kv.rows[rows + layer * kv.layer_rows + page_size].float().transpose(0, 1)[None]
         references.append(_reference(q[b:b + 1], k, v)[0])
     # Together (padding, a sequence without gathered keys) and each alone.
-    for batch in ([0, 1, 2], [0], [1], [2]):
-        out = ContextReader(kv, [plans[b] for b in batch], kernel).attend(layer, q[batch])
+    decode_kernel = decode_kernel_for(torch.device("cpu")) if fused else None
+    for batch in ([0, 1, 2], [0, 2], [0], [1], [2]):
+        reader = ContextReader(kv, [plans[b] for b in batch], kernel, decode_kernel)
+        assert reader.fused_decode == (fused and in_place and len(batch) >= FUSED_MIN_BATCH)
+        out = reader.attend(layer, q[batch])
         for row, b in enumerate(batch):
             torch.testing.assert_close(out[row:row + 1], references[b], atol=1e-5, rtol=0)
 

@@ -22,6 +22,7 @@ def test_bench_model_reports_every_point(tmp_path, capsys):
     assert report["model"] == "tiny-random"
     assert len(report["load_before"]) == 3 and len(report["load_after"]) == 3
     assert report["min_run_tokens"] >= 1 and report["linear"] in {"OneDNNLinear", "TorchLinear"}
+    assert report["decode_attention"] == "fused"  # numba is a dependency; the pool is float32
     assert datetime.datetime.fromisoformat(report["date"]).tzinfo is not None
     points = [(r["phase"], r["batch"], r["context"], r["tokens"]) for r in report["results"]]
     assert points == [("floor", 1, 0, 1), ("extend", 1, 40, 5), ("decode", 1, 40, 3),

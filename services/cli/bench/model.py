@@ -123,7 +123,8 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark and return the report: ``model``, ``threads``, ``page_size``,
-    ``min_run_tokens`` and ``linear`` (the runner's attention threshold and linear kernel), ``date``
+    ``min_run_tokens``, ``linear`` and ``decode_attention`` (the runner's attention threshold,
+    linear kernel and decode attention: fused or torch), ``date``
     (UTC, ISO 8601), ``load_before``/``load_after`` (``os.getloadavg()``), ``torch``,
     ``transformers`` and ``results``; each result has ``phase`` (floor|extend|decode|prefill),
     ``batch``, ``context`` (cached tokens), ``tokens`` (new tokens per sequence), ``runner_ms``
@@ -233,6 +234,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
             record("prefill", 1, 0, length, ours, theirs)
     return {"model": args.model, "threads": torch.get_num_threads(), "page_size": ps,
             "min_run_tokens": MIN_RUN_TOKENS, "linear": type(model.module.lm_head).__name__,
+            "decode_attention": runner.decode_attention,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_before": list(load_before), "load_after": list(os.getloadavg()),
             "torch": torch.__version__, "transformers": transformers.__version__,
