@@ -93,8 +93,9 @@ def _numba_decode_kernel() -> DecodeKernel | None:
 DECODE_KERNELS: dict[str, Callable[[], DecodeKernel | None]] = {"cpu": _numba_decode_kernel}
 
 # The fused kernel gives each sequence one work item: a single sequence runs on one thread,
-# where the PyTorch path uses two. Measured on the 2-core EPYC, SmolLM2, 2k keys, 30 layers:
-# 12 ms fused vs 9 ms PyTorch for one sequence; 51 ms vs 80 ms for eight.
+# where the PyTorch path uses two. Measured on the 2-core EPYC, SmolLM2 geometry, 2k keys, 30
+# layers, two threads (2026-12-01): one sequence 13.7 ms fused vs 12-14 ms PyTorch (no gain);
+# two 19 ms vs 31 ms; eight 51 ms vs 80 ms.
 FUSED_MIN_BATCH = 2
 
 
@@ -258,6 +259,11 @@ class ContextReader:
     Memory: the gather buffer holds ``2 * B * W * Hkv * D`` elements of the compute dtype, ``W``
     the most gathered keys of any sequence (plus as many of the pool's dtype when that differs);
     it lives as long as the reader. Sequences with fewer gathered keys are padded and masked.
+
+    With ``decode_kernel``, a reader of :data:`FUSED_MIN_BATCH` sequences or more over a pool
+    the kernel reads (``fused_decode``) serves decode steps only (no new keys: batches of new
+    keys are prefills of one sequence) and builds none of the above, only two small page-table
+    arrays.
     """
 
     def __init__(self, kv: PagedKV, plans: Sequence[ContextPlan], kernel: Kernel,
@@ -276,7 +282,7 @@ class ContextReader:
                 tables[i, :len(plan.pages)] = plan.pages
             lengths = np.array([plan.num_keys for plan in self.plans], dtype=np.int64)
             self._fused = (decode_kernel, tables, lengths)
-        self.fused_decode = self._fused is not None  # decode steps use the fused kernel
+            return  # the kernel walks the page tables: no views, buffer or masks to build
         counts = [plan.gather_rows.numel() for plan in self.plans]
         self.width = max(counts)  # gathered keys per sequence, padded to the longest
         self.mask: torch.Tensor | None = None
@@ -339,6 +345,7 @@ class ContextReader:
             if self._fused is not None:
                 return self._attend_fused(layer, q)
             return self._attend_joint(layer, q)
+        assert self._fused is None, "a reader for the fused kernel serves decode steps only"
         outs, lses = self._partials(layer, q)
         out, lse = self.kernel(q, new_k, new_v, is_causal=True)
         if not outs:  # no context: plain causal attention
@@ -347,6 +354,11 @@ class ContextReader:
         outs.append(out.reshape(1, 1, hkv, (h // hkv) * t, d))
         lses.append(lse.reshape(1, 1, hkv, (h // hkv) * t))
         return combine(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, t, d)
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps through this reader run the fused kernel."""
+        return self._fused is not None
 
     def _gather(self, layer: int) -> torch.Tensor | None:
         """Fill the gather buffer ``[2 (K,V), B, W, Hkv, D]`` with ``layer``'s gathered keys

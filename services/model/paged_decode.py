@@ -44,11 +44,6 @@ def available() -> bool:
     return numba is not None
 
 
-def threads() -> int:
-    """Threads a call runs on (numba's pool; 0 without numba)."""
-    return numba.get_num_threads() if numba is not None else 0
-
-
 def _kernel(rows, q, tables, lengths, layer_row, page_rows, value_rows, page_size,
             out):  # pragma: no cover - compiled by numba; tested through paged_decode()
     batch, num_kv_heads, group, head_dim = q.shape
