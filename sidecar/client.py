@@ -226,12 +226,15 @@ class SidecarClient:
     async def write_pages(self, info: kv_pb2.TransferInfo, src_page_indices: Sequence[int],
                           lease_remaining_ms: int = 0, prefill_cached_len: int = 0,
                           timeout_s: float | None = None,
-                          prompt_digest: bytes = b"") -> kv_pb2.TransferStats:
+                          prompt_digest: bytes = b"",
+                          page_digests: Sequence[int] = ()) -> kv_pb2.TransferStats:
         """Write the delta of ``info`` from the prompt's page table ``src_page_indices`` and
         wait for completion. ``prompt_digest``: SHA-256 of the token ids whose KV the pages
-        hold (it must match the grant). Default deadline: the lease (``lease_remaining_ms``
-        or ``info.lease_ms``) plus the client timeout, so the sidecar's own lease check fires
-        first. Raises the typed error of the sidecar's status (see SidecarService.WritePages).
+        hold (it must match the grant). ``page_digests``: the caller's xxh3_64 of each delta
+        page (prompt order), taken when it wrote their KV; empty = the sidecar hashes them.
+        Default deadline: the lease (``lease_remaining_ms`` or ``info.lease_ms``) plus the
+        client timeout, so the sidecar's own lease check fires first. Raises the typed error
+        of the sidecar's status (see SidecarService.WritePages).
         """
         if timeout_s is None:
             lease_ms = lease_remaining_ms or info.lease_ms
@@ -239,18 +242,20 @@ class SidecarClient:
         resp = await self._call("WritePages", sidecar_pb2.WritePagesRequest(
             transfer_info=info, src_page_indices=src_page_indices,
             lease_remaining_ms=lease_remaining_ms, prefill_cached_len=prefill_cached_len,
-            prompt_digest=prompt_digest), timeout_s=timeout_s)
+            prompt_digest=prompt_digest, page_digests=page_digests), timeout_s=timeout_s)
         return resp.stats
 
     async def write_pages_stream(self, info: kv_pb2.TransferInfo,
-                                 src_page_indices: Sequence[int], ready: AsyncIterator[int],
+                                 src_page_indices: Sequence[int],
+                                 ready: AsyncIterator[tuple[int, Sequence[int]]],
                                  lease_remaining_ms: int = 0, prefill_cached_len: int = 0,
                                  timeout_s: float | None = None,
                                  prompt_digest: bytes = b"") -> kv_pb2.TransferStats:
         """:meth:`write_pages` fed while the pages are still being computed
         (``WritePagesStream``): ``ready`` yields the cumulative count of complete delta pages
-        (prompt order); the first value travels with the write, each later one as a part of
-        its own, and the sidecar writes what became complete at once. Returns when every
+        (prompt order) with the caller's digests of the pages that count added (empty = the
+        sidecar hashes them); the first value travels with the write, each later one as a
+        part of its own, and the sidecar writes what became complete at once. Returns when every
         delta page is written (the last value must be the delta's page count). Ending
         ``ready`` early, or cancelling the awaiting task, fails the room (ABORTED). Same
         deadline and errors as :meth:`write_pages`."""
@@ -264,9 +269,9 @@ class SidecarClient:
 
         async def parts() -> AsyncIterator[sidecar_pb2.WritePagesPart]:
             first = True
-            async for count in ready:
+            async for count, digests in ready:
                 yield sidecar_pb2.WritePagesPart(write=write if first else None,
-                                                 ready_pages=count)
+                                                 ready_pages=count, page_digests=digests)
                 first = False
 
         resp = await self._call("WritePagesStream", parts(), timeout_s=timeout_s,

@@ -5,11 +5,13 @@ A page's digest is ``xxh3_64`` (seed 0) of its ``page_bytes`` bytes, computed wi
 times zlib's CRC32, and a 64-bit value, so a random corruption goes unnoticed with
 probability 2**-64). Where digests are taken and checked:
 
-1. **prefill sidecar, WritePages** — digests of the source pages of the delta, read before the
-   first byte moves (:meth:`PageDigester.digest`). A source page that is cached in prefill's
-   own radix index is first checked against the digest it was cached with (a corrupt prefill
-   cache is DATA_LOSS here, not a wrong answer at decode). The digests travel back to decode
-   in ``TransferStats.page_digests``.
+1. **prefill worker, after each forward** — digests of the delta pages the forward completed
+   (:meth:`PageDigester.digest` over the worker's mapping of the same pool), sent with the
+   write (``WritePagesRequest.page_digests`` / ``WritePagesPart.page_digests``). **Prefill
+   sidecar, WritePages** — with those it hashes nothing; a source page cached in prefill's own
+   radix index must still have the digest it was cached with (a corrupt prefill cache is
+   DATA_LOSS here, not a wrong answer at decode). From a caller that sends none it hashes the
+   source pages itself. The digests travel back to decode in ``TransferStats.page_digests``.
 2. **decode sidecar, Commit** — ``CommitRequest.verify`` names the delta pages and those
    digests; :meth:`PageDigester.verify` hashes the destination pages and refuses the commit
    with DATA_LOSS naming every page that differs. Nothing is inserted and nothing is freed

@@ -7,8 +7,10 @@ checks the decode endpoint (its seal included), :func:`~deltakv.sidecar.grants.v
 decode's grant for exactly this write, :func:`~deltakv.sidecar.planner.plan_delta` the
 ``TransferInfo``; cached source pages are checked against their digests
 (:mod:`deltakv.sidecar.digests`), the room registry admits the room, the source pages are held
-while the write may read them, and the transport moves each planned batch while the other
-source pages are hashed beside it (one write costs max(engine, hash), not the sum).
+while the write may read them, and the transport moves each planned batch. The page digests
+come from the worker, taken when it wrote the KV (nothing is hashed on the write path), or,
+from a caller that sends none, are hashed here beside the transport (one write then costs
+max(engine, hash), not the sum).
 ``WritePagesStream`` is the same write fed while prefill still computes: checked, planned and
 admitted once, then each part writes the pages that became complete. ``AbortWrite`` stops a
 room's writer; decode's own fence, not this, proves that nothing can
@@ -18,7 +20,7 @@ land (docs/architecture.md, "Fencing").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,8 +98,12 @@ class TransferRpcs:
         page range, INVALID_ARGUMENT) before any byte moves; admit the room (ALREADY_EXISTS if
         in flight or used — a replayed grant —, ABORTED if fenced, UNAVAILABLE while
         draining); hold the source pages; connect (cached per endpoint); then write batch by
-        batch. Cached source pages are checked against their digests before the room is
-        admitted (DATA_LOSS); the other source pages are hashed while the batches move. The
+        batch. Page digests: with the worker's ``page_digests`` (one per delta page, taken when
+        it wrote the KV; INVALID_ARGUMENT for another count) nothing is hashed here — they are
+        returned as they came, after the pages of this sidecar's cache among the sources were
+        found equal to their recorded digests (DATA_LOSS otherwise, before the room is
+        admitted); without them, cached source pages are hashed and checked before the room is
+        admitted (DATA_LOSS) and the other source pages hashed while the batches move. The
         deadline is ``receipt + min(lease_remaining_ms or lease_ms, lease_ms, time left on
         the grant)``, tightened by the call's own gRPC deadline. No batch starts
         after the deadline (DEADLINE_EXCEEDED), an abort or a cancelled call (ABORTED); an
@@ -112,6 +118,13 @@ class TransferRpcs:
         def run() -> sidecar_pb2.WritePagesResponse:
             write = self._check_write(request, context)
             sources = write.plan.source_pages
+            if request.page_digests:
+                # The worker hashed the pages as it wrote them (issue 14: no hash on the
+                # write path); checked before the room is admitted, like the branch below.
+                write.digests = self._check_supplied(sources, request.page_digests, write.log)
+                self._admit_write(write)
+                return self._run_write(
+                    write, lambda: self._move(write, 0, write.plan.pages, context))
             # Checked before the room is admitted: a corrupt cached source costs no room.
             known = self._check_cached_sources(sources, write.log)
             self._admit_write(write)
@@ -156,6 +169,9 @@ class TransferRpcs:
         if first is None or not first.HasField("write"):
             raise InvalidArgument("WritePagesStream: the first part must carry the write")
         request = first.write
+        if request.page_digests:
+            raise InvalidArgument("WritePagesStream: page digests travel with the part that "
+                                  "makes their pages ready, not in the write")
 
         def run() -> sidecar_pb2.WritePagesResponse:
             write = self._check_write(request, context)
@@ -237,6 +253,9 @@ class TransferRpcs:
             raise
         plan = plan_delta(info, request.src_page_indices, self.layout, remote,
                           self.transport.limits, max_lease_ms=self.max_lease_ms)
+        if request.page_digests and len(request.page_digests) != plan.pages:
+            raise InvalidArgument(f"room {info.room}: {len(request.page_digests)} page digests "
+                                  f"for {plan.pages} delta pages (one per delta page, or none)")
         checked = time.monotonic()
         lease_ms = min(request.lease_remaining_ms or info.lease_ms, info.lease_ms)
         # Nothing starts after the grant expires either (decode stops admitting the room).
@@ -345,8 +364,15 @@ class TransferRpcs:
         if ready == write.ready:
             return
         write.ticket.check_alive()
-        write.digests.extend(self._part_digests(list(write.plan.src[write.ready:ready]),
-                                                write.log))
+        sources = list(write.plan.src[write.ready:ready])
+        if part.page_digests:
+            if len(part.page_digests) != len(sources):
+                raise InvalidArgument(
+                    f"room {write.info.room}: {len(part.page_digests)} page digests for the "
+                    f"{len(sources)} delta pages this part makes ready (one each, or none)")
+            write.digests.extend(self._check_supplied(sources, part.page_digests, write.log))
+        else:
+            write.digests.extend(self._part_digests(sources, write.log))
         self._move(write, write.ready, ready, context)
         write.ready = ready
 
@@ -372,13 +398,34 @@ class TransferRpcs:
             recorded = dict(zip(sources, self.page_manager.digests_of(sources), strict=True))
         cached = [p for p in sources if recorded[p] is not None]
         digests = dict(zip(cached, self.digester.digest(cached), strict=True))
-        bad = [p for p in cached if digests[p] != recorded[p]]
-        if bad:
-            self._count_mismatches(len(bad), "source")
-            room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
-            raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
-                           f"from their digests; run AuditCache with evict", pages=bad)
+        self._refuse_corrupt_sources([p for p in cached if digests[p] != recorded[p]], room_log)
         return digests
+
+    def _check_supplied(self, sources: list[int], supplied: Sequence[int], room_log: Any
+                        ) -> list[int]:
+        """The worker's digests of ``sources`` (delta source pages in prompt order, one
+        each), hashed when it wrote their KV. A page this sidecar's index cached with a
+        digest must still have it: the worker hashed the page's bytes as they are now, so
+        a difference means the bytes changed since they were cached (DATA_LOSS, as in
+        :meth:`_check_cached_sources`, without hashing anything here). Returns them as a list
+        (``[]`` with digests off)."""
+        if not self.digester.enabled:
+            return []
+        with self._pm_lock:
+            recorded = self.page_manager.digests_of(sources)
+        self._refuse_corrupt_sources(
+            [p for p, want, got in zip(sources, recorded, supplied, strict=True)
+             if want is not None and want != got], room_log)
+        return [int(d) for d in supplied]
+
+    def _refuse_corrupt_sources(self, bad: list[int], room_log: Any) -> None:
+        """DATA_LOSS naming ``bad``, cached source pages whose bytes changed (none: return)."""
+        if not bad:
+            return
+        self._count_mismatches(len(bad), "source")
+        room_log.error("page_digest_mismatch", where="prefill_cache", pages=bad)
+        raise DataLoss(f"cached source pages {bad[:16]} of this prefill sidecar differ "
+                       f"from their digests; run AuditCache with evict", pages=bad)
 
     def _hash_later(self, pages: list[int]) -> Future[list[int]] | None:
         """Digests of ``pages`` on the service's hashing threads (None when there is

@@ -41,11 +41,19 @@ class OverlapResult:
 
 async def run_overlapped(plan: ChunkPlan, *, forward: Callable[[Chunk], Any],
                          executor: Executor,
-                         write: Callable[[AsyncIterator[int]], Awaitable[kv_pb2.TransferStats]],
-                         attempt: Any, check_alive: Callable[[str], None]) -> OverlapResult:
+                         write: Callable[[AsyncIterator[tuple[int, list[int]]]],
+                                         Awaitable[kv_pb2.TransferStats]],
+                         attempt: Any, check_alive: Callable[[str], None],
+                         digests: Callable[[int, int], list[int]] | None = None
+                         ) -> OverlapResult:
     """Run ``plan``'s chunks through ``forward`` (sync, on ``executor``; it returns the first
     token for the last chunk) while ``write(ready)`` (the sidecar's ``WritePagesStream``)
-    writes the delta pages as ``ready`` reports them complete.
+    writes the delta pages as ``ready`` reports them complete: ``(count, digests)``, the
+    cumulative count of complete delta pages and the page digests of those it added.
+
+    ``digests(first, last)``: the page digests of delta pages ``[first, last)`` (prompt
+    order), run on ``executor`` right after the forward that completed them (so the sidecar
+    hashes nothing); None sends none (the sidecar hashes them).
 
     ``attempt``: the caller's book-keeping (``forward``: the running forward's future, so
     cleanup never frees pages under it; ``write_started`` / ``write_done``).
@@ -54,13 +62,23 @@ async def run_overlapped(plan: ChunkPlan, *, forward: Callable[[Chunk], Any],
     the write call is cancelled first.
     """
     loop = asyncio.get_running_loop()
-    ready: asyncio.Queue[int | None] = asyncio.Queue()
+    ready: asyncio.Queue[tuple[int, list[int]] | None] = asyncio.Queue()
 
-    async def counts() -> AsyncIterator[int]:
-        while (count := await ready.get()) is not None:
-            yield count
+    async def counts() -> AsyncIterator[tuple[int, list[int]]]:
+        while (item := await ready.get()) is not None:
+            yield item
 
-    ready.put_nowait(plan.ready_before)
+    def hashed(first: int, last: int) -> list[int]:
+        return [] if digests is None or first == last else digests(first, last)
+
+    def step(chunk: Chunk, first: int) -> tuple[Any, list[int]]:
+        token = forward(chunk)
+        return token, hashed(first, chunk.ready_pages)
+
+    # Pages prefill took from its own index are complete before any chunk.
+    attempt.forward = loop.run_in_executor(executor, hashed, 0, plan.ready_before)
+    ready.put_nowait((plan.ready_before, await attempt.forward))
+    done_pages = plan.ready_before
     attempt.write_started = True
     t_write = time.monotonic()
     writing = asyncio.ensure_future(write(counts()))
@@ -69,15 +87,16 @@ async def run_overlapped(plan: ChunkPlan, *, forward: Callable[[Chunk], Any],
     try:
         for index, chunk in enumerate(plan.chunks):
             check_alive(f"before chunk {index + 1} of {len(plan.chunks)}")
-            attempt.forward = loop.run_in_executor(executor, forward, chunk)
+            attempt.forward = loop.run_in_executor(executor, step, chunk, done_pages)
             # A write that fails mid-way stops the prefill at once, not after the chunk.
             await asyncio.wait([attempt.forward, writing],
                                return_when=asyncio.FIRST_COMPLETED)
             if writing.done() and not attempt.forward.done():
                 writing.result()  # raises its error; a success before the last page is a bug
                 raise RuntimeError("the write stream ended before all pages were ready")
-            first_token = await attempt.forward
-            ready.put_nowait(chunk.ready_pages)
+            first_token, part = await attempt.forward
+            ready.put_nowait((chunk.ready_pages, part))
+            done_pages = chunk.ready_pages
         t_computed = time.monotonic()
         ready.put_nowait(None)
         stats = await writing

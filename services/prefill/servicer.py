@@ -69,6 +69,7 @@ from deltakv.services.prefill.chunks import (
 from deltakv.services.prefill.overlap import run_overlapped
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
+from deltakv.sidecar.digests import PageDigester
 from deltakv.sidecar.grants import prompt_digest, verify_grant
 from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.planner import validate_transfer
@@ -298,6 +299,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         chunks = plan_chunks(len(tokens), cached_len, info.decode_prefix_len,
                              self.worker.layout.page_size, self.chunk_tokens)
 
+        # The delta's source pages; the worker hashes each once its KV is written, so the
+        # sidecar hashes nothing on the write path (issue 14) and decode's Commit also
+        # catches a page that changed between this forward and the copy.
+        delta_src = page_table[len(page_table) - chunks.delta_pages:]
+        digester = PageDigester(self.worker.pool)
+
+        def digests(first: int, last: int) -> list[int]:
+            return digester.digest(delta_src[first:last])
+
         def forward(chunk: Chunk) -> int | None:
             # The first chunk passes cached_len itself: the runner's own rule then keeps a
             # full prefix hit from writing into shared cached pages.
@@ -326,7 +336,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     write=lambda ready: sidecar.write_pages_stream(
                         info, page_table, ready, lease_remaining_ms=lease_ms,
                         prefill_cached_len=cached_len, timeout_s=timeout_s,
-                        prompt_digest=digest))
+                        prompt_digest=digest),
+                    digests=digests)
                 first_token, prefill_ms = done.first_token, done.prefill_ms
             else:
                 t0 = time.monotonic()
@@ -334,6 +345,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     self.compute, lambda: [forward(c) for c in chunks.chunks][-1])
                 first_token = await attempt.forward
                 prefill_ms = (time.monotonic() - t0) * 1000.0
+                attempt.forward = asyncio.get_running_loop().run_in_executor(
+                    self.compute, digests, 0, chunks.delta_pages)
+                page_digests = await attempt.forward
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))
@@ -352,7 +366,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             attempt.write_started = True
             stats = await sidecar.write_pages(info, page_table, lease_remaining_ms=lease_ms,
                                               prefill_cached_len=cached_len,
-                                              timeout_s=timeout_s, prompt_digest=digest)
+                                              timeout_s=timeout_s, prompt_digest=digest,
+                                              page_digests=page_digests)
             attempt.write_done = True
             transfer_ms = after_compute_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.

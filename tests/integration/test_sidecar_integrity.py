@@ -206,6 +206,123 @@ def test_prefill_refuses_to_send_a_corrupt_cached_source_page(pair: Pair) -> Non
     assert src[0] in report.corrupt_pages
 
 
+def worker_write(p: Pair, rid: str, toks: list[int], seed: int,
+                 change_after_hash: int | None = None, digests: list[int] | None = None
+                 ) -> tuple[list[int], list[int], list[int], kv_pb2.TransferInfo]:
+    """Pages filled and hashed as prefill's worker does after its forward (issue 14: the
+    write then carries the digests). ``change_after_hash``: flip a byte of that source page
+    after the hash, before the write (a stray write into prefill's pool). ``digests``: send
+    these instead. Returns (src, dst, digests sent, the granted TransferInfo)."""
+    n = -(-len(toks) // PAGE)
+    src = list(p.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id=rid, num_pages=n), timeout=10).page_indices)
+    dst = list(p.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id=rid, num_pages=n), timeout=10).page_indices)
+    fill(p.prefill_pool, src, seed)
+    sent = [digest_of(p.prefill_pool, s) for s in src] if digests is None else digests
+    if change_after_hash is not None:
+        p.prefill_pool.as_bytes()[src[change_after_hash]][3] ^= 0x10
+    info = grant(p.decode, rid, kv_pb2.TransferInfo(
+        request_id=rid, dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
+    return src, dst, sent, info
+
+
+def test_the_worker_digests_travel_unchanged_and_decode_verifies_against_them(
+        pair: Pair) -> None:
+    toks = tokens(3 * PAGE + 2, seed=12)
+    src, dst, sent, info = worker_write(pair, "wd-1", toks, seed=12)
+    stats = pair.prefill.stub().WritePages(write_request(info, src, page_digests=sent),
+                                           timeout=20).stats
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == sent
+    assert sent == [digest_of(pair.decode_pool, d) for d in dst]
+    assert commit(pair.decode, "wd-1", toks, dst,
+                  verify=(dst, list(stats.page_digests))).cached_len == 3 * PAGE
+    release(pair.decode, "wd-1")
+    release(pair.prefill, "wd-1")
+
+
+def test_a_page_changed_after_the_worker_hashed_it_is_caught_at_decode(pair: Pair) -> None:
+    # The sidecar hashes nothing when the worker sent digests: a source page that changed
+    # between the forward and the copy reaches decode, whose Commit refuses it (DATA_LOSS)
+    # and caches nothing — before, the sidecar hashed the changed bytes and decode took them.
+    toks = tokens(3 * PAGE, seed=13)
+    src, dst, sent, info = worker_write(pair, "wd-2", toks, seed=13, change_after_hash=1)
+    stats = pair.prefill.stub().WritePages(write_request(info, src, page_digests=sent),
+                                           timeout=20).stats
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == sent
+    before = pool_stats(pair.decode)
+    with pytest.raises(grpc.RpcError) as err:
+        commit(pair.decode, "wd-2", toks, dst, verify=(dst, list(stats.page_digests)))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert f"[{dst[1]}]" in err.value.details()
+    after = pool_stats(pair.decode)
+    assert (after.cached, after.live) == (before.cached, before.live)
+    release(pair.decode, "wd-2")
+    release(pair.prefill, "wd-2")
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_worker_digests_of_another_count_are_refused_before_any_byte_moves(
+        pair: Pair, count: int) -> None:
+    toks = tokens(3 * PAGE, seed=14)
+    rid = f"wd-count-{count}"
+    src, dst, sent, info = worker_write(pair, rid, toks, seed=14)
+    before = pair.decode_pool.page_crc32(dst)
+    bad = (sent * 2)[:count] if count else []
+    if count:
+        with pytest.raises(grpc.RpcError) as err:
+            pair.prefill.stub().WritePages(write_request(info, src, page_digests=bad),
+                                           timeout=20)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{count} page digests for 3 delta pages" in err.value.details()
+        assert pair.decode_pool.page_crc32(dst) == before
+    # Nothing was lost: the same grant still writes (no digests: the sidecar hashes).
+    stats = pair.prefill.stub().WritePages(write_request(info, src), timeout=20).stats
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == sent
+    release(pair.decode, rid)
+    release(pair.prefill, rid)
+
+
+def test_prefill_refuses_a_cached_source_page_the_worker_hashed_differently(
+        pair: Pair) -> None:
+    toks = tokens(2 * PAGE + 3, seed=15)
+    src, _, _ = transfer(pair, "wd-5", len(toks), seed=15)
+    commit(pair.prefill, "wd-5", toks, src)  # 2 full pages cached with their digests
+    release(pair.prefill, "wd-5")
+    release(pair.decode, "wd-5")
+    pair.prefill_pool.as_bytes()[src[1]][9] ^= 0x04  # the cache went bad
+    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
+        request_id="wd-5b", token_ids=toks), timeout=10)
+    assert list(match.page_indices) == src[:2]
+    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="wd-5b", num_pages=1), timeout=10).page_indices)
+    fill(pair.prefill_pool, extra, seed=16)
+    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id="wd-5b", num_pages=3), timeout=10).page_indices)
+    before = pair.decode_pool.page_crc32(dst)
+    table = src[:2] + extra
+    # The worker hashes the bytes as they are now: page src[1] differs from its record.
+    sent = [digest_of(pair.prefill_pool, s) for s in table]
+    info = grant(pair.decode, "wd-5b", kv_pb2.TransferInfo(
+        request_id="wd-5b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
+    with pytest.raises(grpc.RpcError) as err:
+        pair.prefill.stub().WritePages(write_request(info, table, page_digests=sent),
+                                       timeout=20)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert str(src[1]) in err.value.details()
+    assert pair.decode_pool.page_crc32(dst) == before
+    release(pair.prefill, "wd-5b")
+    release(pair.decode, "wd-5b")
+    report = pair.prefill.stub().AuditCache(sidecar_pb2.AuditCacheRequest(evict=True),
+                                            timeout=30)
+    assert src[1] in report.corrupt_pages
+
+
 def test_a_call_bound_to_another_incarnation_is_refused_and_changes_nothing(pair: Pair) -> None:
     own = pair.decode_info.endpoint.endpoint_id
     before = pool_stats(pair.decode)
@@ -273,6 +390,12 @@ def test_digests_off_take_and_check_nothing() -> None:
             toks = tokens(2 * PAGE, seed=6)
             _, dst, stats = transfer(p, "off-1", len(toks), seed=6)
             assert len(stats.page_digests) == 0
+            # The worker's digests are ignored too (nothing returned, nothing checked).
+            src2, _, _, info2 = worker_write(p, "off-2", toks, seed=7, digests=[5, 6])
+            stats2 = prefill.stub().WritePages(write_request(info2, src2, page_digests=[5, 6]),
+                                               timeout=20).stats
+            close_grant(decode, info2.room)
+            assert stats2.pages == 2 and len(stats2.page_digests) == 0
             # A verify request is ignored when digests are off (nothing to check with).
             p.decode_pool.as_bytes()[dst[0]][0] ^= 1
             commit(decode, "off-1", toks, dst, verify=(dst, [1, 2]))

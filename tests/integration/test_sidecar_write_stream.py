@@ -5,10 +5,11 @@ part by part; after each part it checks that exactly the pages reported ready ar
 (byte-identical to their source) and that no other decode page changed — the pages of a part
 travel while the "next chunk" is still being computed. Then: a stream that ends early fails its
 room like a failed WritePages (no page beyond the last part lands, the room is fenced, a new
-room writes cleanly), malformed parts get INVALID_ARGUMENT, and an engine failure in the middle
-of the parts (the fault-injecting transport) stops the write at once. A failed call first tells
-the client (initial metadata, deltakv.rpc.streaming), the client stops writing, and only then
-does the status come: every failure below checks the client was told.
+room writes cleanly), malformed parts (wrong page digest counts included) get
+INVALID_ARGUMENT, and an engine failure in the middle of the parts (the fault-injecting
+transport) stops the write at once. A failed call first tells the client (initial metadata,
+deltakv.rpc.streaming), the client stops writing, and only then does the status come: every
+failure below checks the client was told.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from deltakv.rpc.streaming import failed_code
 from deltakv.sidecar.incarnation import metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import Pair, SidecarFactory
+from tests.integration.test_sidecar_integrity import digest_of
 from tests.integration.test_sidecar_write import (
     allocate,
     check_accounting,
@@ -86,10 +88,10 @@ class Feed:
         while (part := self._parts.get()) is not None:
             yield part
 
-    def ready(self, pages: int, attach: bool | None = None) -> None:
+    def ready(self, pages: int, attach: bool | None = None, digests: list[int] = ()) -> None:
         attach = self._sent == 0 if attach is None else attach
         self._parts.put(sidecar_pb2.WritePagesPart(write=self._write if attach else None,
-                                                   ready_pages=pages))
+                                                   ready_pages=pages, page_digests=digests))
         self._sent += 1
 
     def end(self) -> None:
@@ -130,9 +132,14 @@ def test_parts_move_while_later_pages_are_still_computed(pair: Pair) -> None:
     before = pair.decode_pool.as_bytes().clone()
     feed = Feed(pair, write_request(info, src, prefill_cached_len=PAGE))
     done = 0
-    for seed, ready in ((21, 3), (22, 6), (23, 8)):
+    sent: list[int] = []
+    # Parts 1 and 3 carry the worker's digests of their pages (taken once "the chunk"
+    # wrote them), part 2 none: the sidecar hashes those pages itself.
+    for seed, ready, hashed in ((21, 3, True), (22, 6, False), (23, 8, True)):
         fill_pattern(pair.prefill_pool, delta_src[done:ready], seed=seed)  # "the chunk"
-        feed.ready(ready)
+        digests = [digest_of(pair.prefill_pool, p) for p in delta_src[done:ready]]
+        sent += digests
+        feed.ready(ready, digests=digests if hashed else [])
         wait_equal(pair, delta_src[:ready], dst[:ready])
         later = dst[ready:]
         assert torch.equal(pair.decode_pool.as_bytes()[later], before[later])
@@ -143,7 +150,7 @@ def test_parts_move_while_later_pages_are_still_computed(pair: Pair) -> None:
     assert (stats.pages, stats.bytes) == (8, 8 * TOY_LAYOUT.page_bytes)
     assert stats.runs == 8 and stats.batches >= 3  # scattered dst; one segment per part
     assert stats.prefill_cached_len == PAGE
-    assert list(stats.page_digests) and len(stats.page_digests) == 8
+    assert list(stats.page_digests) == sent
     after = pair.decode_pool.as_bytes()
     for s, d in zip(delta_src, dst, strict=True):
         assert torch.equal(after[d], pair.prefill_pool.as_bytes()[s])
@@ -199,21 +206,28 @@ def test_stream_ending_early_fails_the_room_and_a_new_room_writes_cleanly(pair: 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("parts", [[(1, False)], [(2, None), (1, None)], [(5, None)],
-                                   [(1, None), (2, True)]],
+                                   [(1, None), (2, True)], [(1, None), (3, None, 1)],
+                                   [(2, None, 3)], [(2, None, 2, "in-write")]],
                          ids=["first-without-write", "going-down", "past-delta",
-                              "second-with-write"])
+                              "second-with-write", "too-few-digests", "too-many-digests",
+                              "digests-in-the-write"])
 def test_malformed_parts_are_refused(pair: Pair, parts: list) -> None:
     name = f"bad-{uuid.uuid4().hex[:8]}"  # released ids are fenced for good
     info, src, dst = setup_write(pair, name, delta=4, seed=41)
     fill_pattern(pair.prefill_pool, src[1:], seed=42)
-    feed = Feed(pair, write_request(info, src))
-    for ready, attach in parts:
-        feed.ready(ready, attach)
+    before = pair.decode_pool.page_crc32(dst)
+    in_write = any(part[3:] == ("in-write",) for part in parts)
+    feed = Feed(pair, write_request(info, src, page_digests=[7, 7] if in_write else []))
+    for ready, attach, *digests in parts:
+        feed.ready(ready, attach, digests=[7] * digests[0] if digests and not in_write else [])
     with pytest.raises(grpc.RpcError) as err:
         feed.future.result(timeout=30)
     feed.end()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert feed.notice() == "INVALID_ARGUMENT"
+    if parts[0][1:] == (None, 3) or in_write:
+        # Refused with the first part: nothing was written.
+        assert pair.decode_pool.page_crc32(dst) == before
     release_all(pair, name)
     check_accounting(pair.prefill)
 

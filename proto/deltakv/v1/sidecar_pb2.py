@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from deltakv.v1 import kv_pb2 as deltakv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/sidecar.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc6\x01\n\x10\x44\x65scribeResponse\x12*\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.deltakv.v1.SidecarRole\x12\x15\n\rpool_shm_name\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"&\n\rAttachRequest\x12\x15\n\rquarantine_ms\x18\x01 \x01(\r\"\xa1\x01\n\x0e\x41ttachResponse\x12.\n\x08\x64\x65scribe\x18\x01 \x01(\x0b\x32\x1c.deltakv.v1.DescribeResponse\x12\x19\n\x11released_requests\x18\x02 \x01(\r\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x66\x65nced_rooms\x18\x05 \x01(\r\"<\n\x12\x43onnectPeerRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"\x15\n\x13\x43onnectPeerResponse\"O\n\x12MatchPrefixRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"@\n\x13MatchPrefixResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\"8\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"(\n\x10\x41llocateResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"d\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10max_match_tokens\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\"M\n\rAdmitResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cprefix_pages\x18\x02 \x03(\r\x12\x11\n\tnew_pages\x18\x03 \x03(\r\"4\n\x0bPageDigests\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x06\"u\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cpage_indices\x18\x03 \x03(\r\x12\'\n\x06verify\x18\x04 \x01(\x0b\x32\x17.deltakv.v1.PageDigests\":\n\x0e\x43ommitResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x12\n\ncached_len\x18\x02 \x01(\r\";\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rquarantine_ms\x18\x02 \x01(\r\"5\n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\x12\x13\n\x0bquarantined\x18\x02 \x01(\r\"\xad\x01\n\x11WritePagesRequest\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x12\x1a\n\x12prefill_cached_len\x18\x04 \x01(\r\x12\x15\n\rprompt_digest\x18\x05 \x01(\x0c\"S\n\x0eWritePagesPart\x12,\n\x05write\x18\x01 \x01(\x0b\x32\x1d.deltakv.v1.WritePagesRequest\x12\x13\n\x0bready_pages\x18\x02 \x01(\r\">\n\x12WritePagesResponse\x12(\n\x05stats\x18\x01 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\"!\n\x11\x41\x62ortWriteRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"#\n\x12\x41\x62ortWriteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\",\n\x14PageChecksumsRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"&\n\x15PageChecksumsResponse\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\")\n\x11PageStatesRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"J\n\x12PageStatesResponse\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.deltakv.v1.PageState\x12\r\n\x05\x63rc32\x18\x02 \x03(\r\"u\n\x11IssueGrantRequest\x12\x18\n\x10owner_request_id\x18\x01 \x01(\t\x12/\n\rtransfer_info\x18\x02 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x15\n\rprompt_digest\x18\x03 \x01(\x0c\"E\n\x12IssueGrantResponse\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\"4\n\x11\x43loseGrantRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x11\n\tabandoned\x18\x02 \x01(\x08\"\x14\n\x12\x43loseGrantResponse\"\"\n\x11\x41uditCacheRequest\x12\r\n\x05\x65vict\x18\x01 \x01(\x08\"\x88\x01\n\x12\x41uditCacheResponse\x12\x15\n\rpages_checked\x18\x01 \x01(\r\x12\x15\n\rcorrupt_pages\x18\x02 \x03(\r\x12\x15\n\revicted_pages\x18\x03 \x01(\r\x12\x18\n\x10pages_unverified\x18\x04 \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x05 \x01(\x04\"\xb7\x02\n\x0cSidecarStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x17\n\x0frooms_in_flight\x18\x03 \x01(\r\x12\x14\n\x0ctransfers_ok\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x15\n\rpages_written\x18\x07 \x01(\x04\x12\x14\n\x0cpage_digests\x18\x08 \x01(\x08\x12\x19\n\x11\x64igest_mismatches\x18\t \x01(\x04\x12\x13\n\x0bgrants_open\x18\n \x01(\r\x12\x16\n\x0e\x66\x65nce_recycles\x18\x0b \x01(\x04\x12\x16\n\x0egrants_refused\x18\x0c \x01(\x04*^\n\x0bSidecarRole\x12\x1c\n\x18SIDECAR_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SIDECAR_ROLE_PREFILL\x10\x01\x12\x17\n\x13SIDECAR_ROLE_DECODE\x10\x02*\x84\x01\n\tPageState\x12\x1a\n\x16PAGE_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAGE_STATE_FREE\x10\x01\x12\x15\n\x11PAGE_STATE_CACHED\x10\x02\x12\x13\n\x0fPAGE_STATE_LIVE\x10\x03\x12\x1a\n\x16PAGE_STATE_QUARANTINED\x10\x04\x32\xfb\t\n\x0eSidecarService\x12\x45\n\x08\x44\x65scribe\x12\x1b.deltakv.v1.DescribeRequest\x1a\x1c.deltakv.v1.DescribeResponse\x12?\n\x06\x41ttach\x12\x19.deltakv.v1.AttachRequest\x1a\x1a.deltakv.v1.AttachResponse\x12N\n\x0b\x43onnectPeer\x12\x1e.deltakv.v1.ConnectPeerRequest\x1a\x1f.deltakv.v1.ConnectPeerResponse\x12N\n\x0bMatchPrefix\x12\x1e.deltakv.v1.MatchPrefixRequest\x1a\x1f.deltakv.v1.MatchPrefixResponse\x12\x45\n\x08\x41llocate\x12\x1b.deltakv.v1.AllocateRequest\x1a\x1c.deltakv.v1.AllocateResponse\x12<\n\x05\x41\x64mit\x12\x18.deltakv.v1.AdmitRequest\x1a\x19.deltakv.v1.AdmitResponse\x12?\n\x06\x43ommit\x12\x19.deltakv.v1.CommitRequest\x1a\x1a.deltakv.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.deltakv.v1.ReleaseRequest\x1a\x1b.deltakv.v1.ReleaseResponse\x12K\n\nWritePages\x12\x1d.deltakv.v1.WritePagesRequest\x1a\x1e.deltakv.v1.WritePagesResponse\x12P\n\x10WritePagesStream\x12\x1a.deltakv.v1.WritePagesPart\x1a\x1e.deltakv.v1.WritePagesResponse(\x01\x12K\n\nAbortWrite\x12\x1d.deltakv.v1.AbortWriteRequest\x1a\x1e.deltakv.v1.AbortWriteResponse\x12T\n\rPageChecksums\x12 .deltakv.v1.PageChecksumsRequest\x1a!.deltakv.v1.PageChecksumsResponse\x12K\n\nPageStates\x12\x1d.deltakv.v1.PageStatesRequest\x1a\x1e.deltakv.v1.PageStatesResponse\x12K\n\nIssueGrant\x12\x1d.deltakv.v1.IssueGrantRequest\x1a\x1e.deltakv.v1.IssueGrantResponse\x12K\n\nCloseGrant\x12\x1d.deltakv.v1.CloseGrantRequest\x1a\x1e.deltakv.v1.CloseGrantResponse\x12K\n\nAuditCache\x12\x1d.deltakv.v1.AuditCacheRequest\x1a\x1e.deltakv.v1.AuditCacheResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.SidecarStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/sidecar.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc6\x01\n\x10\x44\x65scribeResponse\x12*\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.deltakv.v1.SidecarRole\x12\x15\n\rpool_shm_name\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"&\n\rAttachRequest\x12\x15\n\rquarantine_ms\x18\x01 \x01(\r\"\xa1\x01\n\x0e\x41ttachResponse\x12.\n\x08\x64\x65scribe\x18\x01 \x01(\x0b\x32\x1c.deltakv.v1.DescribeResponse\x12\x19\n\x11released_requests\x18\x02 \x01(\r\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x66\x65nced_rooms\x18\x05 \x01(\r\"<\n\x12\x43onnectPeerRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"\x15\n\x13\x43onnectPeerResponse\"O\n\x12MatchPrefixRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"@\n\x13MatchPrefixResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\"8\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"(\n\x10\x41llocateResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"d\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10max_match_tokens\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\"M\n\rAdmitResponse\x12\x13\n\x0bmatched_len\x18\x01 \x01(\r\x12\x14\n\x0cprefix_pages\x18\x02 \x03(\r\x12\x11\n\tnew_pages\x18\x03 \x03(\r\"4\n\x0bPageDigests\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x06\"u\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cpage_indices\x18\x03 \x03(\r\x12\'\n\x06verify\x18\x04 \x01(\x0b\x32\x17.deltakv.v1.PageDigests\":\n\x0e\x43ommitResponse\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\x12\x12\n\ncached_len\x18\x02 \x01(\r\";\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rquarantine_ms\x18\x02 \x01(\r\"5\n\x0fReleaseResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\r\x12\x13\n\x0bquarantined\x18\x02 \x01(\r\"\xc3\x01\n\x11WritePagesRequest\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x12\x1a\n\x12prefill_cached_len\x18\x04 \x01(\r\x12\x15\n\rprompt_digest\x18\x05 \x01(\x0c\x12\x14\n\x0cpage_digests\x18\x06 \x03(\x06\"i\n\x0eWritePagesPart\x12,\n\x05write\x18\x01 \x01(\x0b\x32\x1d.deltakv.v1.WritePagesRequest\x12\x13\n\x0bready_pages\x18\x02 \x01(\r\x12\x14\n\x0cpage_digests\x18\x03 \x03(\x06\">\n\x12WritePagesResponse\x12(\n\x05stats\x18\x01 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\"!\n\x11\x41\x62ortWriteRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"#\n\x12\x41\x62ortWriteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\",\n\x14PageChecksumsRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"&\n\x15PageChecksumsResponse\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\")\n\x11PageStatesRequest\x12\x14\n\x0cpage_indices\x18\x01 \x03(\r\"J\n\x12PageStatesResponse\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.deltakv.v1.PageState\x12\r\n\x05\x63rc32\x18\x02 \x03(\r\"u\n\x11IssueGrantRequest\x12\x18\n\x10owner_request_id\x18\x01 \x01(\t\x12/\n\rtransfer_info\x18\x02 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x15\n\rprompt_digest\x18\x03 \x01(\x0c\"E\n\x12IssueGrantResponse\x12/\n\rtransfer_info\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\"4\n\x11\x43loseGrantRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x11\n\tabandoned\x18\x02 \x01(\x08\"\x14\n\x12\x43loseGrantResponse\"\"\n\x11\x41uditCacheRequest\x12\r\n\x05\x65vict\x18\x01 \x01(\x08\"\x88\x01\n\x12\x41uditCacheResponse\x12\x15\n\rpages_checked\x18\x01 \x01(\r\x12\x15\n\rcorrupt_pages\x18\x02 \x03(\r\x12\x15\n\revicted_pages\x18\x03 \x01(\r\x12\x18\n\x10pages_unverified\x18\x04 \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x05 \x01(\x04\"\xb7\x02\n\x0cSidecarStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x17\n\x0frooms_in_flight\x18\x03 \x01(\r\x12\x14\n\x0ctransfers_ok\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x15\n\rpages_written\x18\x07 \x01(\x04\x12\x14\n\x0cpage_digests\x18\x08 \x01(\x08\x12\x19\n\x11\x64igest_mismatches\x18\t \x01(\x04\x12\x13\n\x0bgrants_open\x18\n \x01(\r\x12\x16\n\x0e\x66\x65nce_recycles\x18\x0b \x01(\x04\x12\x16\n\x0egrants_refused\x18\x0c \x01(\x04*^\n\x0bSidecarRole\x12\x1c\n\x18SIDECAR_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SIDECAR_ROLE_PREFILL\x10\x01\x12\x17\n\x13SIDECAR_ROLE_DECODE\x10\x02*\x84\x01\n\tPageState\x12\x1a\n\x16PAGE_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAGE_STATE_FREE\x10\x01\x12\x15\n\x11PAGE_STATE_CACHED\x10\x02\x12\x13\n\x0fPAGE_STATE_LIVE\x10\x03\x12\x1a\n\x16PAGE_STATE_QUARANTINED\x10\x04\x32\xfb\t\n\x0eSidecarService\x12\x45\n\x08\x44\x65scribe\x12\x1b.deltakv.v1.DescribeRequest\x1a\x1c.deltakv.v1.DescribeResponse\x12?\n\x06\x41ttach\x12\x19.deltakv.v1.AttachRequest\x1a\x1a.deltakv.v1.AttachResponse\x12N\n\x0b\x43onnectPeer\x12\x1e.deltakv.v1.ConnectPeerRequest\x1a\x1f.deltakv.v1.ConnectPeerResponse\x12N\n\x0bMatchPrefix\x12\x1e.deltakv.v1.MatchPrefixRequest\x1a\x1f.deltakv.v1.MatchPrefixResponse\x12\x45\n\x08\x41llocate\x12\x1b.deltakv.v1.AllocateRequest\x1a\x1c.deltakv.v1.AllocateResponse\x12<\n\x05\x41\x64mit\x12\x18.deltakv.v1.AdmitRequest\x1a\x19.deltakv.v1.AdmitResponse\x12?\n\x06\x43ommit\x12\x19.deltakv.v1.CommitRequest\x1a\x1a.deltakv.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.deltakv.v1.ReleaseRequest\x1a\x1b.deltakv.v1.ReleaseResponse\x12K\n\nWritePages\x12\x1d.deltakv.v1.WritePagesRequest\x1a\x1e.deltakv.v1.WritePagesResponse\x12P\n\x10WritePagesStream\x12\x1a.deltakv.v1.WritePagesPart\x1a\x1e.deltakv.v1.WritePagesResponse(\x01\x12K\n\nAbortWrite\x12\x1d.deltakv.v1.AbortWriteRequest\x1a\x1e.deltakv.v1.AbortWriteResponse\x12T\n\rPageChecksums\x12 .deltakv.v1.PageChecksumsRequest\x1a!.deltakv.v1.PageChecksumsResponse\x12K\n\nPageStates\x12\x1d.deltakv.v1.PageStatesRequest\x1a\x1e.deltakv.v1.PageStatesResponse\x12K\n\nIssueGrant\x12\x1d.deltakv.v1.IssueGrantRequest\x1a\x1e.deltakv.v1.IssueGrantResponse\x12K\n\nCloseGrant\x12\x1d.deltakv.v1.CloseGrantRequest\x1a\x1e.deltakv.v1.CloseGrantResponse\x12K\n\nAuditCache\x12\x1d.deltakv.v1.AuditCacheRequest\x1a\x1e.deltakv.v1.AuditCacheResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.SidecarStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deltakv.v1.sidecar_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIDECARROLE']._serialized_start=2704
-  _globals['_SIDECARROLE']._serialized_end=2798
-  _globals['_PAGESTATE']._serialized_start=2801
-  _globals['_PAGESTATE']._serialized_end=2933
+  _globals['_SIDECARROLE']._serialized_start=2748
+  _globals['_SIDECARROLE']._serialized_end=2842
+  _globals['_PAGESTATE']._serialized_start=2845
+  _globals['_PAGESTATE']._serialized_end=2977
   _globals['_DESCRIBEREQUEST']._serialized_start=61
   _globals['_DESCRIBEREQUEST']._serialized_end=78
   _globals['_DESCRIBERESPONSE']._serialized_start=81
@@ -71,37 +71,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=1292
   _globals['_RELEASERESPONSE']._serialized_end=1345
   _globals['_WRITEPAGESREQUEST']._serialized_start=1348
-  _globals['_WRITEPAGESREQUEST']._serialized_end=1521
-  _globals['_WRITEPAGESPART']._serialized_start=1523
-  _globals['_WRITEPAGESPART']._serialized_end=1606
-  _globals['_WRITEPAGESRESPONSE']._serialized_start=1608
-  _globals['_WRITEPAGESRESPONSE']._serialized_end=1670
-  _globals['_ABORTWRITEREQUEST']._serialized_start=1672
-  _globals['_ABORTWRITEREQUEST']._serialized_end=1705
-  _globals['_ABORTWRITERESPONSE']._serialized_start=1707
-  _globals['_ABORTWRITERESPONSE']._serialized_end=1742
-  _globals['_PAGECHECKSUMSREQUEST']._serialized_start=1744
-  _globals['_PAGECHECKSUMSREQUEST']._serialized_end=1788
-  _globals['_PAGECHECKSUMSRESPONSE']._serialized_start=1790
-  _globals['_PAGECHECKSUMSRESPONSE']._serialized_end=1828
-  _globals['_PAGESTATESREQUEST']._serialized_start=1830
-  _globals['_PAGESTATESREQUEST']._serialized_end=1871
-  _globals['_PAGESTATESRESPONSE']._serialized_start=1873
-  _globals['_PAGESTATESRESPONSE']._serialized_end=1947
-  _globals['_ISSUEGRANTREQUEST']._serialized_start=1949
-  _globals['_ISSUEGRANTREQUEST']._serialized_end=2066
-  _globals['_ISSUEGRANTRESPONSE']._serialized_start=2068
-  _globals['_ISSUEGRANTRESPONSE']._serialized_end=2137
-  _globals['_CLOSEGRANTREQUEST']._serialized_start=2139
-  _globals['_CLOSEGRANTREQUEST']._serialized_end=2191
-  _globals['_CLOSEGRANTRESPONSE']._serialized_start=2193
-  _globals['_CLOSEGRANTRESPONSE']._serialized_end=2213
-  _globals['_AUDITCACHEREQUEST']._serialized_start=2215
-  _globals['_AUDITCACHEREQUEST']._serialized_end=2249
-  _globals['_AUDITCACHERESPONSE']._serialized_start=2252
-  _globals['_AUDITCACHERESPONSE']._serialized_end=2388
-  _globals['_SIDECARSTATS']._serialized_start=2391
-  _globals['_SIDECARSTATS']._serialized_end=2702
-  _globals['_SIDECARSERVICE']._serialized_start=2936
-  _globals['_SIDECARSERVICE']._serialized_end=4211
+  _globals['_WRITEPAGESREQUEST']._serialized_end=1543
+  _globals['_WRITEPAGESPART']._serialized_start=1545
+  _globals['_WRITEPAGESPART']._serialized_end=1650
+  _globals['_WRITEPAGESRESPONSE']._serialized_start=1652
+  _globals['_WRITEPAGESRESPONSE']._serialized_end=1714
+  _globals['_ABORTWRITEREQUEST']._serialized_start=1716
+  _globals['_ABORTWRITEREQUEST']._serialized_end=1749
+  _globals['_ABORTWRITERESPONSE']._serialized_start=1751
+  _globals['_ABORTWRITERESPONSE']._serialized_end=1786
+  _globals['_PAGECHECKSUMSREQUEST']._serialized_start=1788
+  _globals['_PAGECHECKSUMSREQUEST']._serialized_end=1832
+  _globals['_PAGECHECKSUMSRESPONSE']._serialized_start=1834
+  _globals['_PAGECHECKSUMSRESPONSE']._serialized_end=1872
+  _globals['_PAGESTATESREQUEST']._serialized_start=1874
+  _globals['_PAGESTATESREQUEST']._serialized_end=1915
+  _globals['_PAGESTATESRESPONSE']._serialized_start=1917
+  _globals['_PAGESTATESRESPONSE']._serialized_end=1991
+  _globals['_ISSUEGRANTREQUEST']._serialized_start=1993
+  _globals['_ISSUEGRANTREQUEST']._serialized_end=2110
+  _globals['_ISSUEGRANTRESPONSE']._serialized_start=2112
+  _globals['_ISSUEGRANTRESPONSE']._serialized_end=2181
+  _globals['_CLOSEGRANTREQUEST']._serialized_start=2183
+  _globals['_CLOSEGRANTREQUEST']._serialized_end=2235
+  _globals['_CLOSEGRANTRESPONSE']._serialized_start=2237
+  _globals['_CLOSEGRANTRESPONSE']._serialized_end=2257
+  _globals['_AUDITCACHEREQUEST']._serialized_start=2259
+  _globals['_AUDITCACHEREQUEST']._serialized_end=2293
+  _globals['_AUDITCACHERESPONSE']._serialized_start=2296
+  _globals['_AUDITCACHERESPONSE']._serialized_end=2432
+  _globals['_SIDECARSTATS']._serialized_start=2435
+  _globals['_SIDECARSTATS']._serialized_end=2746
+  _globals['_SIDECARSERVICE']._serialized_start=2980
+  _globals['_SIDECARSERVICE']._serialized_end=4255
 # @@protoc_insertion_point(module_scope)

@@ -181,26 +181,30 @@ class ReleaseResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class WritePagesRequest(_message.Message):
-    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len", "prompt_digest")
+    __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len", "prompt_digest", "page_digests")
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     transfer_info: _kv_pb2.TransferInfo
     src_page_indices: _containers.RepeatedScalarFieldContainer[int]
     lease_remaining_ms: int
     prefill_cached_len: int
     prompt_digest: bytes
-    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    page_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., page_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WritePagesPart(_message.Message):
-    __slots__ = ("write", "ready_pages")
+    __slots__ = ("write", "ready_pages", "page_digests")
     WRITE_FIELD_NUMBER: _ClassVar[int]
     READY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     write: WritePagesRequest
     ready_pages: int
-    def __init__(self, write: _Optional[_Union[WritePagesRequest, _Mapping]] = ..., ready_pages: _Optional[int] = ...) -> None: ...
+    page_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, write: _Optional[_Union[WritePagesRequest, _Mapping]] = ..., ready_pages: _Optional[int] = ..., page_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("stats",)

@@ -23,11 +23,15 @@ This process runs torch with one thread (see :func:`run`): torch's OpenMP worker
 after the set-up would otherwise take the second core from the sidecar but not from the raw
 engine.
 
-Page digests (issue 11, on by default): the sidecar methods run twice, against a prefill
-sidecar with ``--page-digests on`` (every write hashes its source pages, xxh3_64, and returns
-the digests) and one with ``--page-digests off``, side by side; ``digest_cost`` is the share of
-the sidecar's contiguous write time the digests add, ``xxh3_64`` the hash's GB/s over the same
-bytes in this process.
+Page digests (issue 11, on by default): the sidecar methods run against a prefill sidecar
+with ``--page-digests on`` and one with ``--page-digests off``, side by side. With digests on,
+the contiguous and scattered methods (and the small writes) send the source pages' digests
+(xxh3_64) with the write, as prefill's worker does: it hashes each page once the forward
+wrote its KV, untimed here like that forward, and the sidecar hashes nothing; the method
+``contiguous_sidecar_hash`` sends none, so the sidecar hashes the sources itself beside the
+copy (a caller that sends no digests). ``digest_cost`` / ``sidecar_hash_cost`` are the share
+of those writes' time the digests add over digests off, ``xxh3_64`` the hash's GB/s over the
+same bytes in this process.
 
 It reports GB/s (medians over ``--repeats``), the ratios sidecar/raw (contiguous against raw,
 scattered against raw scattered; ``scattered_vs_raw_contiguous`` the old one), and ``memcpy`` GB/s of
@@ -72,6 +76,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.bench_sidecar import (  # noqa: F401 - bench_layout is API
@@ -194,14 +200,20 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
 
         def sidecar_trial(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
                           digests: bool, runs: list[int], cpu_pid: int | None = None,
-                          cpu_ms: list[float] | None = None) -> Trial:
+                          cpu_ms: list[float] | None = None, supply: bool = False) -> Trial:
             """``cpu_pid`` / ``cpu_ms``: the writing sidecar's process and where to put its
             CPU milliseconds per repeat (all its threads, read untimed just before and
-            after the action: no other RPC reaches that sidecar in between)."""
+            after the action: no other RPC reaches that sidecar in between). ``supply``:
+            send the source pages' digests with the write, taken untimed right after the
+            repeat's fresh bytes were written (what prefill's worker does after the forward
+            that wrote them); they must come back unchanged."""
             granted: list[kv_pb2.TransferInfo] = []
+            supplied: list[list[int]] = [[]]
             cpu0: list[int] = []
 
             def setup() -> None:
+                if supply:
+                    supplied[0] = [xxhash.xxh3_64_intdigest(source[p].numpy()) for p in src]
                 t0 = time.perf_counter()
                 granted.append(issue(dst))
                 grant_rtt.append(time.perf_counter() - t0)
@@ -217,14 +229,17 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
 
             def action() -> None:
                 stats = stub.WritePages(sidecar_pb2.WritePagesRequest(
-                    transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest),
-                    timeout=180).stats
+                    transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest,
+                    page_digests=supplied[0]), timeout=180).stats
                 if stats.bytes != len(src) * page_bytes:
                     raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
                                        f"{len(src)} pages of {page_bytes} B")
                 if len(stats.page_digests) != (len(src) if digests else 0):
                     raise RuntimeError(f"sidecar returned {len(stats.page_digests)} page "
                                        f"digests for {len(src)} pages (digests {digests})")
+                if supply and list(stats.page_digests) != supplied[0]:
+                    raise RuntimeError("the sidecar did not return the page digests it was "
+                                       "sent")
                 runs.append(stats.runs)
 
             return page_write_trial(source, src, dst_view, dst, action, seed=seed, setup=setup,
@@ -284,11 +299,13 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         # All six methods in one interleaved run: each sees the same machine.
         timed = time_interleaved(repeats, {
             "contiguous": sidecar_trial(pre_stub, src_view, contiguous, contiguous, 1, True,
-                                        runs_contig, prefill.proc.pid, cpu_side),
+                                        runs_contig, prefill.proc.pid, cpu_side, supply=True),
+            "contiguous_sidecar_hash": sidecar_trial(pre_stub, src_view, contiguous,
+                                                     contiguous, 7, True, []),
             "contiguous_nodigest": sidecar_trial(plain_stub, plain_view, contiguous, contiguous,
                                                  4, False, []),
             "scattered": sidecar_trial(pre_stub, src_view, scat_src, scat_dst, 2, True,
-                                       runs_scat),
+                                       runs_scat, supply=True),
             "scattered_nodigest": sidecar_trial(plain_stub, plain_view, scat_src, scat_dst, 5,
                                                 False, []),
             "raw": raw_trial(contiguous, contiguous, 3, cpu_raw),
@@ -296,6 +313,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         })
         t_contig, ok_contig = timed["contiguous"]
         t_contig_off, ok_contig_off = timed["contiguous_nodigest"]
+        t_contig_hash, ok_contig_hash = timed["contiguous_sidecar_hash"]
         t_scat, ok_scat = timed["scattered"]
         t_scat_off, ok_scat_off = timed["scattered_nodigest"]
         t_raw, ok_raw = timed["raw"]
@@ -309,7 +327,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                 continue
             block_n = list(range(n))
             pair = time_interleaved(small_repeats, {
-                "sidecar": sidecar_trial(pre_stub, src_view, block_n, block_n, 10 + n, True, []),
+                "sidecar": sidecar_trial(pre_stub, src_view, block_n, block_n, 10 + n, True, [],
+                                         supply=True),
                 "raw": raw_trial(block_n, block_n, 20 + n)})
             (t_side, ok_side), (t_eng, ok_eng) = pair["sidecar"], pair["raw"]
             small_ok = small_ok and ok_side and ok_eng
@@ -360,11 +379,14 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "grant_rpc_ms": statistics.median(grant_rtt) * 1e3,
             "contiguous_nodigest_gbps": gbps(nbytes, t_contig_off),
             "scattered_nodigest_gbps": gbps(nbytes, t_scat_off),
-            # Share of the contiguous write's time the digests add (negative: noise).
+            # Share of the contiguous write's time the digests add (negative: noise): with
+            # the worker's digests, and with the sidecar hashing the sources itself.
             "digest_cost": (t_contig - t_contig_off) / t_contig,
+            "contiguous_sidecar_hash_gbps": gbps(nbytes, t_contig_hash),
+            "sidecar_hash_cost": (t_contig_hash - t_contig_off) / t_contig_hash,
             "small": small,
             "verified": (ok_contig and ok_scat and ok_raw and ok_raw_scat and ok_contig_off
-                         and ok_scat_off and small_ok),
+                         and ok_scat_off and ok_contig_hash and small_ok),
         }
     finally:
         for close in reversed(closers):

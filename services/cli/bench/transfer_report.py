@@ -24,12 +24,14 @@ def format_table(result: dict[str, Any]) -> str:
              f"{result.get('loadavg_end', '?')} at the end, {result['cpus']} CPUs (figures "
              f"from a loaded machine are not comparable with a quiet one's)",
              f"memcpy: {result['memcpy_gbps']:.2f} GB/s, xxh3_64: {result['xxh3_gbps']:.2f} GB/s "
-             f"(page digests: sidecar columns with digests on | off)", "",
+             f"(page digests: sidecar columns with the worker's digests | the sidecar "
+             f"hashing | off)", "",
              "ratio = sidecar / raw engine writing the same runs (contiguous: one run; "
              "scattered: one run per page on both)",
              f"{'backend':<10}{'raw GB/s':>10}{'contig GB/s':>13}{'ratio':>8}"
-             f"{'raw scat':>10}{'scatter GB/s':>14}{'ratio':>8}{'contig off':>12}"
-             f"{'scatter off':>13}{'digest cost':>13}  verified"]
+             f"{'raw scat':>10}{'scatter GB/s':>14}{'ratio':>8}{'contig hash':>13}"
+             f"{'contig off':>12}{'scatter off':>13}{'digest cost':>13}{'hash cost':>11}"
+             f"  verified"]
     for name, rec in result["backends"].items():
         if "error" in rec:
             lines.append(f"{name:<10}unavailable: {rec['error']}")
@@ -37,9 +39,13 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10}{rec['raw_gbps']:>10.2f}{rec['contiguous_gbps']:>13.2f}"
                      f"{rec['contiguous_ratio']:>8.2f}{rec['raw_scattered_gbps']:>10.2f}"
                      f"{rec['scattered_gbps']:>14.2f}"
-                     f"{rec['scattered_ratio']:>8.2f}{rec['contiguous_nodigest_gbps']:>12.2f}"
+                     f"{rec['scattered_ratio']:>8.2f}"
+                     f"{rec.get('contiguous_sidecar_hash_gbps', float('nan')):>13.2f}"
+                     f"{rec['contiguous_nodigest_gbps']:>12.2f}"
                      f"{rec['scattered_nodigest_gbps']:>13.2f}"
-                     f"{rec['digest_cost'] * 100:>12.1f}%  {rec['verified']}")
+                     f"{rec['digest_cost'] * 100:>12.1f}%"
+                     f"{rec.get('sidecar_hash_cost', float('nan')) * 100:>10.1f}%"
+                     f"  {rec['verified']}")
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"{name:<10}skipped: {reason}")
     lines += ["", f"{'backend':<10}{'grant check':>13}{'% contig':>10}{'fence':>13}"
