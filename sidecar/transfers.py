@@ -155,14 +155,16 @@ class TransferRpcs:
         The first part carries the whole ``WritePagesRequest``: checked, planned and admitted
         exactly as ``WritePages`` (same errors, same deadline), once. Each part's
         ``ready_pages`` (cumulative, delta pages in prompt order) says which pages are now
-        complete in this pool; their digests are taken and they are written at once
+        complete in this pool, with the worker's digests of those pages (its
+        ``page_digests``; none: they are hashed here), and they are written at once
         (:meth:`WritePlan.segment`), so transfer overlaps the next chunk's compute. Returns
         TransferStats (digests of all delta pages in prompt order) when the last delta page
         is written. INVALID_ARGUMENT for a first part without ``write``, a later one with it,
-        or a ``ready_pages`` that goes down or past the delta; ABORTED when the stream ends or
-        the call is cancelled before every page was ready — the room then fails like a
-        failed ``WritePages`` (no batch starts after it, decode fences). Waiting for the next
-        part is bounded by the call's deadline (prefill's lease).
+        digests in the ``write`` itself, a part whose digests are not one per page it makes
+        ready, or a ``ready_pages`` that goes down or past the delta; ABORTED when the stream
+        ends or the call is cancelled before every page was ready — the room then fails like
+        a failed ``WritePages`` (no batch starts after it, decode fences). Waiting for the
+        next part is bounded by the call's deadline (prefill's lease).
         """
         parts = iter(request_iterator)
         first = self._next_part(parts, context)
@@ -361,15 +363,15 @@ class TransferRpcs:
             raise InvalidArgument(
                 f"room {write.info.room}: ready_pages={ready} must be in [{write.ready}, "
                 f"{write.plan.pages}] (cumulative, at most the delta)")
+        if part.page_digests and len(part.page_digests) != ready - write.ready:
+            raise InvalidArgument(
+                f"room {write.info.room}: {len(part.page_digests)} page digests for the "
+                f"{ready - write.ready} delta pages this part makes ready (one each, or none)")
         if ready == write.ready:
             return
         write.ticket.check_alive()
         sources = list(write.plan.src[write.ready:ready])
         if part.page_digests:
-            if len(part.page_digests) != len(sources):
-                raise InvalidArgument(
-                    f"room {write.info.room}: {len(part.page_digests)} page digests for the "
-                    f"{len(sources)} delta pages this part makes ready (one each, or none)")
             write.digests.extend(self._check_supplied(sources, part.page_digests, write.log))
         else:
             write.digests.extend(self._part_digests(sources, write.log))

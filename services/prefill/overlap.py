@@ -77,7 +77,8 @@ async def run_overlapped(plan: ChunkPlan, *, forward: Callable[[Chunk], Any],
 
     # Pages prefill took from its own index are complete before any chunk.
     attempt.forward = loop.run_in_executor(executor, hashed, 0, plan.ready_before)
-    ready.put_nowait((plan.ready_before, await attempt.forward))
+    # Shielded like every wait on attempt.forward: the cleanup waits for the thread.
+    ready.put_nowait((plan.ready_before, await asyncio.shield(attempt.forward)))
     done_pages = plan.ready_before
     attempt.write_started = True
     t_write = time.monotonic()

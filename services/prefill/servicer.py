@@ -340,14 +340,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     digests=digests)
                 first_token, prefill_ms = done.first_token, done.prefill_ms
             else:
+                def compute() -> tuple[int | None, list[int]]:
+                    # The digests belong to the compute, as in the overlapped path.
+                    token = [forward(c) for c in chunks.chunks][-1]
+                    return token, digests(0, chunks.delta_pages)
+
                 t0 = time.monotonic()
                 attempt.forward = asyncio.get_running_loop().run_in_executor(
-                    self.compute, lambda: [forward(c) for c in chunks.chunks][-1])
-                first_token = await attempt.forward
+                    self.compute, compute)
+                # Shielded: a cancelled call must not mark the forward done while its thread
+                # still writes into our pages (the cleanup waits for it before releasing).
+                first_token, page_digests = await asyncio.shield(attempt.forward)
                 prefill_ms = (time.monotonic() - t0) * 1000.0
-                attempt.forward = asyncio.get_running_loop().run_in_executor(
-                    self.compute, digests, 0, chunks.delta_pages)
-                page_digests = await attempt.forward
             if span.is_recording():
                 span.set_attributes(telemetry.prefixed(dict(prefill_ms=prefill_ms,
                                                           first_token_id=first_token)))

@@ -167,6 +167,28 @@ def test_parts_move_while_later_pages_are_still_computed(pair: Pair) -> None:
     check_accounting(pair.prefill)
 
 
+@pytest.mark.timeout(120)
+def test_the_sidecar_sends_on_the_digests_a_part_carries_and_hashes_nothing(pair: Pair) -> None:
+    # A page changed after the worker hashed it: the digest that comes back is the worker's,
+    # not one of the changed bytes (which decode's Commit then refuses, as for WritePages).
+    info, src, dst = setup_write(pair, "carried", delta=3, seed=51)
+    delta_src = src[1:]
+    fill_pattern(pair.prefill_pool, delta_src, seed=52)
+    digests = [digest_of(pair.prefill_pool, p) for p in delta_src]
+    pair.prefill_pool.as_bytes()[delta_src[1]][5] ^= 0x20
+    feed = Feed(pair, write_request(info, src))
+    feed.ready(3, digests=digests)
+    stats = feed.future.result(timeout=60).stats
+    feed.end()
+    close_grant(pair.decode, info.room)
+    assert list(stats.page_digests) == digests
+    landed = [digest_of(pair.decode_pool, d) for d in dst]
+    assert landed[0] == digests[0] and landed[2] == digests[2]
+    assert landed[1] != digests[1]
+    release_all(pair, "carried")
+    check_accounting(pair.prefill)
+
+
 @pytest.mark.timeout(180)
 def test_stream_ending_early_fails_the_room_and_a_new_room_writes_cleanly(pair: Pair) -> None:
     info, src, dst = setup_write(pair, "early", delta=6, seed=31)
@@ -207,17 +229,19 @@ def test_stream_ending_early_fails_the_room_and_a_new_room_writes_cleanly(pair: 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("parts", [[(1, False)], [(2, None), (1, None)], [(5, None)],
                                    [(1, None), (2, True)], [(1, None), (3, None, 1)],
-                                   [(2, None, 3)], [(2, None, 2, "in-write")]],
+                                   [(2, None, 3)], [(1, None), (1, None, 2)],
+                                   [(2, None, 4, "in-write")]],
                          ids=["first-without-write", "going-down", "past-delta",
                               "second-with-write", "too-few-digests", "too-many-digests",
-                              "digests-in-the-write"])
+                              "digests-on-a-part-adding-no-page", "digests-in-the-write"])
 def test_malformed_parts_are_refused(pair: Pair, parts: list) -> None:
     name = f"bad-{uuid.uuid4().hex[:8]}"  # released ids are fenced for good
     info, src, dst = setup_write(pair, name, delta=4, seed=41)
     fill_pattern(pair.prefill_pool, src[1:], seed=42)
     before = pair.decode_pool.page_crc32(dst)
     in_write = any(part[3:] == ("in-write",) for part in parts)
-    feed = Feed(pair, write_request(info, src, page_digests=[7, 7] if in_write else []))
+    # In the write: one digest per delta page, a count WritePages would take.
+    feed = Feed(pair, write_request(info, src, page_digests=[7] * 4 if in_write else []))
     for ready, attach, *digests in parts:
         feed.ready(ready, attach, digests=[7] * digests[0] if digests and not in_write else [])
     with pytest.raises(grpc.RpcError) as err:
@@ -225,6 +249,10 @@ def test_malformed_parts_are_refused(pair: Pair, parts: list) -> None:
     feed.end()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert feed.notice() == "INVALID_ARGUMENT"
+    if in_write:
+        assert "travel with the part" in err.value.details()
+    elif any(part[2:] for part in parts):
+        assert "page digests for the" in err.value.details()
     if parts[0][1:] == (None, 3) or in_write:
         # Refused with the first part: nothing was written.
         assert pair.decode_pool.page_crc32(dst) == before

@@ -103,3 +103,40 @@ def test_a_failed_forward_hashes_nothing_of_its_chunk() -> None:
     assert calls == ["forward 0-32", "hash 0-2", "forward 32-64"]
     # The write may be cancelled before it took the first chunk's part; never a later one.
     assert parts in ([(0, [])], [(0, []), (2, [1000, 1001])])
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_prefill_leaves_the_running_hash_to_the_cleanup() -> None:
+    # The caller's cleanup frees the pages only once attempt.forward is done: cancelling the
+    # prefill must not mark it done while its thread still reads (or writes) the pages.
+    plan = plan_chunks(prompt_len=200, cached_len=64, decode_prefix_len=16, page_size=PAGE,
+                       chunk_tokens=64)
+    started, release = threading.Event(), threading.Event()
+
+    def digests(first: int, last: int) -> list[int]:
+        started.set()
+        release.wait(10)
+        return list(range(first, last))
+
+    async def write(ready: AsyncIterator[tuple[int, list[int]]]) -> kv_pb2.TransferStats:
+        async for _ in ready:
+            pass
+        return kv_pb2.TransferStats()
+
+    async def main() -> tuple[bool, bool]:
+        attempt = SimpleNamespace(forward=None, write_started=False, write_done=False)
+        with ThreadPoolExecutor(1) as pool:
+            task = asyncio.ensure_future(run_overlapped(
+                plan, forward=lambda chunk: 7, executor=pool, write=write, attempt=attempt,
+                check_alive=lambda where: None, digests=digests))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            running = not attempt.forward.done()
+            release.set()
+            await attempt.forward
+            return running, attempt.forward.done()
+
+    running, finished = asyncio.run(main())
+    assert running and finished
