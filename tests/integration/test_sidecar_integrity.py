@@ -150,26 +150,38 @@ def test_audit_finds_a_cached_page_corrupted_later_and_evicts_its_subtree(pair: 
                                              timeout=30).corrupt_pages
 
 
+def cached_prefix_write(p: Pair, rid: str, seed: int, corrupt: tuple[int, int] | None = None
+                        ) -> tuple[list[int], list[int], list[int], kv_pb2.TransferInfo]:
+    """A prompt of 2 full pages + 3 tokens whose 2 full pages prefill cached (prefill-side
+    reuse) and whose last page is fresh; ``corrupt`` = (cached page 0 or 1, byte) flips that
+    byte of the cached page after it was cached. Returns (tokens, prefill page table, decode
+    pages, the grant of ``rid + "b"``)."""
+    toks = tokens(2 * PAGE + 3, seed=seed)
+    src, _, _ = transfer(p, rid, len(toks), seed=seed)
+    commit(p.prefill, rid, toks, src)  # 2 full pages cached with their digests
+    release(p.prefill, rid)
+    release(p.decode, rid)
+    if corrupt is not None:
+        p.prefill_pool.as_bytes()[src[corrupt[0]]][corrupt[1]] ^= 0x04
+    again = rid + "b"
+    match = p.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
+        request_id=again, token_ids=toks), timeout=10)
+    assert list(match.page_indices) == src[:2]
+    extra = list(p.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id=again, num_pages=1), timeout=10).page_indices)
+    fill(p.prefill_pool, extra, seed=seed + 1)
+    dst = list(p.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
+        request_id=again, num_pages=3), timeout=10).page_indices)
+    info = grant(p.decode, again, kv_pb2.TransferInfo(
+        request_id=again, dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
+        lease_ms=10_000))
+    return toks, src[:2] + extra, dst, info
+
+
 def test_cached_and_fresh_source_pages_get_their_digests_in_prompt_order(pair: Pair) -> None:
     # issue 14: cached source pages are checked before the write, fresh ones hashed while
     # the engine moves them; the digests still come back in prompt order and match the bytes.
-    toks = tokens(2 * PAGE + 3, seed=7)
-    src, _, _ = transfer(pair, "dig-7", len(toks), seed=7)
-    commit(pair.prefill, "dig-7", toks, src)  # 2 full pages cached with their digests
-    release(pair.prefill, "dig-7")
-    release(pair.decode, "dig-7")
-    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
-        request_id="dig-7b", token_ids=toks), timeout=10)
-    assert list(match.page_indices) == src[:2]
-    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="dig-7b", num_pages=1), timeout=10).page_indices)
-    fill(pair.prefill_pool, extra, seed=8)
-    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="dig-7b", num_pages=3), timeout=10).page_indices)
-    info = grant(pair.decode, "dig-7b", kv_pb2.TransferInfo(
-        request_id="dig-7b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
-        lease_ms=10_000))
-    table = src[:2] + extra
+    toks, table, dst, info = cached_prefix_write(pair, "dig-7", seed=7)
     stats = pair.prefill.stub().WritePages(write_request(info, table), timeout=20).stats
     close_grant(pair.decode, info.room)
     assert list(stats.page_digests) == [digest_of(pair.prefill_pool, s) for s in table]
@@ -180,30 +192,15 @@ def test_cached_and_fresh_source_pages_get_their_digests_in_prompt_order(pair: P
 
 
 def test_prefill_refuses_to_send_a_corrupt_cached_source_page(pair: Pair) -> None:
-    toks = tokens(2 * PAGE + 3, seed=4)
-    src, dst, _ = transfer(pair, "dig-4", len(toks), seed=4)
-    commit(pair.prefill, "dig-4", toks, src)  # prefill-side reuse: 2 full pages cached
-    release(pair.prefill, "dig-4")
-    release(pair.decode, "dig-4")
-    pair.prefill_pool.as_bytes()[src[0]][0] ^= 0xFF
-    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
-        request_id="dig-4b", token_ids=toks), timeout=10)
-    assert list(match.page_indices) == src[:2]
-    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="dig-4b", num_pages=3), timeout=10).page_indices)
-    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="dig-4b", num_pages=1), timeout=10).page_indices)
-    info = grant(pair.decode, "dig-4b", kv_pb2.TransferInfo(
-        request_id="dig-4b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
-        lease_ms=10_000))
+    _, table, dst, info = cached_prefix_write(pair, "dig-4", seed=4, corrupt=(0, 0))
     with pytest.raises(grpc.RpcError) as info_err:
-        pair.prefill.stub().WritePages(write_request(info, src[:2] + extra), timeout=20)
+        pair.prefill.stub().WritePages(write_request(info, table), timeout=20)
     assert info_err.value.code() == grpc.StatusCode.DATA_LOSS
     release(pair.prefill, "dig-4b")
     release(pair.decode, "dig-4b")
     report = pair.prefill.stub().AuditCache(sidecar_pb2.AuditCacheRequest(evict=True),
                                             timeout=30)
-    assert src[0] in report.corrupt_pages
+    assert table[0] in report.corrupt_pages
 
 
 def worker_write(p: Pair, rid: str, toks: list[int], seed: int,
@@ -289,38 +286,21 @@ def test_worker_digests_of_another_count_are_refused_before_any_byte_moves(
 
 def test_prefill_refuses_a_cached_source_page_the_worker_hashed_differently(
         pair: Pair) -> None:
-    toks = tokens(2 * PAGE + 3, seed=15)
-    src, _, _ = transfer(pair, "wd-5", len(toks), seed=15)
-    commit(pair.prefill, "wd-5", toks, src)  # 2 full pages cached with their digests
-    release(pair.prefill, "wd-5")
-    release(pair.decode, "wd-5")
-    pair.prefill_pool.as_bytes()[src[1]][9] ^= 0x04  # the cache went bad
-    match = pair.prefill.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
-        request_id="wd-5b", token_ids=toks), timeout=10)
-    assert list(match.page_indices) == src[:2]
-    extra = list(pair.prefill.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="wd-5b", num_pages=1), timeout=10).page_indices)
-    fill(pair.prefill_pool, extra, seed=16)
-    dst = list(pair.decode.stub().Allocate(sidecar_pb2.AllocateRequest(
-        request_id="wd-5b", num_pages=3), timeout=10).page_indices)
+    _, table, dst, info = cached_prefix_write(pair, "wd-5", seed=15, corrupt=(1, 9))
     before = pair.decode_pool.page_crc32(dst)
-    table = src[:2] + extra
-    # The worker hashes the bytes as they are now: page src[1] differs from its record.
+    # The worker hashes the bytes as they are now: page table[1] differs from its record.
     sent = [digest_of(pair.prefill_pool, s) for s in table]
-    info = grant(pair.decode, "wd-5b", kv_pb2.TransferInfo(
-        request_id="wd-5b", dst_page_indices=dst, decode_prefix_len=0, prompt_len=len(toks),
-        lease_ms=10_000))
     with pytest.raises(grpc.RpcError) as err:
         pair.prefill.stub().WritePages(write_request(info, table, page_digests=sent),
                                        timeout=20)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
-    assert str(src[1]) in err.value.details()
+    assert str(table[1]) in err.value.details()
     assert pair.decode_pool.page_crc32(dst) == before
     release(pair.prefill, "wd-5b")
     release(pair.decode, "wd-5b")
     report = pair.prefill.stub().AuditCache(sidecar_pb2.AuditCacheRequest(evict=True),
                                             timeout=30)
-    assert src[1] in report.corrupt_pages
+    assert table[1] in report.corrupt_pages
 
 
 def test_a_call_bound_to_another_incarnation_is_refused_and_changes_nothing(pair: Pair) -> None:
