@@ -210,5 +210,5 @@ class ModelRunner:
                      for table, seq in zip(tables, batch, strict=True)]
             ids = torch.tensor([seq.token_id for seq in batch], dtype=torch.int64,
                                device=device)
-            return module.decode(kv, ContextReader(kv, plans, self._kernel, self._decode_kernel), ids, lengths,
-                                 write_rows)
+            reader = ContextReader(kv, plans, self._kernel, self._decode_kernel)
+            return module.decode(kv, reader, ids, lengths, write_rows)

@@ -77,8 +77,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.bench_sidecar import (  # noqa: F401 - bench_layout is API
     DEFAULT_MODEL,
@@ -135,6 +133,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     from deltakv.layout import KVLayout
     from deltakv.services.cli.bench.safety import FenceProbe, measure_safety_costs
     from deltakv.services.cli.serve.sidecar import parse_options
+    from deltakv.sidecar.digests import PageDigester
     from deltakv.sidecar.grants import prompt_digest
     from deltakv.sidecar.pairing import generate_key_file
     from deltakv.sidecar.planner import coalesce
@@ -180,6 +179,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                                          KVLayout.from_proto(plain_desc.endpoint.layout))
         closers.append(plain_pool.close)
         src_view, dst_view = pre_pool.as_bytes(), dec_pool.as_bytes()
+        # What prefill's worker hashes its delta pages with (supply=True below).
+        worker_digests = PageDigester(pre_pool)
         # Every decode page belongs to one bench request: grants cover only live pages.
         owned = dec_stub.Allocate(sidecar_pb2.AllocateRequest(
             request_id="bench-dst", num_pages=layout.num_pages), timeout=10).page_indices
@@ -204,7 +205,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             """``cpu_pid`` / ``cpu_ms``: the writing sidecar's process and where to put its
             CPU milliseconds per repeat (all its threads, read untimed just before and
             after the action: no other RPC reaches that sidecar in between). ``supply``:
-            send the source pages' digests with the write, taken untimed right after the
+            send the source pages' digests with the write (``source`` must be the prefill
+            sidecar's pool, the one ``worker_digests`` reads), taken untimed right after the
             repeat's fresh bytes were written (what prefill's worker does after the forward
             that wrote them); they must come back unchanged."""
             granted: list[kv_pb2.TransferInfo] = []
@@ -213,7 +215,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
 
             def setup() -> None:
                 if supply:
-                    supplied[0] = [xxhash.xxh3_64_intdigest(source[p].numpy()) for p in src]
+                    supplied[0] = worker_digests.digest(src)
                 t0 = time.perf_counter()
                 granted.append(issue(dst))
                 grant_rtt.append(time.perf_counter() - t0)
