@@ -24,7 +24,7 @@ KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
         "grant_check_pct", "fence_kind", "fence_us_per_run", "fence_pct_contiguous",
         "fence_pct_scattered", "grant_rpc_ms", "raw_scattered_gbps",
         "scattered_vs_raw_contiguous", "sidecar_cpu_ms", "raw_cpu_ms", "contiguous_ms",
-        "raw_ms"}
+        "raw_ms", "control_rpc_ms", "sidecar_own_ms", "rpc_ceiling_ratio"}
 
 
 @pytest.mark.timeout(300)
@@ -65,6 +65,13 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
         # Both sides did work for their write (a sidecar that never ran would show 0).
         assert rec["sidecar_cpu_ms"] > 0 and rec["raw_cpu_ms"] > 0
         assert rec["grant_check_us"] > 0 and rec["grant_rpc_ms"] > 0
+        # The gRPC hop alone was measured (and wrote nothing: verified covers it), and the
+        # contiguous write splits into raw + hop + the sidecar's own work.
+        assert rec["control_rpc_ms"] > 0
+        assert rec["sidecar_own_ms"] == pytest.approx(
+            rec["contiguous_ms"] - rec["raw_ms"] - rec["control_rpc_ms"])
+        assert rec["rpc_ceiling_ratio"] == pytest.approx(
+            rec["raw_ms"] / (rec["raw_ms"] + rec["control_rpc_ms"]))
         # Small writes: 1 page (5 > --pages 3 is skipped), sidecar beside raw, verified.
         assert set(rec["small"]) == {"1"}, rec["small"]
         row = rec["small"]["1"]
@@ -75,7 +82,7 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
     assert result["backends"]["shm"]["fence_us_per_run"] > 0
     assert result["backends"]["mooncake"]["fence_kind"] == "incarnation"
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
-    assert "grant check" in proc.stdout
+    assert "grant check" in proc.stdout and "gRPC hop" in proc.stdout
     assert "raw scat" in proc.stdout and "sidecar cpu" in proc.stdout
     # Honest figures: when and under what load they were taken, and the small-write rows.
     assert result["date"] in proc.stdout and "load average" in proc.stdout

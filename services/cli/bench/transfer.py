@@ -16,6 +16,13 @@ loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dim
   the scattered ratio compares like with like (issue 14: Mooncake submits one engine request
   per run on both sides).
 
+* **control RPC** — an empty call (``Describe``) to the writing sidecar, prepared exactly
+  like a contiguous write (fresh bytes, zeroed destination, grant, the worker's digests):
+  what the gRPC hop between a worker and its sidecar costs in the write's own rhythm. The
+  contiguous write's time splits into raw engine + this hop + ``sidecar_own_ms`` (checks,
+  admission, fences, stats), and ``rpc_ceiling_ratio`` = raw / (raw + hop) is the best
+  contiguous ratio any handler behind that hop could reach on this machine.
+
 Where a write's time goes, load aside: the CPU milliseconds per contiguous write of the
 writing sidecar process (all threads, ``/proc/<pid>/task/*/schedstat``, read untimed right
 before and after the write) and of this process around the raw write, beside the wall times.
@@ -288,6 +295,29 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             return page_write_trial(src_view, src, dst_view, dst, action, seed=seed,
                                     setup=setup, teardown=teardown)
 
+        def control_rpc_trial(src: list[int], dst: list[int], seed: int) -> Trial:
+            """An empty unary call to the writing sidecar (``Describe``: the same server,
+            interceptors and thread pool as ``WritePages``), prepared exactly like a
+            sidecar write of ``src`` -> ``dst`` (fresh source bytes, zeroed destination,
+            a grant issued and closed, the worker's digests taken): what the gRPC hop
+            alone costs in the write's own rhythm. A write must not happen, so a
+            repetition verifies when the destination is still zero."""
+            granted: list[kv_pb2.TransferInfo] = []
+
+            def setup() -> None:
+                worker_digests.digest(src)
+                granted.append(issue(dst))
+
+            def action() -> None:
+                pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+
+            untouched = page_write_trial(src_view, src, dst_view, dst, action, seed=seed,
+                                         setup=setup,
+                                         teardown=lambda: close(granted[-1].room))
+            # page_write_trial verifies that the destination equals the fresh source; for
+            # an empty call it must not.
+            return Trial(untouched.prepare, action, lambda: not untouched.verify())
+
         contiguous = list(range(pages))
         # Source on even pages ascending, destination on odd pages descending: no two
         # neighbours are consecutive on either side, so every page is its own run.
@@ -298,7 +328,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         runs_scat: list[int] = []
         cpu_side: list[float] = []
         cpu_raw: list[float] = []
-        # All six methods in one interleaved run: each sees the same machine.
+        # Every method in one interleaved run: each sees the same machine.
         timed = time_interleaved(repeats, {
             "contiguous": sidecar_trial(pre_stub, src_view, contiguous, contiguous, 1, True,
                                         runs_contig, prefill.proc.pid, cpu_side, supply=True),
@@ -312,6 +342,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                                                 False, []),
             "raw": raw_trial(contiguous, contiguous, 3, cpu_raw),
             "raw_scattered": raw_trial(scat_src, scat_dst, 6),
+            "control_rpc": control_rpc_trial(contiguous, contiguous, 8),
         })
         t_contig, ok_contig = timed["contiguous"]
         t_contig_off, ok_contig_off = timed["contiguous_nodigest"]
@@ -320,6 +351,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         t_scat_off, ok_scat_off = timed["scattered_nodigest"]
         t_raw, ok_raw = timed["raw"]
         t_raw_scat, ok_raw_scat = timed["raw_scattered"]
+        t_rpc, ok_rpc = timed["control_rpc"]
         # Small writes (issue 14: a delta of a few pages): the sidecar's fixed cost per
         # WritePages is its time minus the raw engine's for the same pages, interleaved.
         small: dict[str, dict[str, Any]] = {}
@@ -368,6 +400,13 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "raw_cpu_ms": statistics.median(cpu_raw),
             "contiguous_ms": t_contig * 1e3,
             "raw_ms": t_raw * 1e3,
+            # Where the contiguous write's time goes beyond the engine: the gRPC hop alone
+            # (an empty call to the same sidecar, prepared like a write) and the rest, the
+            # sidecar's own work (checks, admission, fences, stats). ``rpc_ceiling_ratio``
+            # is the best ratio any handler behind this gRPC hop could reach here.
+            "control_rpc_ms": t_rpc * 1e3,
+            "sidecar_own_ms": (t_contig - t_raw - t_rpc) * 1e3,
+            "rpc_ceiling_ratio": t_raw / (t_raw + t_rpc),
             "contiguous_runs": runs_contig[-1],
             "scattered_runs": runs_scat[-1],
             "grant_check_us": costs["grant_check_us"],
@@ -388,7 +427,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "sidecar_hash_cost": (t_contig_hash - t_contig_off) / t_contig_hash,
             "small": small,
             "verified": (ok_contig and ok_scat and ok_raw and ok_raw_scat and ok_contig_off
-                         and ok_scat_off and ok_contig_hash and small_ok),
+                         and ok_scat_off and ok_contig_hash and ok_rpc and small_ok),
         }
     finally:
         for close in reversed(closers):

@@ -1,0 +1,159 @@
+"""How much one empty request/response between two local processes costs, gRPC against a plain
+Unix socket, in the rhythm of ``deltakv bench transfer``: each call follows other work.
+
+Why this exists: issue 14 asks ``bench transfer``'s contiguous 64-page shm write through the
+sidecar to reach 0.95 of the raw engine's copy (~7 ms for 45 MiB on the 2-core test machine).
+DESIGN.md §2 puts a gRPC call over a Unix socket between a worker and its sidecar. Back to
+back an empty gRPC call costs ~0.3 ms here, but a call that follows ~15 ms of other work (the
+benchmark's preparation, or a forward in prefill) costs ~1-1.5 ms, about 16 % of that copy.
+This probe measures both transports in three rhythms so the floor can be re-measured on any
+machine:
+
+* ``back-to-back`` — calls with nothing in between;
+* ``after-idle`` — each call after the caller slept 15 ms (both processes idle);
+* ``after-45MiB`` — each call after the caller wrote 45 MiB of fresh bytes (the benchmark's
+  preparation of one repeat: caches cold, both processes parked).
+
+Transports (each in its own server process, on a Unix socket in a temporary directory):
+
+* ``grpc`` — a sync ``grpc.server`` with the standard ``grpc.health.v1`` servicer, called with a
+  sync channel (what ``bench transfer`` and the sidecar use; the asyncio flavours measured the
+  same within noise, 2026-12-01);
+* ``seqpacket`` — an ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, one blocking ``recv`` / ``send`` per
+  call in the server, ``send`` / ``recv`` in the caller.
+
+Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N]``. Prints the median
+microseconds per call of each transport in each rhythm, interleaved call by call (the two
+transports alternate, so both see the same machine), with the date and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RHYTHMS = ("back-to-back", "after-idle", "after-45MiB")
+IDLE_S = 0.015
+TOUCH_BYTES = 45 << 20
+
+
+def serve_grpc(path: str) -> None:
+    """A sync gRPC server with the health servicer on ``unix://path`` (runs until killed)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    server.wait_for_termination()
+
+
+def serve_seqpacket(path: str) -> None:
+    """An echo of one small message per call on a SOCK_SEQPACKET socket (runs until the
+    caller disconnects)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    conn, _ = listener.accept()
+    while message := conn.recv(4096):
+        conn.send(message)
+
+
+def _wait_for(path: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"probe server for {path} did not start (exit {proc.poll()})")
+        time.sleep(0.01)
+
+
+def measure(calls: int) -> dict[str, dict[str, float]]:
+    """Median microseconds per call: ``{rhythm: {transport: us}}``, ``calls`` timed calls of
+    each transport in each rhythm (after 10 untimed ones)."""
+    import grpc
+    import torch
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    workdir = tempfile.mkdtemp(prefix="rpc-floor-")
+    grpc_path, seq_path = os.path.join(workdir, "grpc.sock"), os.path.join(workdir, "seq.sock")
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve", kind, path])
+             for kind, path in (("grpc", grpc_path), ("seqpacket", seq_path))]
+    try:
+        for proc, path in zip(procs, (grpc_path, seq_path), strict=True):
+            _wait_for(path, proc)
+        channel = grpc.insecure_channel(f"unix://{grpc_path}")
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        stub.Check(request, timeout=30, wait_for_ready=True)
+        seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        seq.connect(seq_path)
+        seq.settimeout(30)
+
+        def grpc_call() -> None:
+            stub.Check(request, timeout=30)
+
+        def seq_call() -> None:
+            seq.send(b"x")
+            seq.recv(64)
+
+        touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
+        before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
+                  "after-45MiB": lambda: touched.random_(0, 256)}
+        result: dict[str, dict[str, float]] = {}
+        for rhythm in RHYTHMS:
+            times: dict[str, list[float]] = {"grpc": [], "seqpacket": []}
+            for i in range(calls + 10):
+                for name, call in (("grpc", grpc_call), ("seqpacket", seq_call)):
+                    before[rhythm]()
+                    t0 = time.perf_counter()
+                    call()
+                    if i >= 10:
+                        times[name].append((time.perf_counter() - t0) * 1e6)
+            result[rhythm] = {name: statistics.median(ts) for name, ts in times.items()}
+        seq.close()
+        channel.close()
+        return result
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for path in (grpc_path, seq_path):
+            Path(path).unlink(missing_ok=True)
+        os.rmdir(workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per transport and "
+                        "rhythm (default 200)")
+    parser.add_argument("--serve", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        kind, path = args.serve
+        (serve_grpc if kind == "grpc" else serve_seqpacket)(path)
+        return 0
+    if args.calls <= 0:
+        parser.error("--calls must be > 0")
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    result = measure(args.calls)
+    print(f"rpc floor probe: median us per empty call, {args.calls} calls each, transports "
+          f"interleaved; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, load average "
+          f"{load}, {os.cpu_count()} CPUs")
+    print(f"{'rhythm':<14}{'grpc':>10}{'seqpacket':>12}")
+    for rhythm, row in result.items():
+        print(f"{rhythm:<14}{row['grpc']:>10.0f}{row['seqpacket']:>12.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""``scripts/rpc_floor_probe.py``: both probe servers start, every rhythm is measured, the
+table is printed and the servers are gone afterwards."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(120)
+def test_probe_prints_every_rhythm_for_both_transports() -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "rpc_floor_probe.py"),
+                           "--calls", "3"], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "load average" in proc.stdout and "3 calls each" in proc.stdout
+    for rhythm in ("back-to-back", "after-idle", "after-45MiB"):
+        row = re.search(rf"^{rhythm}\s+(\d+)\s+(\d+)$", proc.stdout, re.M)
+        assert row, proc.stdout
+        assert int(row.group(1)) > 0 and int(row.group(2)) > 0
+    # Its servers were killed with it.
+    leftover = subprocess.run(["pgrep", "-f", "rpc_floor_probe.py --serve"],
+                              capture_output=True, text=True)
+    assert leftover.stdout == ""
+
+
+def test_probe_rejects_a_bad_count() -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "rpc_floor_probe.py"),
+                           "--calls", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--calls must be > 0" in proc.stderr
