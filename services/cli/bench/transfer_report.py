@@ -3,6 +3,7 @@ measures, this formats its result dict)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,13 @@ def loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "unknown"
+
+
+def _measured_rows(result: dict[str, Any], row: Callable[[dict[str, Any]], str]) -> list[str]:
+    """One line per measured backend (those that failed are left out): its name, then
+    ``row(record)``."""
+    return [f"{name:<10}{row(rec)}" for name, rec in result["backends"].items()
+            if "error" not in rec]
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -50,32 +58,26 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10}skipped: {reason}")
     lines += ["", f"{'backend':<10}{'grant check':>13}{'% contig':>10}{'fence':>13}"
               f"{'/run':>10}{'% contig':>10}{'% scatter':>11}{'grant RPCs':>12}"]
-    for name, rec in result["backends"].items():
-        if "error" in rec:
-            continue
-        lines.append(f"{name:<10}{rec['grant_check_us']:>10.1f} us{rec['grant_check_pct']:>9.3f}%"
-                     f"{rec['fence_kind']:>13}{rec['fence_us_per_run']:>7.1f} us"
-                     f"{rec['fence_pct_contiguous']:>9.3f}%{rec['fence_pct_scattered']:>10.3f}%"
-                     f"{rec['grant_rpc_ms']:>9.2f} ms")
+    lines += _measured_rows(result, lambda rec: (
+        f"{rec['grant_check_us']:>10.1f} us{rec['grant_check_pct']:>9.3f}%"
+        f"{rec['fence_kind']:>13}{rec['fence_us_per_run']:>7.1f} us"
+        f"{rec['fence_pct_contiguous']:>9.3f}%{rec['fence_pct_scattered']:>10.3f}%"
+        f"{rec['grant_rpc_ms']:>9.2f} ms"))
     lines += ["", "CPU per contiguous write (median): the writing sidecar process, all threads "
               "| this process around the raw engine's write, all threads; wall time beside it",
               f"{'backend':<10}{'sidecar cpu':>13}{'wall':>10}{'raw cpu':>10}{'wall':>10}"]
-    for name, rec in result["backends"].items():
-        if "error" in rec:
-            continue
-        lines.append(f"{name:<10}{rec['sidecar_cpu_ms']:>10.2f} ms{rec['contiguous_ms']:>7.2f} ms"
-                     f"{rec['raw_cpu_ms']:>7.2f} ms{rec['raw_ms']:>7.2f} ms")
+    lines += _measured_rows(result, lambda rec: (
+        f"{rec['sidecar_cpu_ms']:>10.2f} ms{rec['contiguous_ms']:>7.2f} ms"
+        f"{rec['raw_cpu_ms']:>7.2f} ms{rec['raw_ms']:>7.2f} ms"))
     lines += ["", "where a contiguous write's time goes (medians, ms): raw engine + the gRPC hop to "
               "the sidecar (an empty call prepared like a write) + the sidecar's own work; "
               "ceiling = raw / (raw + hop), the best ratio any handler behind that hop reaches "
               "here", f"{'backend':<10}{'raw':>9}{'sidecar':>10}{'gRPC hop':>10}"
               f"{'own work':>10}{'ratio':>8}{'ceiling':>9}"]
-    for name, rec in result["backends"].items():
-        if "error" in rec:
-            continue
-        lines.append(f"{name:<10}{rec['raw_ms']:>9.3f}{rec['contiguous_ms']:>10.3f}"
-                     f"{rec['control_rpc_ms']:>10.3f}{rec['sidecar_own_ms']:>10.3f}"
-                     f"{rec['contiguous_ratio']:>8.2f}{rec['rpc_ceiling_ratio']:>9.2f}")
+    lines += _measured_rows(result, lambda rec: (
+        f"{rec['raw_ms']:>9.3f}{rec['contiguous_ms']:>10.3f}"
+        f"{rec['control_rpc_ms']:>10.3f}{rec['sidecar_own_ms']:>10.3f}"
+        f"{rec['contiguous_ratio']:>8.2f}{rec['rpc_ceiling_ratio']:>9.2f}"))
     small = [(name, n, row) for name, rec in result["backends"].items()
              for n, row in rec.get("small", {}).items()]
     if small:
