@@ -16,12 +16,14 @@ loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dim
   the scattered ratio compares like with like (issue 14: Mooncake submits one engine request
   per run on both sides).
 
-* **control RPC** — an empty call (``Describe``) to the writing sidecar, prepared exactly
-  like a contiguous write (fresh bytes, zeroed destination, grant, the worker's digests):
-  what the gRPC hop between a worker and its sidecar costs in the write's own rhythm. The
-  contiguous write's time splits into raw engine + this hop + ``sidecar_own_ms`` (checks,
-  admission, fences, stats), and ``rpc_ceiling_ratio`` = raw / (raw + hop) is the best
-  contiguous ratio any handler behind that hop could reach on this machine.
+Beside them, interleaved with them, the **control RPC** moves no byte: an empty call
+(``Describe``) to the writing sidecar, prepared exactly like a contiguous write (fresh bytes,
+zeroed destination, grant, the worker's digests), so it measures what the gRPC hop between a
+worker and its sidecar costs in the write's own rhythm (it verifies when the destination is
+still zero). The contiguous write's time splits into raw engine + this hop +
+``sidecar_own_ms`` (checks, admission, fences, stats), and ``rpc_ceiling_ratio`` = raw /
+(raw + hop) is the best contiguous ratio any handler behind that hop could reach on this
+machine (``scripts/rpc_floor_probe.py`` compares the hop with a plain Unix socket).
 
 Where a write's time goes, load aside: the CPU milliseconds per contiguous write of the
 writing sidecar process (all threads, ``/proc/<pid>/task/*/schedstat``, read untimed right
