@@ -1,0 +1,231 @@
+"""What a 64-page shm ``WritePages`` would cost without the gRPC hop: the sidecar's own handler
+called over gRPC and over a plain Unix ``SOCK_SEQPACKET`` socket, beside the raw engine.
+
+A measurement for a design decision, not a feature: DESIGN.md §2 puts a gRPC call between a
+worker and its sidecar, and issue 14's "sidecar / raw >= 0.95" for a 64-page shm write cannot be
+met behind it on the 2-core test machine (``deltakv bench transfer``'s ``ceiling`` column,
+``scripts/rpc_floor_probe.py``). This probe shows what replacing that hop alone would buy.
+
+It starts a decode sidecar (``deltakv serve sidecar``, shm) and, in a child process, a prefill
+:class:`~deltakv.sidecar.server.SidecarServer` that also listens on a ``SOCK_SEQPACKET`` socket:
+each datagram there is one serialized ``WritePagesRequest``, run through the very same
+``SidecarService.WritePages`` the gRPC server runs, answered with the serialized
+``WritePagesResponse``. This stand-in channel has none of what a real one needs (error mapping,
+deadline, cancellation, incarnation check, trace context; a failed write drops the
+connection); the ``context`` it passes says "60 s left, active". Three methods then write the
+same pages, interleaved repeat by repeat and prepared identically (fresh source bytes, zeroed
+destination, a grant issued and closed, the worker's digests), each repeat verified byte for
+byte:
+
+* ``raw`` — this process's own shm transport, one ``Transport.write`` of the block;
+* ``grpc`` — ``WritePages`` over the sidecar's gRPC socket;
+* ``seqpacket`` — the same request over the stand-in socket.
+
+Usage: ``.venv/bin/python scripts/write_pages_channel_probe.py [--pages 64] [--repeats 21]``.
+Prints the medians (ms) and the ratios raw / method, with the date and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MAX_DATAGRAM = 1 << 20
+
+
+class _Context:
+    """The part of ``grpc.ServicerContext`` that ``WritePages`` reads: 60 s left, active."""
+
+    def time_remaining(self) -> float:
+        return 60.0
+
+    def is_active(self) -> bool:
+        return True
+
+
+def serve(workdir: str, pages: int) -> None:
+    """The prefill sidecar (gRPC on ``workdir/prefill.sock``) with the stand-in channel on
+    ``workdir/seqpacket.sock``; runs until killed."""
+    from deltakv.services.cli.bench.bench_sidecar import bench_layout
+    from deltakv.services.runtime.logs import configure_logging
+    from deltakv.sidecar.pairing import load_key_file
+    from deltakv.sidecar.server import SidecarConfig, SidecarServer
+    from deltakv.v1 import sidecar_pb2
+
+    configure_logging("prefill-sidecar", "warning")  # as `bench transfer` runs its sidecars
+    server = SidecarServer(SidecarConfig(
+        role="prefill", transport="shm", socket_path=os.path.join(workdir, "prefill.sock"),
+        layout=bench_layout(None, 2 * pages, "smollm2"),
+        pairing_key=load_key_file(os.path.join(workdir, "pairing.key"))))
+    server.start()
+    service = server.service
+    # Stopped by SIGTERM (the probe's teardown): the server releases its pool segment.
+    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), os._exit(0)))
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            while message := conn.recv(MAX_DATAGRAM):
+                request = sidecar_pb2.WritePagesRequest.FromString(message)
+                conn.send(service.WritePages(request, _Context()).SerializeToString())
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(os.path.join(workdir, "seqpacket.sock"))
+    listener.listen(4)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+
+def measure(pages: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each method over ``repeats`` interleaved rounds (after one
+    untimed round); RuntimeError if a repeat did not write its bytes."""
+    import grpc
+    import torch
+
+    from deltakv.layout import KVLayout
+    from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
+    from deltakv.sidecar.digests import PageDigester
+    from deltakv.sidecar.grants import prompt_digest
+    from deltakv.sidecar.pairing import generate_key_file
+    from deltakv.sidecar.planner import coalesce
+    from deltakv.sidecar.pool import SharedKVPool
+    from deltakv.sidecar.rooms import RoomTicket
+    from deltakv.sidecar.transport.base import TransportOptions
+    from deltakv.sidecar.transport.registry import create_transport
+    from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
+
+    torch.set_num_threads(1)  # as `bench transfer`: no OpenMP workers spinning beside the copy
+    layout = bench_layout(None, 2 * pages, "smollm2")
+    workdir = tempfile.mkdtemp(prefix="dkv-channel-probe-", dir="/tmp")
+    generate_key_file(os.path.join(workdir, "pairing.key"))
+    digest = prompt_digest([0])
+    decode = BenchSidecar("decode", "shm", layout, workdir, [], 60)
+    child = subprocess.Popen([sys.executable, __file__, "--serve", workdir, str(pages)])
+    closers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(workdir, "seqpacket.sock")):
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the probe's prefill sidecar did not start ({child.poll()})")
+            time.sleep(0.05)
+        dec_ch = grpc.insecure_channel(decode.target)
+        pre_ch = grpc.insecure_channel(f"unix://{os.path.join(workdir, 'prefill.sock')}")
+        closers += [dec_ch.close, pre_ch.close]
+        dec = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
+        pre = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
+        dec_desc = dec.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+        pre_desc = pre.Describe(sidecar_pb2.DescribeRequest(), timeout=30, wait_for_ready=True)
+        dst_pool = SharedKVPool.attach(dec_desc.pool_shm_name,
+                                       KVLayout.from_proto(dec_desc.endpoint.layout))
+        src_pool = SharedKVPool.attach(pre_desc.pool_shm_name,
+                                       KVLayout.from_proto(pre_desc.endpoint.layout))
+        closers += [dst_pool.close, src_pool.close]
+        src_view, dst_view = src_pool.as_bytes(), dst_pool.as_bytes()
+        worker_digests = PageDigester(src_pool)
+        dec.Allocate(sidecar_pb2.AllocateRequest(request_id="probe-dst",
+                                                 num_pages=layout.num_pages), timeout=10)
+        engine = create_transport("shm", TransportOptions(host="127.0.0.1"))
+        closers.append(engine.close)
+        engine.register_pool(src_pool)
+        peer = engine.connect(dec_desc.endpoint)
+        seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        seq.connect(os.path.join(workdir, "seqpacket.sock"))
+        seq.settimeout(60)
+        closers.append(seq.close)
+
+        block = list(range(pages))
+        index = torch.tensor(block, dtype=torch.long)
+        gen = torch.Generator().manual_seed(0)
+
+        def write(method: str, info: kv_pb2.TransferInfo, digests: list[int]) -> None:
+            request = sidecar_pb2.WritePagesRequest(
+                transfer_info=info, src_page_indices=block, prompt_digest=digest,
+                page_digests=digests)
+            if method == "raw":
+                engine.write(peer, coalesce(block, block), RoomTicket(
+                    room=info.room, request_id="probe-raw", deadline=time.monotonic() + 60))
+            elif method == "grpc":
+                pre.WritePages(request, timeout=60)
+            else:
+                seq.send(request.SerializeToString())
+                reply = seq.recv(MAX_DATAGRAM)
+                if not reply:
+                    raise RuntimeError("the stand-in channel dropped the write (see stderr)")
+                sidecar_pb2.WritePagesResponse.FromString(reply)
+
+        methods = ["raw", "grpc", "seqpacket"]
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for i in range(repeats + 1):
+            shift = i % len(methods)
+            for method in methods[shift:] + methods[:shift]:
+                src_view[index] = torch.randint(0, 256, (pages, src_view.shape[1]),
+                                                dtype=torch.uint8, generator=gen)
+                dst_view[index] = 0
+                digests = worker_digests.digest(block)
+                info = dec.IssueGrant(sidecar_pb2.IssueGrantRequest(
+                    owner_request_id="probe-dst", prompt_digest=digest,
+                    transfer_info=kv_pb2.TransferInfo(
+                        request_id="probe", dst_page_indices=block, decode_prefix_len=0,
+                        prompt_len=pages * layout.page_size, lease_ms=120_000)),
+                    timeout=10).transfer_info
+                t0 = time.perf_counter()
+                write(method, info, digests)
+                elapsed = time.perf_counter() - t0
+                dec.CloseGrant(sidecar_pb2.CloseGrantRequest(room=info.room), timeout=10)
+                if not torch.equal(dst_view[index], src_view[index]):
+                    raise RuntimeError(f"{method}: a repeat did not write its bytes")
+                if i:
+                    times[method].append(elapsed * 1e3)
+        return {method: statistics.median(ts) for method, ts in times.items()}
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - keep tearing down
+                print(f"write_pages_channel_probe: cleanup error: {exc}", file=sys.stderr)
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        decode.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, default=64, help="pages per write (default 64, "
+                        "SmolLM2's 737,280 B each)")
+    parser.add_argument("--repeats", type=int, default=21, help="timed interleaved rounds "
+                        "(median; default 21)")
+    parser.add_argument("--serve", nargs=2, metavar=("WORKDIR", "PAGES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.serve[0], int(args.serve[1]))
+        return 0
+    if args.pages <= 0 or args.repeats <= 0:
+        parser.error("--pages and --repeats must be > 0")
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    result = measure(args.pages, args.repeats)
+    print(f"write_pages channel probe: {args.pages} pages, shm, median of {args.repeats} "
+          f"interleaved; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, load average "
+          f"{load}, {os.cpu_count()} CPUs")
+    print(f"{'method':<11}{'ms':>9}{'raw/method':>12}")
+    for method, ms in result.items():
+        print(f"{method:<11}{ms:>9.3f}{result['raw'] / ms:>12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
