@@ -4,8 +4,9 @@ Unix socket, in the rhythm of ``deltakv bench transfer``: each call follows othe
 Why this exists: issue 14 asks ``bench transfer``'s contiguous 64-page shm write through the
 sidecar to reach 0.95 of the raw engine's copy (~7 ms for 45 MiB on the 2-core test machine).
 DESIGN.md §2 puts a gRPC call over a Unix socket between a worker and its sidecar. Back to
-back an empty gRPC call costs ~0.3 ms here, but a call that follows ~15 ms of other work (the
-benchmark's preparation, or a forward in prefill) costs ~1-1.5 ms, about 16 % of that copy.
+back an empty gRPC call costs ~0.3-0.5 ms here, but a unary call that follows ~15 ms of other
+work (the benchmark's preparation, or a forward in prefill) costs ~1.1-1.4 ms, about 16 % of
+that copy.
 This probe measures both transports in three rhythms so the floor can be re-measured on any
 machine:
 
@@ -14,7 +15,8 @@ machine:
 * ``after-45MiB`` — each call after the caller wrote 45 MiB of fresh bytes (the benchmark's
   preparation of one repeat: caches cold, both processes parked).
 
-Transports (each in its own server process, on a Unix socket in a temporary directory):
+Transports (each in its own server process, a :class:`~deltakv.services.process.ManagedProcess`
+that dies with the probe, on a Unix socket in a temporary directory):
 
 * ``grpc`` — a sync ``grpc.server`` with the standard ``grpc.health.v1`` servicer, called with a
   sync channel (what ``bench transfer`` and the sidecar use; the asyncio flavours measured the
@@ -31,13 +33,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from deltakv.services.process import ManagedProcess
 
 RHYTHMS = ("back-to-back", "after-idle", "after-45MiB")
 IDLE_S = 0.015
@@ -69,11 +74,12 @@ def serve_seqpacket(path: str) -> None:
         conn.send(message)
 
 
-def _wait_for(path: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+def _wait_for(path: str, proc: ManagedProcess, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"probe server for {path} did not start (exit {proc.poll()})")
+        if not proc.alive or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} did not start (exit {proc.returncode}):\n"
+                               f"{proc.log_tail()}")
         time.sleep(0.01)
 
 
@@ -84,18 +90,26 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
     import torch
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    # As `bench transfer`: torch's OpenMP workers would keep spinning on the second core
+    # after each 45 MiB fill, right when the timed call starts.
+    torch.set_num_threads(1)
     workdir = tempfile.mkdtemp(prefix="rpc-floor-")
     grpc_path, seq_path = os.path.join(workdir, "grpc.sock"), os.path.join(workdir, "seq.sock")
-    procs = [subprocess.Popen([sys.executable, __file__, "--serve", kind, path])
-             for kind, path in (("grpc", grpc_path), ("seqpacket", seq_path))]
+    servers: list[ManagedProcess] = []
+    closers: list[Callable[[], None]] = []
     try:
-        for proc, path in zip(procs, (grpc_path, seq_path), strict=True):
-            _wait_for(path, proc)
+        for kind, path in (("grpc", grpc_path), ("seqpacket", seq_path)):
+            servers.append(ManagedProcess(
+                f"{kind} probe server", [sys.executable, __file__, "--serve", kind, path],
+                os.path.join(workdir, f"{kind}.log")).start())
+            _wait_for(path, servers[-1])
         channel = grpc.insecure_channel(f"unix://{grpc_path}")
+        closers.append(channel.close)
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
         stub.Check(request, timeout=30, wait_for_ready=True)
         seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        closers.append(seq.close)
         seq.connect(seq_path)
         seq.settimeout(30)
 
@@ -120,16 +134,13 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
                     if i >= 10:
                         times[name].append((time.perf_counter() - t0) * 1e6)
             result[rhythm] = {name: statistics.median(ts) for name, ts in times.items()}
-        seq.close()
-        channel.close()
         return result
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        for path in (grpc_path, seq_path):
-            Path(path).unlink(missing_ok=True)
-        os.rmdir(workdir)
+        for close in reversed(closers):
+            close()
+        for server in servers:
+            server.stop(timeout_s=10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,13 +6,15 @@ worker and its sidecar, and issue 14's "sidecar / raw >= 0.95" for a 64-page shm
 met behind it on the 2-core test machine (``deltakv bench transfer``'s ``ceiling`` column,
 ``scripts/rpc_floor_probe.py``). This probe shows what replacing that hop alone would buy.
 
-It starts a decode sidecar (``deltakv serve sidecar``, shm) and, in a child process, a prefill
+It starts a decode sidecar (``deltakv serve sidecar``, shm) and, in a child process (both
+:class:`~deltakv.services.process.ManagedProcess`: they die with the probe), a prefill
 :class:`~deltakv.sidecar.server.SidecarServer` that also listens on a ``SOCK_SEQPACKET`` socket:
 each datagram there is one serialized ``WritePagesRequest``, run through the very same
 ``SidecarService.WritePages`` the gRPC server runs, answered with the serialized
 ``WritePagesResponse``. This stand-in channel has none of what a real one needs (error mapping,
 deadline, cancellation, incarnation check, trace context; a failed write drops the
-connection); the ``context`` it passes says "60 s left, active". Three methods then write the
+connection) and it skips the gRPC server's interceptors, so its figure slightly flatters a
+real channel; the ``context`` it passes says "60 s left, active". Three methods then write the
 same pages, interleaved repeat by repeat and prepared identically (fresh source bytes, zeroed
 destination, a grant issued and closed, the worker's digests), each repeat verified byte for
 byte:
@@ -28,17 +30,19 @@ Prints the medians (ms) and the ratios raw / method, with the date and load aver
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MAX_DATAGRAM = 1 << 20
 
@@ -67,10 +71,16 @@ def serve(workdir: str, pages: int) -> None:
         role="prefill", transport="shm", socket_path=os.path.join(workdir, "prefill.sock"),
         layout=bench_layout(None, 2 * pages, "smollm2"),
         pairing_key=load_key_file(os.path.join(workdir, "pairing.key"))))
+
+    def stop(*_: object) -> None:
+        # SIGTERM (the probe's teardown, or its death): the pool segment is released.
+        with contextlib.suppress(Exception):
+            server.stop()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     server.start()
     service = server.service
-    # Stopped by SIGTERM (the probe's teardown): the server releases its pool segment.
-    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), os._exit(0)))
 
     def answer(conn: socket.socket) -> None:
         with conn:
@@ -93,7 +103,9 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
     import torch
 
     from deltakv.layout import KVLayout
+    from deltakv.rpc.channel import uds_address
     from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
+    from deltakv.services.process import ManagedProcess
     from deltakv.sidecar.digests import PageDigester
     from deltakv.sidecar.grants import prompt_digest
     from deltakv.sidecar.pairing import generate_key_file
@@ -106,20 +118,28 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
 
     torch.set_num_threads(1)  # as `bench transfer`: no OpenMP workers spinning beside the copy
     layout = bench_layout(None, 2 * pages, "smollm2")
-    workdir = tempfile.mkdtemp(prefix="dkv-channel-probe-", dir="/tmp")
-    generate_key_file(os.path.join(workdir, "pairing.key"))
     digest = prompt_digest([0])
-    decode = BenchSidecar("decode", "shm", layout, workdir, [], 60)
-    child = subprocess.Popen([sys.executable, __file__, "--serve", workdir, str(pages)])
-    closers = []
+    workdir = tempfile.mkdtemp(prefix="dkv-channel-probe-", dir="/tmp")
+    children: list[Any] = []
+    closers: list[Callable[[], None]] = []
     try:
-        deadline = time.monotonic() + 60
+        generate_key_file(os.path.join(workdir, "pairing.key"))
+        children.append(BenchSidecar("decode", "shm", layout, workdir, [], 60))
+        decode = children[-1]
+        prefill_socket = os.path.join(workdir, "prefill.sock")
+        children.append(ManagedProcess(
+            "probe prefill sidecar", [sys.executable, __file__, "--serve", workdir, str(pages)],
+            os.path.join(workdir, "prefill.log"), health_target=uds_address(prefill_socket)
+        ).start())
+        children[-1].wait_serving(60)
+        deadline = time.monotonic() + 10  # the stand-in socket binds right after serving
         while not os.path.exists(os.path.join(workdir, "seqpacket.sock")):
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the probe's prefill sidecar did not start ({child.poll()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the probe's prefill sidecar opened no stand-in socket:\n"
+                                   + children[-1].log_tail())
             time.sleep(0.05)
         dec_ch = grpc.insecure_channel(decode.target)
-        pre_ch = grpc.insecure_channel(f"unix://{os.path.join(workdir, 'prefill.sock')}")
+        pre_ch = grpc.insecure_channel(uds_address(prefill_socket))
         closers += [dec_ch.close, pre_ch.close]
         dec = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
         pre = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
@@ -138,6 +158,7 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
         closers.append(engine.close)
         engine.register_pool(src_pool)
         peer = engine.connect(dec_desc.endpoint)
+        closers.append(lambda: engine.disconnect(peer))
         seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         seq.connect(os.path.join(workdir, "seqpacket.sock"))
         seq.settimeout(60)
@@ -193,13 +214,8 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
                 close()
             except Exception as exc:  # noqa: BLE001 - keep tearing down
                 print(f"write_pages_channel_probe: cleanup error: {exc}", file=sys.stderr)
-        child.terminate()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        decode.stop()
+        for child in reversed(children):
+            child.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

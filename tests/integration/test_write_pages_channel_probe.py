@@ -4,6 +4,7 @@ script fails otherwise), and nothing left running or mapped afterwards."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ SCRIPT = REPO_ROOT / "scripts" / "write_pages_channel_probe.py"
 @pytest.mark.timeout(180)
 def test_probe_writes_through_all_three_methods() -> None:
     segments_before = set(_pool_segments())
+    # The probe's sidecars live only while it runs: none of its segments may outlive it.
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pages", "2", "--repeats", "2"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -33,7 +35,10 @@ def test_probe_writes_through_all_three_methods() -> None:
 
 
 def _pool_segments() -> list[str]:
-    return [p.name for p in Path("/dev/shm").glob("deltakv-pool-*")]
+    """This test session's shared-memory segments: tests/conftest.py gives every sidecar it
+    starts a session prefix (``$DELTAKV_SHM_PREFIX``), pools and their fence words alike."""
+    prefix = os.environ["DELTAKV_SHM_PREFIX"]
+    return [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
 
 
 def test_probe_rejects_bad_sizes() -> None:

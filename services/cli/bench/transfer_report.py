@@ -70,7 +70,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{rec['sidecar_cpu_ms']:>10.2f} ms{rec['contiguous_ms']:>7.2f} ms"
         f"{rec['raw_cpu_ms']:>7.2f} ms{rec['raw_ms']:>7.2f} ms"))
     lines += ["", "where a contiguous write's time goes (medians, ms): raw engine + the gRPC hop to "
-              "the sidecar (an empty call prepared like a write) + the sidecar's own work; "
+              "the sidecar (an empty call prepared like a write) + the sidecar's own work (the "
+              "difference of the medians); "
               "ceiling = raw / (raw + hop), the best ratio any handler behind that hop reaches "
               "here", f"{'backend':<10}{'raw':>9}{'sidecar':>10}{'gRPC hop':>10}"
               f"{'own work':>10}{'ratio':>8}{'ceiling':>9}"]
