@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.process import ManagedProcess
 
 RHYTHMS = ("back-to-back", "after-idle", "after-45MiB")
@@ -136,11 +135,7 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
             result[rhythm] = {name: statistics.median(ts) for name, ts in times.items()}
         return result
     finally:
-        for close in reversed(closers):
-            close()
-        for server in servers:
-            server.stop(timeout_s=10)
-        shutil.rmtree(workdir, ignore_errors=True)
+        tear_down("rpc_floor_probe", closers, servers, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.calls <= 0:
         parser.error("--calls must be > 0")
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    from deltakv.services.cli.bench.transfer_report import run_stamp
+
+    stamp = run_stamp()  # at the start, like bench transfer's load average
     result = measure(args.calls)
     print(f"rpc floor probe: median us per empty call, {args.calls} calls each, transports "
-          f"interleaved; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, load average "
-          f"{load}, {os.cpu_count()} CPUs")
+          f"interleaved; {stamp}")
     print(f"{'rhythm':<14}{'grpc':>10}{'seqpacket':>12}")
     for rhythm, row in result.items():
         print(f"{rhythm:<14}{row['grpc']:>10.0f}{row['seqpacket']:>12.0f}")

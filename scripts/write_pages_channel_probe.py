@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -41,7 +40,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 MAX_DATAGRAM = 1 << 20
@@ -105,6 +103,7 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
     from deltakv.layout import KVLayout
     from deltakv.rpc.channel import uds_address
     from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
+    from deltakv.services.cli.bench.teardown import tear_down
     from deltakv.services.process import ManagedProcess
     from deltakv.sidecar.digests import PageDigester
     from deltakv.sidecar.grants import prompt_digest
@@ -209,14 +208,7 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
                     times[method].append(elapsed * 1e3)
         return {method: statistics.median(ts) for method, ts in times.items()}
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down
-                print(f"write_pages_channel_probe: cleanup error: {exc}", file=sys.stderr)
-        for child in reversed(children):
-            child.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        tear_down("write_pages_channel_probe", closers, children, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pages <= 0 or args.repeats <= 0:
         parser.error("--pages and --repeats must be > 0")
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    from deltakv.services.cli.bench.transfer_report import run_stamp
+
+    stamp = run_stamp()  # at the start, like bench transfer's load average
     result = measure(args.pages, args.repeats)
     print(f"write_pages channel probe: {args.pages} pages, shm, median of {args.repeats} "
-          f"interleaved; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, load average "
-          f"{load}, {os.cpu_count()} CPUs")
+          f"interleaved; {stamp}")
     print(f"{'method':<11}{'ms':>9}{'raw/method':>12}")
     for method, ms in result.items():
         print(f"{method:<11}{ms:>9.3f}{result['raw'] / ms:>12.3f}")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from deltakv.services.cli.argtypes import positive_float, positive_int
+from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.cli.bench.timing import gbps
 from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, BenchSidecar, bench_layout
 
@@ -220,14 +220,7 @@ def measure(pages: int, page_bytes: int | None, repeats: int, options: list[str]
         record["gbps_poller_over_waiter"] = new["gbps"] / old["gbps"]
         return record
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down
-                print(f"bench completion: cleanup error: {exc}", file=sys.stderr)
-        for sc in reversed(sidecars):
-            sc.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        tear_down("bench completion", closers, sidecars, workdir)
 
 
 def format_table(r: dict[str, Any]) -> str:

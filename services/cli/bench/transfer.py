@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -93,6 +92,7 @@ from deltakv.services.cli.bench.bench_sidecar import (  # noqa: F401 - bench_lay
     BenchSidecar,
     bench_layout,
 )
+from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.cli.bench.timing import (  # noqa: F401 - time_page_writes is API
     Trial,
     gbps,
@@ -438,14 +438,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                          and ok_scat_off and ok_contig_hash and ok_rpc and small_ok),
         }
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down
-                print(f"bench transfer: cleanup error: {exc}", file=sys.stderr)
-        for sc in reversed(sidecars):
-            sc.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        tear_down("bench transfer", closers, sidecars, workdir)
 
 
 def run(args: argparse.Namespace) -> int:

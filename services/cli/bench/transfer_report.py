@@ -3,6 +3,8 @@ measures, this formats its result dict)."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,13 @@ def _measured_rows(result: dict[str, Any], row: Callable[[dict[str, Any]], str])
     ``row(record)``."""
     return [f"{name:<10}{row(rec)}" for name, rec in result["backends"].items()
             if "error" not in rec]
+
+
+def run_stamp() -> str:
+    """When and on what a measurement ran, for a printed header: the UTC date, the load
+    average (:func:`loadavg`) and the CPU count."""
+    return (f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, load average {loadavg()}, "
+            f"{os.cpu_count()} CPUs")
 
 
 def format_table(result: dict[str, Any]) -> str:
