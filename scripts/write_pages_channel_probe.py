@@ -34,7 +34,6 @@ import contextlib
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -96,7 +95,9 @@ def serve(workdir: str, pages: int) -> None:
 
 def measure(pages: int, repeats: int) -> dict[str, float]:
     """Median milliseconds of each method over ``repeats`` interleaved rounds (after one
-    untimed round); RuntimeError if a repeat did not write its bytes."""
+    untimed round, the order rotated each round: ``bench transfer``'s
+    :func:`~deltakv.services.cli.bench.timing.time_interleaved`); RuntimeError if a repeat did
+    not write its bytes."""
     import grpc
     import torch
 
@@ -104,6 +105,7 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
     from deltakv.rpc.channel import uds_address
     from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
     from deltakv.services.cli.bench.teardown import tear_down
+    from deltakv.services.cli.bench.timing import Trial, page_write_trial, time_interleaved
     from deltakv.services.process import ManagedProcess
     from deltakv.sidecar.digests import PageDigester
     from deltakv.sidecar.grants import prompt_digest
@@ -164,8 +166,6 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
         closers.append(seq.close)
 
         block = list(range(pages))
-        index = torch.tensor(block, dtype=torch.long)
-        gen = torch.Generator().manual_seed(0)
 
         def write(method: str, info: kv_pb2.TransferInfo, digests: list[int]) -> None:
             request = sidecar_pb2.WritePagesRequest(
@@ -183,30 +183,34 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
                     raise RuntimeError("the stand-in channel dropped the write (see stderr)")
                 sidecar_pb2.WritePagesResponse.FromString(reply)
 
-        methods = ["raw", "grpc", "seqpacket"]
-        times: dict[str, list[float]] = {m: [] for m in methods}
-        for i in range(repeats + 1):
-            shift = i % len(methods)
-            for method in methods[shift:] + methods[:shift]:
-                src_view[index] = torch.randint(0, 256, (pages, src_view.shape[1]),
-                                                dtype=torch.uint8, generator=gen)
-                dst_view[index] = 0
-                digests = worker_digests.digest(block)
-                info = dec.IssueGrant(sidecar_pb2.IssueGrantRequest(
+        def trial(method: str, seed: int) -> Trial:
+            """``bench transfer``'s preparation and check around one method's write: fresh
+            source bytes and a zeroed destination, then (untimed) the worker's digests and
+            a grant; after it the grant is closed and the bytes compared."""
+            granted: list[kv_pb2.TransferInfo] = []
+            digests: list[list[int]] = []
+
+            def setup() -> None:
+                digests.append(worker_digests.digest(block))
+                granted.append(dec.IssueGrant(sidecar_pb2.IssueGrantRequest(
                     owner_request_id="probe-dst", prompt_digest=digest,
                     transfer_info=kv_pb2.TransferInfo(
                         request_id="probe", dst_page_indices=block, decode_prefix_len=0,
                         prompt_len=pages * layout.page_size, lease_ms=120_000)),
-                    timeout=10).transfer_info
-                t0 = time.perf_counter()
-                write(method, info, digests)
-                elapsed = time.perf_counter() - t0
-                dec.CloseGrant(sidecar_pb2.CloseGrantRequest(room=info.room), timeout=10)
-                if not torch.equal(dst_view[index], src_view[index]):
-                    raise RuntimeError(f"{method}: a repeat did not write its bytes")
-                if i:
-                    times[method].append(elapsed * 1e3)
-        return {method: statistics.median(ts) for method, ts in times.items()}
+                    timeout=10).transfer_info)
+
+            return page_write_trial(
+                src_view, block, dst_view, block,
+                lambda: write(method, granted[-1], digests[-1]), seed=seed, setup=setup,
+                teardown=lambda: dec.CloseGrant(
+                    sidecar_pb2.CloseGrantRequest(room=granted[-1].room), timeout=10))
+
+        methods = ("raw", "grpc", "seqpacket")
+        timed = time_interleaved(repeats, {m: trial(m, i) for i, m in enumerate(methods)})
+        wrong = [m for m, (_, ok) in timed.items() if not ok]
+        if wrong:
+            raise RuntimeError(f"{', '.join(wrong)}: a repeat did not write its bytes")
+        return {method: seconds * 1e3 for method, (seconds, _) in timed.items()}
     finally:
         tear_down("write_pages_channel_probe", closers, children, workdir)
 
