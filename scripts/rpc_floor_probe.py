@@ -18,7 +18,8 @@ machine:
 Transports (each in its own server process, a :class:`~deltakv.services.process.ManagedProcess`
 that dies with the probe, on a Unix socket in a temporary directory):
 
-* ``grpc`` — a sync ``grpc.server`` with the standard ``grpc.health.v1`` servicer, called with a
+* ``grpc`` — a bare sync ``grpc.server`` with the standard ``grpc.health.v1`` servicer (not
+  deltakv's ``SyncServer``: without its interceptors the figure is gRPC's own), called with a
   sync channel (what ``bench transfer`` and the sidecar use; the asyncio flavours measured the
   same within noise, 2026-12-01);
 * ``seqpacket`` — an ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, one blocking ``recv`` / ``send`` per
