@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls <= 0:
         parser.error("--calls must be > 0")
     from deltakv.services.cli.bench.transfer_report import run_stamp
+    from deltakv.services.cli.interrupts import unwind_on_sigterm
 
+    unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the `finally` stops the server child
     stamp = run_stamp()  # at the start, like bench transfer's load average
     result = measure(args.calls)
     print(f"rpc floor probe: median us per empty call, {args.calls} calls each, transports "

@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages <= 0 or args.repeats <= 0:
         parser.error("--pages and --repeats must be > 0")
     from deltakv.services.cli.bench.transfer_report import run_stamp
+    from deltakv.services.cli.interrupts import unwind_on_sigterm
 
+    unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the `finally` stops the server child
     stamp = run_stamp()  # at the start, like bench transfer's load average
     result = measure(args.pages, args.repeats)
     print(f"write_pages channel probe: {args.pages} pages, shm, median of {args.repeats} "

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from deltakv.services.cli.bench.multiturn import (
 )
 from deltakv.services.cli.bench.multiturn_report import FULL, INCREMENTAL, format_table
 from deltakv.services.cli.chat import ChatSession, format_turn_stats
+from deltakv.services.cli.interrupts import signals_held, unwind_on_sigterm
 from deltakv.services.cluster import ClusterError, LocalCluster
 
 # Incremental rounds >= 1 must move at most this fraction of the full-transfer bytes.
@@ -173,10 +173,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, DEMO_WORKLOAD)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``deltakv demo``: 0 pass, 1 a check failed, 2 no cluster / bad flags."""
     out = sys.stdout
@@ -194,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv demo: {exc}", file=sys.stderr)
         return 2
     # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the cluster in order.
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     own_dir = args.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="deltakv-demo-")) if own_dir else args.run_dir
     say(f"starting the local cluster (deltakv up --model {args.model} --transport "
@@ -221,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
     finally:
         say("stopping the cluster")
-        codes = cluster.stop()
+        with signals_held():  # a second Ctrl-C/SIGTERM must not cut the clean-up short
+            codes = cluster.stop()
         say("cluster stopped, exit codes: "
             + ", ".join(f"{name} {code}" for name, code in codes.items()))
     out.write("\n" + format_table(result["bench"]) + "\n")

@@ -20,6 +20,7 @@ import sys
 import traceback
 
 from deltakv.services.cli.argtypes import DefaultsHelpFormatter
+from deltakv.services.cli.interrupts import unwind_on_sigterm
 
 # Set by the entry point, never at import of a library module (models are built in or local
 # files; the loader also passes local_files_only).
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_accepts_any", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    # SIGTERM unwinds like Ctrl-C, so every command's clean-up (`finally`) runs.
+    unwind_on_sigterm()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -139,12 +139,17 @@ class ShmTransport(Transport):
     # ------------------------------------------------------------------ local side
 
     def register_pool(self, pool: SharedKVPool) -> None:
-        """Remember the local pool (source of writes; what peers map) and create its fence
-        segment ``<pool name>.fence`` (owned by this transport until :meth:`close`). Once per
-        transport; the sidecar keeps owning the pool. InvalidArgument if called twice."""
+        """Remember the local pool (source of writes; what peers map). For the pool's owner
+        (``pool.owner``: the sidecar that created it) also create its fence segment
+        ``<pool name>.fence`` (owned by this transport until :meth:`close`). A transport over
+        an attached pool (a benchmark's raw engine writing from a sidecar's pool) only
+        writes: it creates no fence segment — the owner's sidecar has one of that name, and
+        a second would replace it — and cannot :meth:`describe` itself. Once per transport;
+        the caller keeps owning the pool. InvalidArgument if called twice."""
         if self._pool is not None:
             raise InvalidArgument("shm transport already has a registered pool")
-        self.fence_table = FenceTable.create(f"{pool.name}.fence", pool.layout.num_pages)
+        if pool.owner:
+            self.fence_table = FenceTable.create(f"{pool.name}.fence", pool.layout.num_pages)
         self._pool = pool
 
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
@@ -156,8 +161,12 @@ class ShmTransport(Transport):
             raise InvalidArgument(
                 f"describe: layout has {layout.pool_bytes} bytes, the registered pool "
                 f"{pool.nbytes}")
-        host = socket.gethostname()
         fence = self.fence_table
+        if fence is None:
+            raise FailedPrecondition(
+                f"shm transport over pool {pool.name!r} attached, not owned: only the pool's "
+                f"owner publishes it (with its fence words)")
+        host = socket.gethostname()
         descriptor = {
             "v": _DESCRIPTOR_VERSION,
             "segment": pool.name,

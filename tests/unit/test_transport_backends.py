@@ -229,3 +229,38 @@ def test_mooncake_moves_each_planned_batch_as_one_engine_call(pools):
     finally:
         ta.close()
         tb.close()
+
+
+@pytest.mark.timeout(60)
+def test_shm_over_an_attached_pool_writes_but_creates_no_fence_segment(pools):
+    """A writer over a pool it only attached (a benchmark's raw engine over a sidecar's pool)
+    must not create ``<pool>.fence``: the pool's owner has one of that name, and a second
+    would replace it — and outlive a writer killed before its close."""
+    a, b = pools
+    owner = create_transport("shm", TransportOptions())
+    owner.register_pool(a)
+    fence_path = f"/dev/shm/{a.name}.fence"
+    before = os.stat(fence_path).st_ino
+    attached = SharedKVPool.attach(a.name, a.layout)
+    writer = create_transport("shm", TransportOptions())
+    target = create_transport("shm", TransportOptions())
+    try:
+        writer.register_pool(attached)
+        assert writer.fence_table is None
+        assert os.stat(fence_path).st_ino == before  # the owner's segment, untouched
+        with pytest.raises(FailedPrecondition, match="attached, not owned"):
+            writer.describe("ep-writer", a.layout)
+        # It still writes: from the attached pool into b, under b's fence words.
+        target.register_pool(b)
+        target.fence_table.arm(1, [3])
+        peer = writer.connect(target.describe("ep-b", b.layout))
+        a.tensor[2].fill_(7.0)
+        writer.write(peer, [PageRun(src_page=2, dst_page=3, num_pages=1)], ticket())
+        assert bool((b.tensor[3] == 7.0).all())
+        writer.disconnect(peer)
+    finally:
+        writer.close()
+        target.close()
+        attached.close()
+        owner.close()
+    assert not os.path.exists(fence_path)  # the owner's close removed its own

@@ -45,6 +45,7 @@ from deltakv.services.cli.argtypes import positive_float, positive_int
 from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.cli.bench.timing import gbps
 from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, BenchSidecar, bench_layout
+from deltakv.services.cli.interrupts import signals_held
 
 MODES = ("waiter", "poller")
 
@@ -273,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         if link is not None:
-            link.destroy()
+            with signals_held():
+                link.destroy()
     print(format_table(record))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

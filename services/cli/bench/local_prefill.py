@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from deltakv.services.cli.argtypes import non_negative_int, positive_int
+from deltakv.services.cli.interrupts import signals_held
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,8 +208,9 @@ def run_bench(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
                                         "remote": clusters["never"].decode_address},
                                  rng, vocab, log)
         finally:
-            for cluster in clusters.values():
-                cluster.stop()
+            with signals_held():  # a second Ctrl-C/SIGTERM must not cut the clean-up short
+                for cluster in clusters.values():
+                    cluster.stop()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_before": list(load_before), "load_after": list(os.getloadavg()),
             "config": {"model": args.model, "transport": args.transport, "page_size": page,

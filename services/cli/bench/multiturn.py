@@ -53,7 +53,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -93,6 +92,7 @@ from deltakv.services.cli.bench.multiturn_workload import (  # noqa: F401 (re-ex
     random_tokens,
     session_key,
 )
+from deltakv.services.cli.interrupts import signals_held, unwind_on_sigterm
 
 # --------------------------------------------------------------------------- running
 
@@ -270,10 +270,6 @@ def environment(link: str | None) -> dict:
             "link": link}
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
                    progress: Callable[[str], None]) -> dict:
     """Start the two-host cluster, run the bench against it, always stop it (namespace
@@ -292,12 +288,8 @@ def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
     finally:
         progress("stopping the cluster")
         # A second Ctrl-C/SIGTERM must not cut the clean-up short (processes, namespace, shm).
-        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with signals_held():
             cluster.stop()
-        finally:
-            for sig, handler in held.items():
-                signal.signal(sig, handler)
 
 
 def _overlap_compare(args: argparse.Namespace, config: MultiturnConfig,
@@ -324,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     # SIGTERM unwinds like Ctrl-C: the own cluster (and its namespace) is stopped.
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     env = environment(args.link)
     try:
         config = config_from_args(args, compare=args.compare)

@@ -62,6 +62,7 @@ from deltakv.services.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from deltakv.services.cli.interrupts import signals_held
 
 ALLOWED = ("OK", "CANCELLED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
 CANCEL_POINTS = ("before_first_token", "mid_stream", "after_last_token")
@@ -477,7 +478,8 @@ def run(args: argparse.Namespace) -> int:
             cluster.decode_address, cluster.prefill_address, config,
             progress=lambda line: print(line, file=sys.stderr)))
     finally:
-        cluster.stop()
+        with signals_held():  # a second Ctrl-C/SIGTERM must not cut the clean-up short
+            cluster.stop()
     completed = [(p, o.token_ids) for p, o in zip(planned, outcomes, strict=True)
                  if p.kind == "greedy" and o.code == "OK"]
     print(f"checking {len(completed)} greedy outputs against the reference", file=sys.stderr)
