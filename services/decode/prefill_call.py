@@ -42,6 +42,32 @@ _PREFILL_RETRY_FIRST_S = 0.05
 _PREFILL_RETRY_MAX_S = 1.0
 
 
+# gRPC's own deadline fires at the bound, never before; a DEADLINE_EXCEEDED this much earlier
+# is a bound of prefill's (its room's lease, its transfer's deadline), not decode's.
+_OWN_DEADLINE_SLACK_S = 0.05
+
+
+def prefill_bound(prefill_timeout_ms: int, remaining_s: float | None) -> tuple[float, str]:
+    """The Prefill call's deadline in seconds and what sets it: ``--prefill-timeout-ms``, or
+    the request's remaining deadline when that is shorter (``remaining_s``: None = none)."""
+    timeout_s = prefill_timeout_ms / 1000.0
+    if remaining_s is not None and remaining_s < timeout_s:
+        return remaining_s, "the request's remaining deadline"
+    return timeout_s, f"--prefill-timeout-ms {prefill_timeout_ms}"
+
+
+def deadline_error(target: str, elapsed_s: float, timeout_s: float, bound: str,
+                   details: str) -> DeadlineExceeded:
+    """DEADLINE_EXCEEDED of a Prefill call that ran ``elapsed_s`` under decode's deadline of
+    ``timeout_s`` (set by ``bound``), stating the bound that actually fired: decode's own when
+    the call lasted that long, else prefill's, whose message (``details``) names it."""
+    if elapsed_s >= timeout_s - _OWN_DEADLINE_SLACK_S:
+        why = f" ({bound})" if bound else ""
+        return DeadlineExceeded(f"prefill {target} did not answer within {timeout_s:.1f} s{why}")
+    return DeadlineExceeded(f"prefill {target} gave up after {elapsed_s:.1f} s, before "
+                            f"decode's {timeout_s:.1f} s: {details}")
+
+
 class PrefillCall:
     """Grant + ``Prefill`` (+ retries) for one decode worker. Holds no request state: each
     call reads and updates the request's :class:`RequestState` (``room``, ``prefill``,
@@ -106,15 +132,12 @@ class PrefillCall:
                     lease_ms=self.config.lease_ms), digest)
             state.room = info.room
             bind_request(state.request_id, state.room)
-            timeout_s = self.config.prefill_timeout_ms / 1000.0
-            remaining = time_remaining()
-            if remaining is not None:
-                timeout_s = min(timeout_s, remaining)
+            timeout_s, bound = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
             queue_ms = int(max(state.admission_deadline - time.monotonic(), 0.0) * 1000)
             try:
                 return await self._call(state, prefill_pb2.PrefillRequest(
                     token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
-                    queue_timeout_ms=max(queue_ms, 1)), timeout_s)
+                    queue_timeout_ms=max(queue_ms, 1)), timeout_s, bound)
             except ResourceExhausted as exc:
                 await self.teardown.abort_transfer(state)
                 try:
@@ -131,11 +154,12 @@ class PrefillCall:
                 backoff_s = min(backoff_s * 2, _PREFILL_RETRY_MAX_S)
 
     async def _call(self, state: RequestState, request: prefill_pb2.PrefillRequest,
-                            timeout_s: float) -> prefill_pb2.PrefillResponse:
+                    timeout_s: float, bound: str = "") -> prefill_pb2.PrefillResponse:
         """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
-        failure as a typed error: DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE naming
-        prefill, or prefill's own typed status. ``state.transfer_pending`` is True from the
-        send until prefill answered."""
+        failure as a typed error: DEADLINE_EXCEEDED (:func:`deadline_error`: decode's own
+        ``timeout_s``, named by ``bound``, or prefill's), UNAVAILABLE naming prefill, or
+        prefill's own typed status. ``state.transfer_pending`` is True from the send until
+        prefill answered."""
         backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
         state.prefill = backend
         state.sent_at = time.monotonic()
@@ -145,8 +169,8 @@ class PrefillCall:
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = DeadlineExceeded(f"prefill {backend.target} did not answer within "
-                                         f"{timeout_s:.1f} s")
+                error = deadline_error(backend.target, time.monotonic() - state.sent_at,
+                                       timeout_s, bound, exc.details() or "")
             elif isinstance(error, Unavailable):
                 error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
             raise error from None

@@ -126,6 +126,8 @@ class _Attempt:
     # that incarnation is lost.
     lease: Any = None
     lost: DeltaKVError | None = None
+    #: The room's lease as decode granted it (ms from receipt): what an expiry message names.
+    lease_ms: int = 0
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -203,7 +205,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.counters["requests_failed"] += 1
             telemetry.fail_current(exc)
             raise  # the server's error interceptor sends its status
-        attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}")
+        attempt = _Attempt(room=info.room, sidecar_request_id=f"{info.request_id}/{info.room}",
+                           lease_ms=info.lease_ms)
         try:
             attempt.lease = self.worker.pairing.enter()
         except DeltaKVError as exc:
@@ -400,7 +403,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if attempt.aborted:
             raise Aborted(f"room {attempt.room} was aborted {where}")
         if time.monotonic() >= lease_end:
-            raise DeadlineExceeded(f"lease of room {attempt.room} expired {where}")
+            raise DeadlineExceeded(f"lease of room {attempt.room} ({attempt.lease_ms} ms from "
+                                   f"receipt) expired {where}")
         if context.done():
             raise Aborted(f"caller went away {where}")
 

@@ -336,7 +336,8 @@ class MooncakeTransport(Transport):
     def _run(self, handle: MooncakePeer, srcs: list[int], dsts: list[int],
              lengths: list[int], ticket: RoomTicket) -> None:
         ticket.check_alive()
-        deadline = time.monotonic() + ticket.remaining_s()
+        budget_s = ticket.remaining_s()
+        deadline = time.monotonic() + budget_s
         with self._lock:
             if self._closed:
                 raise Unavailable("mooncake transport is closed")
@@ -360,7 +361,8 @@ class MooncakeTransport(Transport):
                           "destination pages")
             raise DeadlineExceeded(
                 f"mooncake write to {handle.endpoint_id!r} at {handle.session}: a batch of "
-                f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete by the deadline"
+                f"{len(srcs)} writes ({sum(lengths)} bytes) did not complete within the room's "
+                f"remaining deadline ({budget_s:.1f} s at submission)"
                 + ("" if settled else "; it is still in the engine"),
                 in_flight=not settled)
         if write.overdue:
