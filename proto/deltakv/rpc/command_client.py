@@ -190,6 +190,8 @@ class CommandClient:
         while True:
             frame = await frames.aread_frame(conn.reader)
             if frame.WhichOneof("kind") == "status":
+                # Call id 0: a refusal of the whole connection, which the sidecar closes.
+                conn.spent = conn.spent or frame.call_id == 0
                 return frame.status
 
     async def _stream(self, conn: _Connection, call_id: int,
@@ -220,7 +222,7 @@ class CommandClient:
             first = await told
             if first.WhichOneof("kind") == "status":
                 # Ended before our half-close: the sidecar closes this connection.
-                conn.spent = not half_closed
+                conn.spent = not half_closed or first.call_id == 0
                 return first.status
             if failed_code(metadata_pairs(first.initial_metadata.metadata)) is None:
                 raise frames.FrameUndecodable("unexpected initial metadata on a command call")

@@ -6,8 +6,8 @@ response message or raises :class:`~deltakv.rpc.command_client.CommandRpcError` 
 ``SidecarServiceStub`` call would; a client-streaming method takes an iterator of messages and
 stops sending as soon as the sidecar says the call failed. For benchmarks, probes and tests
 (tools and operators use gRPC); workers use the asyncio
-:class:`~deltakv.rpc.command_client.CommandClient`. One connection, reused call after call;
-not thread-safe.
+:class:`~deltakv.rpc.command_client.CommandClient`. Thread-safe like a gRPC stub: each call
+takes an idle connection (or opens one) and gives it back after its status.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class CommandStub:
         self.path = path
         self._descriptor = service_descriptor
         self._table = MethodTable(service_descriptor)
-        self._sock: socket.socket | None = None
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
     def __getattr__(self, name: str) -> Any:
@@ -95,9 +96,11 @@ class CommandStub:
         return _Method(self, name)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Close the idle connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
 
     def call(self, method: str, request: bytes | Iterable[Any], timeout_s: float,
              metadata: Sequence[tuple[str, str]] = (), streaming: bool = False,
@@ -108,8 +111,9 @@ class CommandStub:
         deadline = time.monotonic() + timeout_s
         call_id = next(self._ids)
         ok = False
+        sock: socket.socket | None = None
         try:
-            sock = self._connect()
+            sock = self._take()
             frames.write_frame(sock, command_pb2.CommandFrame(
                 call_id=call_id, call=command_pb2.CommandCall(
                     method=method, timeout_us=max(1, int(timeout_s * 1e6)),
@@ -120,10 +124,13 @@ class CommandStub:
                 threading.Thread(target=self._send_parts, args=(sock, call_id, request, stop),
                                  daemon=True, name="command-parts").start()
             try:
-                status = self._status(sock, deadline, stop, on_initial)
+                last = self._status(sock, deadline, stop, on_initial)
             finally:
                 stop.set()
-            ok = not streaming  # a stream's connection may be spent: never reuse it
+            status = last.status
+            # A stream's connection may be spent, and call id 0 is a refusal of the whole
+            # connection (the sidecar closes it): never reuse those.
+            ok = not streaming and last.call_id != 0
         except TimeoutError:
             raise CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except (frames.FrameTruncated, OSError) as exc:
@@ -132,20 +139,25 @@ class CommandStub:
         except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
             raise CommandRpcError(exc.code, exc.message) from None
         finally:
-            if not ok:
-                self.close()
+            if sock is not None:
+                if ok:
+                    with self._lock:
+                        self._idle.append(sock)
+                else:
+                    sock.close()
         return raise_status(status)
 
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(self.path)
-            except OSError:
-                sock.close()
-                raise
-            self._sock = sock
-        return self._sock
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     @staticmethod
     def _send_parts(sock: socket.socket, call_id: int, parts: Iterable[Any],
@@ -164,7 +176,7 @@ class CommandStub:
                 call_id=call_id, half_close=command_pb2.CommandHalfClose()))
 
     def _status(self, sock: socket.socket, deadline: float, stop: threading.Event,
-                on_initial: Any) -> command_pb2.CommandStatus:
+                on_initial: Any) -> command_pb2.CommandFrame:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -173,9 +185,7 @@ class CommandStub:
             frame = frames.read_frame(sock)
             kind = frame.WhichOneof("kind")
             if kind == "status":
-                if frame.call_id == 0:
-                    self.close()
-                return frame.status
+                return frame
             metadata = metadata_pairs(frame.initial_metadata.metadata)
             if kind != "initial_metadata" or failed_code(metadata) is None:
                 raise frames.FrameTruncated(f"unexpected {kind} frame before the status")
