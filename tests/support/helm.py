@@ -76,11 +76,23 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def native_sidecars(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pod spec's native sidecars (init containers with ``restartPolicy: Always``), in rank
+    order; the one-shot init containers before them (the pairing key's copy) are left out."""
+    return [c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+
+
+def one_shot_inits(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pod spec's init containers that run to completion before the sidecars start."""
+    return [c for c in spec.get("initContainers", []) if c.get("restartPolicy") != "Always"]
+
+
 def workload_containers(objects: list[dict[str, Any]]):
-    """(deployment role, container, is_sidecar) for every deltakv container of both pools."""
+    """(deployment role, container, is_sidecar) for every long-running deltakv container of
+    both pools (native sidecars and workers)."""
     for role in ("prefill", "decode"):
         spec = deployment(objects, role)["spec"]["template"]["spec"]
-        for c in spec.get("initContainers", []):
+        for c in native_sidecars(spec):
             yield role, c, True
         for c in spec["containers"]:
             yield role, c, False

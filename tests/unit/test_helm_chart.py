@@ -42,6 +42,7 @@ from tests.support.helm import (
     flag_values,
     leaf_parser,
     named,
+    native_sidecars,
     of_kind,
     ports_by_name,
     render,
@@ -129,8 +130,9 @@ def test_one_native_sidecar_per_gpu_sharing_sockets_and_shm(case, rendered):
     for role in ("prefill", "decode"):
         gpus = values[role]["gpusPerPod"]
         spec = deployment(objects, role)["spec"]["template"]["spec"]
-        sidecars = spec["initContainers"]
-        assert [c["name"] for c in sidecars] == [f"sidecar-{r}" for r in range(gpus)]
+        sidecars = native_sidecars(spec)
+        assert [c["name"] for c in spec["initContainers"]] == \
+            ["pairing-key", *(f"sidecar-{r}" for r in range(gpus))]
         assert all(c["restartPolicy"] == "Always" for c in sidecars), "not native sidecars"
         (worker,) = spec["containers"]
         assert worker["name"] == "worker"
@@ -282,7 +284,7 @@ def test_grace_period_covers_the_drains(case, rendered):
         spec = deployment(objects, role)["spec"]["template"]["spec"]
         worker_drain = float(flag_value(spec["containers"][0]["args"], "--drain-timeout-s"))
         sidecar_drain = max(float(flag_value(c["args"], "--drain-timeout-s"))
-                            for c in spec["initContainers"])
+                            for c in native_sidecars(spec))
         pre_stop = values["termination"]["preStopSleepSeconds"]
         # The kubelet stops native sidecars after the worker exits: the drains add up.
         assert spec["terminationGracePeriodSeconds"] > pre_stop + worker_drain + sidecar_drain
@@ -304,7 +306,7 @@ def test_rdma_knobs(rendered):
         (request,) = template["spec"]["spec"]["devices"]["requests"]
         assert request["exactly"]["count"] == values[role]["gpusPerPod"]
         assert request["exactly"]["deviceClassName"] == "gpu.amd.com"
-        for rank, c in enumerate(spec["initContainers"]):
+        for rank, c in enumerate(native_sidecars(spec)):
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
             for name, count in values["rdma"]["resources"].items():
                 assert c["resources"]["requests"][name] == count
@@ -323,7 +325,7 @@ def test_mooncake_nic_becomes_a_transport_option(chart):
                       "resources": {"rdma/hca": 1}}
     values["transport"]["options"] = {"protocol": "rdma"}
     objects = render(chart, values)
-    sidecars = deployment(objects, "prefill")["spec"]["template"]["spec"]["initContainers"]
+    sidecars = native_sidecars(deployment(objects, "prefill")["spec"]["template"]["spec"])
     # One GPU per pod: its one sidecar (rank 0) takes nics[0].
     assert [flag_values(c["args"], "--transport-option") for c in sidecars] == [
         ["protocol=rdma", "device_name=mlx5_0"]]
@@ -362,7 +364,7 @@ def test_telemetry_settings(rendered):
     for role in ("prefill", "decode"):
         template = deployment(objects, role)["spec"]["template"]
         assert template["metadata"]["annotations"]["prometheus.io/port"] == str(port)
-        ranks = template["spec"]["initContainers"]
+        ranks = native_sidecars(template["spec"])
         assert int(flag_value(template["spec"]["containers"][0]["args"], "--metrics-port")) == port
         for rank, c in enumerate(ranks):
             assert int(flag_value(c["args"], "--metrics-port")) == port + 1 + rank

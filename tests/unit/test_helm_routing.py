@@ -82,8 +82,10 @@ def test_envoy_ring_hash_on_the_session_header_over_every_decode_pod(routing):
     assert "typed_extension_protocol_options" in clusters["decode_grpc"]  # HTTP/2 upstream
     listeners = {item["name"]: item for item in config["static_resources"]["listeners"]}
     assert {n: item["address"]["socket_address"]["port_value"]
-            for n, item in listeners.items()} == {"grpc": r["grpcPort"], "http": r["httpPort"]}
-    for listener in listeners.values():
+            for n, item in listeners.items()} == {"grpc": r["grpcPort"], "http": r["httpPort"],
+                                                  "health": r["healthPort"]}
+    for name in ("grpc", "http"):
+        listener = listeners[name]
         manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
         (route,) = manager["route_config"]["virtual_hosts"][0]["routes"]
         assert route["route"]["hash_policy"] == [
@@ -95,7 +97,8 @@ def test_envoy_ring_hash_on_the_session_header_over_every_decode_pod(routing):
     service = named(objects, "Service", f"{RELEASE}-deltakv-router")
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
         "grpc": r["grpcPort"], "http": r["httpPort"]}
-    assert ports_by_name(envoy) == {"grpc": r["grpcPort"], "http": r["httpPort"]}
+    assert ports_by_name(envoy) == {"grpc": r["grpcPort"], "http": r["httpPort"],
+                                    "health": r["healthPort"]}
     assert service["spec"]["selector"].items() <= \
         router["spec"]["template"]["metadata"]["labels"].items()
 
@@ -137,8 +140,15 @@ def test_router_speaks_tls_on_both_sides_like_decode(routing, client_certs):
         values = chart.merge_values(values)
     config = _router_config(objects)
     decode_fqdn = f"{RELEASE}-deltakv-decode.{NAMESPACE}.svc.{values['clusterDomain']}"
+    # Every listener that reaches decode serves TLS; the health listener (plain HTTP for the
+    # kubelet) answers its fixed 200 and routes nowhere.
     for listener in config["static_resources"]["listeners"]:
         (chain,) = listener["filter_chains"]
+        if listener["name"] == "health":
+            manager = chain["filters"][0]["typed_config"]
+            assert [("route" in route, route["direct_response"]["status"]) for route in
+                    manager["route_config"]["virtual_hosts"][0]["routes"]] == [(False, 200)]
+            continue
         context = chain["transport_socket"]["typed_config"]
         assert context["@type"].endswith("DownstreamTlsContext")
         assert context["require_client_certificate"] is client_certs
@@ -208,12 +218,46 @@ def test_network_policies_admit_the_router_to_decode_and_the_front_end_to_the_ro
     labels = named(objects, "Deployment", f"{RELEASE}-deltakv-router")[
         "spec"]["template"]["metadata"]["labels"]
     assert router["podSelector"]["matchLabels"].items() <= labels.items()
-    (rule,) = router["ingress"]
+    rule = router["ingress"][0]
     assert rule["from"] == values["networkPolicy"]["frontend"]
     assert {p["port"] for p in rule["ports"]} == {r["grpcPort"], r["httpPort"]}
+    # The health port is open to networkPolicy.healthFrom only (the kubelet needs no rule).
+    health_rules = [rule for rule in router["ingress"]
+                    if r["healthPort"] in {p["port"] for p in rule["ports"]}]
+    if values["networkPolicy"]["healthFrom"]:
+        assert [(h["from"], len(h["ports"])) for h in health_rules] == [
+            (values["networkPolicy"]["healthFrom"], 1)]
+    else:
+        assert health_rules == [] and len(router["ingress"]) == 1
     # The router reaches no sidecar: no rule names it on prefill or on decode's engine ports.
     prefill_sources = [s for rule in _policy(objects, "prefill")["ingress"] for s in rule["from"]]
     assert router_pods not in prefill_sources
     # Without a front end the router accepts nobody (an empty `from` would allow everyone).
     closed = render(chart, deep_merge(values_of("routing"), {"networkPolicy": {"frontend": []}}))
     assert _policy(closed, "router")["ingress"] == []
+
+
+def test_the_router_has_the_probe_set_of_every_workload_on_envoys_own_health_endpoint(routing):
+    """Startup, readiness and liveness, with the timings of values.probes, all on a listener
+    Envoy's workers answer (GET /ready, plain HTTP on the declared health port): a hung Envoy
+    fails them, where a TCP probe would pass (the kernel completes the handshake)."""
+    values, objects, _ = routing
+    r, timings = values["affinityRouter"], values["probes"]
+    envoy = named(objects, "Deployment", f"{RELEASE}-deltakv-router")[
+        "spec"]["template"]["spec"]["containers"][0]
+    assert ports_by_name(envoy)["health"] == r["healthPort"]
+    for probe in ("startup", "readiness", "liveness"):
+        spec = envoy[f"{probe}Probe"]
+        assert spec["httpGet"] == {"path": "/ready", "port": "health"}, probe
+        for key in ("periodSeconds", "failureThreshold", "timeoutSeconds"):
+            assert spec[key] == timings[probe][key], (probe, key)
+    listeners = {item["name"]: item for item in _router_config(objects)["static_resources"]
+                 ["listeners"]}
+    health = listeners["health"]
+    assert health["address"]["socket_address"] == {"address": "0.0.0.0",
+                                                   "port_value": r["healthPort"]}
+    assert "transport_socket" not in health["filter_chains"][0]  # the kubelet speaks plain HTTP
+    manager = health["filter_chains"][0]["filters"][0]["typed_config"]
+    (route,) = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["match"] == {"path": "/ready"}
+    assert route["direct_response"]["status"] == 200

@@ -23,7 +23,9 @@ from tests.support.helm import (
     deployment,
     flag_value,
     named,
+    native_sidecars,
     of_kind,
+    one_shot_inits,
     render,
     values_of,
     with_choice,
@@ -235,7 +237,12 @@ def pairing_file(objects) -> str:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_every_process_reads_the_pairing_key_from_a_read_only_secret(case, rendered):
+def test_every_process_reads_the_pairing_key_as_a_file_of_its_own_user(case, rendered):
+    """The kubelet adds group read to a Secret volume's files when the pod has an fsGroup,
+    whatever ``defaultMode`` says: a process mounting the Secret itself would read a 0440 key.
+    So only the one-shot ``pairing-key`` init container mounts the Secret; it copies the key
+    (``install -m 0400``: a file of runAsUser) into a memory emptyDir, which every
+    long-running container mounts read-only."""
     values, objects = rendered[case]
     path = pairing_file(objects)
     secret_name = values["pairing"]["existingSecret"] or f"{RELEASE}-deltakv-pairing"
@@ -243,18 +250,34 @@ def test_every_process_reads_the_pairing_key_from_a_read_only_secret(case, rende
         else "pairing.key"
     for role in ("prefill", "decode"):
         spec = deployment(objects, role)["spec"]["template"]["spec"]
+        assert spec["securityContext"].get("fsGroup") is not None  # why the copy is needed
         volumes = {v["name"]: v for v in spec["volumes"]}
-        for c in [*spec["initContainers"], *spec["containers"]]:
+        secret_volumes = {name for name, v in volumes.items()
+                          if v.get("secret", {}).get("secretName") == secret_name}
+        (init,) = one_shot_inits(spec)
+        assert spec["initContainers"][0] is init, "the key must be in place before the sidecars"
+        assert init["command"] == ["install"]
+        mode_flag, source, target = init["args"][0:2], init["args"][2], init["args"][3]
+        assert mode_flag == ["-m", "0400"] and target == path and len(init["args"]) == 4
+        mounts = {m["name"]: m for m in init["volumeMounts"]}
+        (secret_mount,) = [m for n, m in mounts.items() if n in secret_volumes]
+        assert secret_mount["readOnly"] is True
+        secret = volumes[secret_mount["name"]]["secret"]
+        assert secret["items"] == [{"key": key, "path": source.removeprefix(
+            secret_mount["mountPath"] + "/")}]
+        (target_mount,) = [m for m in init["volumeMounts"]
+                           if path.startswith(m["mountPath"] + "/")]
+        assert not target_mount.get("readOnly")
+        key_volume = volumes[target_mount["name"]]
+        assert key_volume["emptyDir"]["medium"] == "Memory"  # never on the node's disk
+        for c in [*native_sidecars(spec), *spec["containers"]]:
             (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-            assert mount["readOnly"] is True
-            source = volumes[mount["name"]]["secret"]
-            assert source["secretName"] == secret_name
-            assert source["defaultMode"] == 0o400
-            assert source["items"] == [{"key": key,
-                                        "path": path.removeprefix(mount["mountPath"] + "/")}]
+            assert mount["name"] == target_mount["name"] and mount["readOnly"] is True
+            # No long-running container sees the Secret's group-readable file.
+            assert not {m["name"] for m in c["volumeMounts"]} & secret_volumes
     # The helm test pod is a client: it gets no pairing key.
     for pod in of_kind(objects, "Pod"):
-        assert "pairing" not in {v["name"] for v in pod["spec"]["volumes"]}
+        assert not {"pairing", "pairing-secret"} & {v["name"] for v in pod["spec"]["volumes"]}
     secrets = [s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == secret_name]
     if values["pairing"]["existingSecret"]:
         assert secrets == []

@@ -90,3 +90,19 @@ def test_unsealed_other_key_and_other_kind_are_unauthenticated() -> None:
     transplanted.seal.CopyFrom(grant.seal)
     with pytest.raises(Unauthenticated):
         pairing.verify_endpoint(transplanted, key)
+
+
+@pytest.mark.parametrize("mode, warns", [(0o400, False), (0o600, False), (0o440, True),
+                                         (0o644, True)])
+def test_a_key_file_readable_by_group_or_others_is_warned_about(tmp_path, mode, warns) -> None:
+    import structlog
+
+    path = tmp_path / "pairing.key"
+    pairing.generate_key_file(path)
+    path.chmod(mode)
+    with structlog.testing.capture_logs() as logs:
+        pairing.load_key_file(path)
+    events = [e for e in logs if e["event"] == "pairing_key_file_readable_by_others"]
+    assert bool(events) == warns
+    if warns:
+        assert events[0]["mode"] == oct(mode)

@@ -161,7 +161,8 @@ Rank r's block starts at enginePort + r * size; the sidecar is given its first p
 {{- if .Values.pairing.existingSecret }}{{ .Values.pairing.existingSecretKey }}{{ else }}pairing.key{{ end }}
 {{- end }}
 
-{{/* Where every deltakv process reads the pairing key (the Secret, mounted read-only). */}}
+{{/* Where every deltakv process reads the pairing key (a memory emptyDir, read-only; the
+pairing-key init container copies it there from the Secret with mode 0400). */}}
 {{- define "deltakv.pairingKeyFile" -}}
 /etc/deltakv/pairing/pairing.key
 {{- end }}
@@ -278,4 +279,9 @@ Cross-field rules (the schema checks each value alone). Each failure names the v
 {{- $_ := set $ports $key (index $entry 0) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* Where the pairing-key init container alone mounts the pairing Secret. */}}
+{{- define "deltakv.pairingSecretDir" -}}
+/etc/deltakv/pairing-secret
 {{- end }}

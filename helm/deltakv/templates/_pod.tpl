@@ -104,6 +104,7 @@ spec:
           resourceClaimTemplateName: {{ include "deltakv.poolName" $ctx }}-gpus
       {{- end }}
       initContainers:
+        {{- include "deltakv.pairingKeyInit" $root | nindent 8 }}
         {{- range $rank := until $gpus }}
         {{- $enginePorts := fromJsonArray (include "deltakv.enginePorts" (dict "root" $root "rank" $rank)) }}
         {{- $healthPort := add (int64 $v.sidecar.healthPort) $rank }}
@@ -301,15 +302,55 @@ spec:
             secretName: {{ include "deltakv.tlsSecretName" $root }}
             defaultMode: 0440
         {{- end }}
-        # The cluster pairing key, readable by the pod's user only (the kubelet adds group
-        # read for fsGroup).
-        - name: pairing
+        # The cluster pairing key. The kubelet adds group read to a Secret volume's files
+        # whenever the pod has an fsGroup (whatever defaultMode says), so the Secret is
+        # mounted only into the pairing-key init container, which copies the key into a
+        # memory-backed emptyDir as a file of the pod's user, mode 0400: what every deltakv
+        # process reads.
+        - name: pairing-secret
           secret:
             secretName: {{ include "deltakv.pairingSecretName" $root }}
             defaultMode: 0400
             items:
               - key: {{ include "deltakv.pairingSecretKey" $root }}
                 path: {{ base (include "deltakv.pairingKeyFile" $root) }}
+        - name: pairing
+          emptyDir:
+            medium: Memory
+            sizeLimit: 1Mi
+{{- end }}
+
+{{/*
+The one-shot init container that puts the pairing key where the deltakv processes read it,
+readable by the pod's user only (see the pairing volumes above): coreutils' install copies it
+from the Secret and sets mode 0400; the file belongs to runAsUser. Runs before the sidecars.
+*/}}
+{{- define "deltakv.pairingKeyInit" -}}
+{{- $v := .Values -}}
+{{- $keyFile := include "deltakv.pairingKeyFile" . -}}
+- name: pairing-key
+  image: {{ include "deltakv.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["install"]
+  args:
+    - "-m"
+    - "0400"
+    - {{ printf "%s/%s" (include "deltakv.pairingSecretDir" .) (base $keyFile) | quote }}
+    - {{ $keyFile | quote }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 16Mi
+    limits:
+      memory: 64Mi
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: pairing-secret
+      mountPath: {{ include "deltakv.pairingSecretDir" . }}
+      readOnly: true
+    - name: pairing
+      mountPath: {{ dir $keyFile }}
 {{- end }}
 
 {{/* Env shared by every deltakv process: dict "root" "role" "process" (worker|sidecar) "rank". */}}
