@@ -145,14 +145,21 @@ class CommandServer:
     # -- connections -----------------------------------------------------------------------
 
     def _accept(self) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        assert listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
-                return  # closed by stop()
-            pid, uid, _gid = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                if self._draining:
+                    return  # closed by stop()
+                continue  # a client that vanished while connecting
+            try:
+                pid, uid, _gid = _UCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError:
+                sock.close()
+                continue
             if uid != os.getuid():
                 self._log.warning("command_peer_refused", pid=pid, uid=uid)
                 sock.close()

@@ -114,11 +114,20 @@ class CommandStub:
         sock: socket.socket | None = None
         try:
             sock = self._take()
-            frames.write_frame(sock, command_pb2.CommandFrame(
-                call_id=call_id, call=command_pb2.CommandCall(
-                    method=method, timeout_us=max(1, int(timeout_s * 1e6)),
-                    metadata=metadata_entries(metadata), client_streaming=streaming,
-                    request=b"" if streaming else request)))
+            try:
+                frames.write_frame(sock, command_pb2.CommandFrame(
+                    call_id=call_id, call=command_pb2.CommandCall(
+                        method=method, timeout_us=max(1, int(timeout_s * 1e6)),
+                        metadata=metadata_entries(metadata), client_streaming=streaming,
+                        request=b"" if streaming else request)))
+            except OSError:
+                # The sidecar may have refused the connection (its status is waiting) and
+                # closed it before the call went out.
+                sock.settimeout(1.0)
+                refusal = frames.read_frame(sock)
+                if refusal.WhichOneof("kind") != "status":
+                    raise
+                return raise_status(refusal.status)
             stop = threading.Event()
             if streaming:
                 threading.Thread(target=self._send_parts, args=(sock, call_id, request, stop),
@@ -185,6 +194,8 @@ class CommandStub:
             frame = frames.read_frame(sock)
             kind = frame.WhichOneof("kind")
             if kind == "status":
+                if time.monotonic() > deadline:
+                    raise TimeoutError  # a status after the deadline: too late, as on gRPC
                 return frame
             metadata = metadata_pairs(frame.initial_metadata.metadata)
             if kind != "initial_metadata" or failed_code(metadata) is None:

@@ -33,17 +33,27 @@ def _attributes(method: str) -> dict[str, str]:
     return {"rpc.system": RPC_SYSTEM, "rpc.service": service, "rpc.method": name}
 
 
-class CallSpan:
-    """Records the status of the call on its span (``finish``)."""
+#: Codes that make a SERVER span ERROR (OpenTelemetry's gRPC conventions, as the gRPC
+#: instrumentation): the others are the client's doing and leave the status unset.
+SERVER_ERRORS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
-    def __init__(self, span: Any) -> None:
+
+class CallSpan:
+    """Records the status of the call on its span (``finish``): ``rpc.grpc.status_code``, and
+    ERROR with ``"<CODE>: <details>"`` for every non-OK code on a CLIENT span, for
+    :data:`SERVER_ERRORS` on a SERVER span."""
+
+    def __init__(self, span: Any, server: bool) -> None:
         self.span = span
+        self.server = server
 
     def finish(self, code: grpc.StatusCode, details: str) -> None:
         if self.span is None:
             return
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code != grpc.StatusCode.OK:
+        if code != grpc.StatusCode.OK and (not self.server or code in SERVER_ERRORS):
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
 
 
@@ -51,20 +61,20 @@ class CallSpan:
 def server_span(method: str, metadata: tuple[tuple[str, str], ...]) -> Iterator[CallSpan]:
     """The sidecar's SERVER span of one call, child of the caller's ``traceparent``."""
     if not tracing_on():
-        yield CallSpan(None)
+        yield CallSpan(None, server=True)
         return
     parent = propagate.extract(dict(metadata))
     tracer = trace.get_tracer(_SCOPE)
     with tracer.start_as_current_span(method, context=parent, kind=trace.SpanKind.SERVER,
                                       attributes=_attributes(method)) as span:
-        yield CallSpan(span)
+        yield CallSpan(span, server=True)
 
 
 @contextlib.contextmanager
 def client_span(method: str, metadata: list[tuple[str, str]]) -> Iterator[CallSpan]:
     """The worker's CLIENT span of one call; its context is injected into ``metadata``."""
     if not tracing_on():
-        yield CallSpan(None)
+        yield CallSpan(None, server=False)
         return
     tracer = trace.get_tracer(_SCOPE)
     with tracer.start_as_current_span(method, kind=trace.SpanKind.CLIENT,
@@ -73,4 +83,4 @@ def client_span(method: str, metadata: list[tuple[str, str]]) -> Iterator[CallSp
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         metadata.extend(carrier.items())
-        yield CallSpan(span)
+        yield CallSpan(span, server=False)
