@@ -23,7 +23,14 @@ that dies with the probe, on a Unix socket in a temporary directory):
   sync channel (what ``bench transfer`` and the sidecar use; the asyncio flavours measured the
   same within noise, 2026-12-01);
 * ``seqpacket`` — an ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, one blocking ``recv`` / ``send`` per
-  call in the server, ``send`` / ``recv`` in the caller.
+  call in the server, ``send`` / ``recv`` in the caller;
+* ``channel`` — deltakv's command channel (:mod:`deltakv.rpc.command_server`, the worker ↔
+  sidecar transport): the same health ``Check`` through the transport-neutral dispatch, framed
+  protobuf on an ``AF_UNIX`` stream socket, called with the blocking
+  :class:`~deltakv.rpc.command_stub.CommandStub`;
+* ``grpc-stream`` — one long-lived bidirectional gRPC stream on the ``grpc`` server, one
+  message each way per call (for the record: what keeping a stream open saves over a unary
+  call).
 
 Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N]``. Prints the median
 microseconds per call of each transport in each rhythm, interleaved call by call (the two
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -45,12 +53,21 @@ from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.process import ManagedProcess
 
 RHYTHMS = ("back-to-back", "after-idle", "after-45MiB")
+TRANSPORTS = ("grpc", "seqpacket", "channel", "grpc-stream")
 IDLE_S = 0.015
 TOUCH_BYTES = 45 << 20
 
 
+def _echo_stream(requests, context):  # noqa: ANN001, ANN202 - a raw-bytes gRPC handler
+    yield from requests
+
+
+ECHO_STREAM = "/probe.Echo/Stream"
+
+
 def serve_grpc(path: str) -> None:
-    """A sync gRPC server with the health servicer on ``unix://path`` (runs until killed)."""
+    """A sync gRPC server with the health servicer and an echo bidi stream
+    (:data:`ECHO_STREAM`, raw bytes) on ``unix://path`` (runs until killed)."""
     from concurrent import futures
 
     import grpc
@@ -58,9 +75,25 @@ def serve_grpc(path: str) -> None:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Echo", {
+        "Stream": grpc.stream_stream_rpc_method_handler(_echo_stream)}),))
     server.add_insecure_port(f"unix://{path}")
     server.start()
     server.wait_for_termination()
+
+
+def serve_channel(path: str) -> None:
+    """The health servicer on deltakv's command channel at ``path`` (runs until killed)."""
+    import threading
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from deltakv.rpc.command_server import CommandServer
+
+    servicer = health.HealthServicer()
+    CommandServer(path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)
+                  ).start()
+    threading.Event().wait()
 
 
 def serve_seqpacket(path: str) -> None:
@@ -95,10 +128,11 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     workdir = tempfile.mkdtemp(prefix="rpc-floor-")
     grpc_path, seq_path = os.path.join(workdir, "grpc.sock"), os.path.join(workdir, "seq.sock")
+    cmd_path = os.path.join(workdir, "cmd.sock")
     servers: list[ManagedProcess] = []
     closers: list[Callable[[], None]] = []
     try:
-        for kind, path in (("grpc", grpc_path), ("seqpacket", seq_path)):
+        for kind, path in (("grpc", grpc_path), ("seqpacket", seq_path), ("channel", cmd_path)):
             servers.append(ManagedProcess(
                 f"{kind} probe server", [sys.executable, __file__, "--serve", kind, path],
                 os.path.join(workdir, f"{kind}.log")).start())
@@ -113,6 +147,16 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
         seq.connect(seq_path)
         seq.settimeout(30)
 
+        from grpc_health.v1 import health_pb2 as hpb
+
+        from deltakv.rpc.command_stub import CommandStub
+
+        commands = CommandStub(cmd_path, hpb.DESCRIPTOR.services_by_name["Health"])
+        closers.append(commands.close)
+        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        replies = channel.stream_stream(ECHO_STREAM)(iter(outbox.get, None), timeout=3600)
+        closers.append(lambda: outbox.put(None))
+
         def grpc_call() -> None:
             stub.Check(request, timeout=30)
 
@@ -120,14 +164,25 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
             seq.send(b"x")
             seq.recv(64)
 
+        def channel_call() -> None:
+            commands.Check(request, timeout=30)
+
+        def stream_call() -> None:
+            outbox.put(b"x")
+            next(replies)
+
+        calls_of = {"grpc": grpc_call, "seqpacket": seq_call, "channel": channel_call,
+                    "grpc-stream": stream_call}
+
         touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
         before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
                   "after-45MiB": lambda: touched.random_(0, 256)}
         result: dict[str, dict[str, float]] = {}
         for rhythm in RHYTHMS:
-            times: dict[str, list[float]] = {"grpc": [], "seqpacket": []}
+            times: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
             for i in range(calls + 10):
-                for name, call in (("grpc", grpc_call), ("seqpacket", seq_call)):
+                for name in TRANSPORTS:
+                    call = calls_of[name]
                     before[rhythm]()
                     t0 = time.perf_counter()
                     call()
@@ -147,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve:
         kind, path = args.serve
-        (serve_grpc if kind == "grpc" else serve_seqpacket)(path)
+        {"grpc": serve_grpc, "seqpacket": serve_seqpacket,
+         "channel": serve_channel}[kind](path)
         return 0
     if args.calls <= 0:
         parser.error("--calls must be > 0")
@@ -159,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.calls)
     print(f"rpc floor probe: median us per empty call, {args.calls} calls each, transports "
           f"interleaved; {stamp}")
-    print(f"{'rhythm':<14}{'grpc':>10}{'seqpacket':>12}")
+    print(f"{'rhythm':<14}" + "".join(f"{name:>13}" for name in TRANSPORTS))
     for rhythm, row in result.items():
-        print(f"{rhythm:<14}{row['grpc']:>10.0f}{row['seqpacket']:>12.0f}")
+        print(f"{rhythm:<14}" + "".join(f"{row[name]:>13.0f}" for name in TRANSPORTS))
     return 0
 
 

@@ -21,6 +21,10 @@ byte:
 
 * ``raw`` — this process's own shm transport, one ``Transport.write`` of the block;
 * ``grpc`` — ``WritePages`` over the sidecar's gRPC socket;
+* ``channel`` — the same request over the sidecar's real command channel (``<socket>.cmd``,
+  :mod:`deltakv.rpc.command_server`: the same handler behind the dispatch, with error mapping,
+  deadline, cancellation and incarnation check), called with the blocking
+  :class:`~deltakv.rpc.command_stub.CommandStub`;
 * ``seqpacket`` — the same request over the stand-in socket.
 
 Usage: ``.venv/bin/python scripts/write_pages_channel_probe.py [--pages 64] [--repeats 21]``.
@@ -103,6 +107,8 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
 
     from deltakv.layout import KVLayout
     from deltakv.rpc.channel import uds_address
+    from deltakv.rpc.command_client import command_socket_path
+    from deltakv.rpc.command_stub import CommandStub
     from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
     from deltakv.services.cli.bench.teardown import tear_down
     from deltakv.services.cli.bench.timing import Trial, page_write_trial, time_interleaved
@@ -165,6 +171,9 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
         seq.settimeout(60)
         closers.append(seq.close)
 
+        commands = CommandStub(command_socket_path(prefill_socket),
+                               sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"])
+        closers.append(commands.close)
         block = list(range(pages))
 
         def write(method: str, info: kv_pb2.TransferInfo, digests: list[int]) -> None:
@@ -176,6 +185,8 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
                     room=info.room, request_id="probe-raw", deadline=time.monotonic() + 60))
             elif method == "grpc":
                 pre.WritePages(request, timeout=60)
+            elif method == "channel":
+                commands.WritePages(request, timeout=60)
             else:
                 seq.send(request.SerializeToString())
                 reply = seq.recv(MAX_DATAGRAM)
@@ -205,7 +216,7 @@ def measure(pages: int, repeats: int) -> dict[str, float]:
                 teardown=lambda: dec.CloseGrant(
                     sidecar_pb2.CloseGrantRequest(room=granted[-1].room), timeout=10))
 
-        methods = ("raw", "grpc", "seqpacket")
+        methods = ("raw", "grpc", "channel", "seqpacket")
         timed = time_interleaved(repeats, {m: trial(m, i) for i, m in enumerate(methods)})
         wrong = [m for m, (_, ok) in timed.items() if not ok]
         if wrong:

@@ -116,6 +116,8 @@ class ClusterConfig:
     wrap: dict[str, list[str]] = field(default_factory=dict)
     # End-to-end page digests in both sidecars (--page-digests on|off).
     page_digests: bool = True
+    # How the workers call their sidecars (--sidecar-channel channel|grpc).
+    sidecar_channel: str = "channel"
     # Two hosts joined by a link of this tc rate (services/netns.py); None: one host.
     link: str | None = None
     # torch threads of each prefill/decode process; 0 = its share of this machine's cores
@@ -264,6 +266,7 @@ class LocalCluster:
             name = replica_name("prefill", i)
             argvs[name] = self._cli(
                 "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
+                "--sidecar-channel", c.sidecar_channel,
                 "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
                 "--log-level", c.log_level, "--log-format", "json", *threads, *c.prefill_args)
         for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
@@ -271,6 +274,7 @@ class LocalCluster:
             http = ["--http-port", http_address.rpartition(":")[2]] if http_address else []
             argvs[name] = self._cli(
                 "serve", "decode", "--model", c.model, "--sidecar-socket", self.sockets[name],
+                "--sidecar-channel", c.sidecar_channel,
                 "--prefill-target", ",".join(self.prefill_addresses), "--host", c.host,
                 "--port", grpc_address.rpartition(":")[2], *http, "--log-level", c.log_level,
                 "--log-format", "json", *threads, *c.decode_args)

@@ -74,12 +74,13 @@ class Worker:
 
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
-                       reattach_timeout_s: float = 60.0) -> Worker:
+                       reattach_timeout_s: float = 60.0, channel: str = "channel") -> Worker:
     """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
     ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
     restarts (``reattach_timeout_s``: see :class:`SidecarPairing`) once
-    :meth:`SidecarPairing.start` runs.
+    :meth:`SidecarPairing.start` runs. ``channel``: the transport of its calls to the sidecar
+    (:data:`deltakv.sidecar.client.CHANNELS`).
 
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout.
@@ -89,7 +90,8 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
-    sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
+    sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors(),
+                            channel=channel)
     try:
         await sidecar.wait_ready(timeout_s=ready_timeout_s)
         describe = await sidecar.describe()

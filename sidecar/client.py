@@ -24,12 +24,19 @@ import grpc
 
 from deltakv.errors import InvalidArgument, SidecarRestarted, StaleIncarnation, from_rpc_error
 from deltakv.rpc.channel import options, uds_address, wait_serving_async
+from deltakv.rpc.command_client import CommandClient, MethodTable, command_socket_path
 from deltakv.rpc.streaming import stream_unary
 from deltakv.sidecar.incarnation import incarnation_of, metadata_for
 from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 if TYPE_CHECKING:
     from deltakv.sidecar.pool import SharedKVPool
+
+#: How a worker reaches its sidecar: the command channel (default) or gRPC over the UDS.
+CHANNELS = ("channel", "grpc")
+#: The transport of a client made without ``channel``.
+DEFAULT_CHANNEL = "channel"
+_METHODS = MethodTable(sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"])
 
 
 class SidecarClient:
@@ -41,6 +48,11 @@ class SidecarClient:
     Raises :class:`InvalidArgument` for a non-positive timeout or a too-long socket path.
 
     ``incarnation``: None for an unbound client (Describe, Attach, operators); see :meth:`bind`.
+
+    ``channel``: ``"channel"`` (default: :data:`DEFAULT_CHANNEL`) sends every call over the sidecar's command channel
+    (``<socket>.cmd``, :mod:`deltakv.rpc.command_client`), ``"grpc"`` over gRPC; the same
+    handlers answer either way and every error is raised identically. Readiness
+    (:meth:`wait_ready`) always asks gRPC health.
     """
 
     incarnation: str | None = None
@@ -48,9 +60,15 @@ class SidecarClient:
     on_stale: Callable[[str], None] | None = None
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0,
-                 interceptors: Sequence[Any] | None = None) -> None:
+                 interceptors: Sequence[Any] | None = None, channel: str | None = None) -> None:
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        channel = DEFAULT_CHANNEL if channel is None else channel
+        if channel not in CHANNELS:
+            raise InvalidArgument(f"sidecar channel must be one of {CHANNELS}, got {channel!r}")
+        self.channel = channel
+        self._commands = (CommandClient(command_socket_path(socket_path))
+                          if channel == "channel" else None)
         self.socket_path = socket_path
         self.target = uds_address(socket_path)
         self.timeout_s = timeout_s
@@ -86,14 +104,29 @@ class SidecarClient:
         if timeout <= 0:
             raise InvalidArgument(f"{method}: timeout must be > 0 s, got {timeout}")
         metadata = None if self.incarnation is None else metadata_for(self.incarnation)
-        rpc = getattr(self._get_stub(), method)
         try:
+            if self._commands is not None:
+                return await self._command(method, request, timeout, metadata, client_streaming)
+            rpc = getattr(self._get_stub(), method)
             if client_streaming:
                 # Stops writing when the sidecar fails the call, so its status survives.
                 return await stream_unary(rpc, request, timeout=timeout, metadata=metadata)
             return await rpc(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             raise self._typed(err, method) from None
+
+    async def _command(self, method: str, request: Any, timeout: float, metadata: Any,
+                       client_streaming: bool) -> Any:
+        """One call over the command channel (raises CommandRpcError, a grpc.RpcError)."""
+        async def parts() -> AsyncIterator[bytes]:
+            async for part in request:
+                yield part.SerializeToString()
+
+        assert self._commands is not None
+        data = await self._commands.call(
+            _METHODS.full_name(method), parts() if client_streaming else request.SerializeToString(),
+            timeout, metadata or ())
+        return _METHODS.response_class(method).FromString(data)
 
     def _typed(self, err: grpc.RpcError, method: str) -> Exception:
         """The typed error of a failed call; a refusal of a bound call by another
@@ -303,7 +336,9 @@ class SidecarClient:
         return SharedKVPool.attach(describe.pool_shm_name, layout)
 
     async def close(self) -> None:
-        """Close the channel (idempotent; a bound client leaves it to its parent)."""
+        """Close the channels (idempotent; a bound client leaves them to its parent)."""
+        if self._commands is not None and self._owns_channel:
+            await self._commands.close()
         if self._channel is not None and self._owns_channel:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()

@@ -63,6 +63,25 @@ class IncarnationGuard(grpc.ServerInterceptor):
         self.endpoint_id = endpoint_id
         self._on_refused = on_refused
 
+    def check(self, method: str, context: Any) -> None:
+        """The guard itself, on any transport (:data:`deltakv.rpc.dispatch.Guard`): raise
+        StaleIncarnation (FAILED_PRECONDITION), naming this incarnation in the trailing
+        metadata, if the call's metadata names another one; a call without it passes."""
+        claimed = incarnation_of(context.invocation_metadata())
+        if claimed in (None, self.endpoint_id):
+            return
+        self._refuse(method, claimed, context)
+
+    def _refuse(self, method: str, claimed: str, context: Any) -> None:
+        current = self.endpoint_id
+        if self._on_refused is not None:
+            self._on_refused(method, claimed)
+        context.set_trailing_metadata(metadata_for(current))
+        raise StaleIncarnation(
+            f"{method}: the caller is paired with sidecar pool incarnation {claimed}, this "
+            f"sidecar is incarnation {current} (it restarted; its pool is new): re-attach",
+            claimed=claimed, current=current)
+
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         """The handler of this call, or a refusal if it is bound to another incarnation."""
         handler = continuation(handler_call_details)
@@ -73,16 +92,9 @@ class IncarnationGuard(grpc.ServerInterceptor):
         if handler.unary_unary is None and not streaming:
             return handler
         method = handler_call_details.method
-        current = self.endpoint_id
-        if self._on_refused is not None:
-            self._on_refused(method, claimed)
 
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.set_trailing_metadata(metadata_for(current))
-            raise StaleIncarnation(
-                f"{method}: the caller is paired with sidecar pool incarnation {claimed}, this "
-                f"sidecar is incarnation {current} (it restarted; its pool is new): re-attach",
-                claimed=claimed, current=current)
+            self._refuse(method, claimed, context)
 
         make = (grpc.stream_unary_rpc_method_handler if streaming
                 else grpc.unary_unary_rpc_method_handler)

@@ -31,6 +31,8 @@ from deltakv import metrics as deltakv_metrics
 from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import claim_uds_path, remove_uds_path, uds_address
+from deltakv.rpc.command_client import command_socket_path
+from deltakv.rpc.command_server import CommandServer
 from deltakv.rpc.server import SyncServer
 from deltakv.sidecar import pairing
 from deltakv.sidecar.digests import PageDigester
@@ -118,6 +120,7 @@ class SidecarServer:
         self.fencer: Fencer | None = None
         self.service: SidecarService | None = None
         self.server: SyncServer | None = None
+        self.commands: CommandServer | None = None
         self.rooms = RoomRegistry(tombstone_ttl_s=max(600.0, config.max_lease_ms / 1e3))
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -187,13 +190,20 @@ class SidecarServer:
             self._unobserve_pool = deltakv_metrics.instruments().observe_pool(
                 self.service.pool_page_counts, pool=cfg.role)
             service = self.service
+            guard = IncarnationGuard(self.endpoint_id, self._log_stale_call)
             self.server = SyncServer(
                 address, [SERVICE_NAME],
                 lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
                 outer_interceptors=self.interceptors, logger=self.log,
-                interceptors=[IncarnationGuard(self.endpoint_id, self._log_stale_call)],
-                max_workers=cfg.max_workers,
+                interceptors=[guard], max_workers=cfg.max_workers,
                 health_address=f"0.0.0.0:{cfg.health_port}" if cfg.health_port else None)
+            # The command channel: the same handlers, guard and error mapping, another
+            # transport (deltakv.rpc.command_server).
+            self.commands = CommandServer(
+                command_socket_path(cfg.socket_path),
+                lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(service, s),
+                guards=[guard.check], logger=self.log, max_connections=cfg.max_workers)
+            self.commands.start()
             self.server.start()
         except BaseException:
             self._release_resources()
@@ -244,6 +254,9 @@ class SidecarServer:
         if self._unobserve_pool is not None:
             self._unobserve_pool()
             self._unobserve_pool = None
+        if self.commands is not None:
+            self.commands.stop(grace_s=1.0)
+            self.commands = None
         if self.server is not None:
             self.server.stop(grace_s=1.0)
             self.server = None

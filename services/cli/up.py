@@ -35,6 +35,7 @@ from deltakv.services.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from deltakv.services.cli.serve import SIDECAR_CHANNELS
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -111,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
                         help="end-to-end page digests in both sidecars (default on)")
+    parser.add_argument("--sidecar-channel", choices=SIDECAR_CHANNELS, default="channel",
+                        help="how the workers call their sidecars: the command channel "
+                             "(default) or grpc (`deltakv serve decode --sidecar-channel`)")
     parser.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=None, metavar="TOKENS",
                         help="prefill's chunk: pages of each chunk are written while the next "
                              "computes (`deltakv serve prefill --prefill-chunk-tokens`; 0 = "
@@ -180,6 +184,7 @@ def cluster_config(args: argparse.Namespace):
                          telemetry_args=otel.forwarded_args(args),
                          decode_args=_decode_bounds(args),
                          page_digests=getattr(args, "page_digests", "on") == "on",
+                         sidecar_channel=getattr(args, "sidecar_channel", "channel"),
                          link=getattr(args, "link", None),
                          torch_threads=getattr(args, "torch_threads", 0),
                          metrics_port=_metrics_base_port(args),

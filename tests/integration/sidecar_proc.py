@@ -34,6 +34,8 @@ import pytest
 
 from deltakv.layout import KVLayout
 from deltakv.rpc.channel import uds_address
+from deltakv.rpc.command_client import command_socket_path
+from deltakv.rpc.command_stub import CommandStub
 from deltakv.services.process import ManagedProcess, ProcessError
 from deltakv.sidecar.server import default_shm_name
 from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
@@ -57,6 +59,12 @@ def short_tmp_dir(prefix: str = "dkv-") -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
 
 
+#: How :meth:`SidecarProcess.stub` reaches a sidecar: "grpc" or "channel" (set by the
+#: ``sidecar_transport`` fixture, tests/support/transports.py).
+STUB_TRANSPORT = {"name": "grpc"}
+SIDECAR_SERVICE = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"]
+
+
 class SidecarProcess:
     """One running sidecar process: a :class:`~deltakv.services.process.ManagedProcess` (own
     session, SIGTERM when the test process dies, SIGTERM then SIGKILL on stop) plus a cached
@@ -71,6 +79,7 @@ class SidecarProcess:
         self.layout = layout
         self.transport = transport
         self._channel: grpc.Channel | None = None
+        self._commands: CommandStub | None = None
 
     @property
     def log_path(self) -> str:
@@ -100,7 +109,14 @@ class SidecarProcess:
             raise RuntimeError(f"{self.role} sidecar did not become ready: {exc}") from None
 
     def stub(self) -> sidecar_pb2_grpc.SidecarServiceStub:
-        """A sync stub on a channel cached by this object (closed by :meth:`stop`)."""
+        """A sync stub cached by this object (closed by :meth:`stop`): over gRPC, or over the
+        command channel while a test runs with ``STUB_TRANSPORT["name"] == "channel"``
+        (the ``sidecar_transport`` fixture of tests/support/transports.py)."""
+        if STUB_TRANSPORT["name"] == "channel":
+            if self._commands is None:
+                self._commands = CommandStub(command_socket_path(self.socket_path),
+                                             SIDECAR_SERVICE)
+            return self._commands  # type: ignore[return-value]
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.target)
         return sidecar_pb2_grpc.SidecarServiceStub(self._channel)
@@ -116,6 +132,9 @@ class SidecarProcess:
         return SharedKVPool.attach(d.pool_shm_name, KVLayout.from_proto(d.endpoint.layout))
 
     def close_channel(self) -> None:
+        if self._commands is not None:
+            self._commands.close()
+            self._commands = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None

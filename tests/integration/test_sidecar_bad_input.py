@@ -60,7 +60,7 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
+def env(sidecar_transport: str) -> Iterator[Env]:
     factory = SidecarFactory()
     try:
         decode = factory.start("decode")

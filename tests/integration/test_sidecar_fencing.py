@@ -46,7 +46,7 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
+def env(sidecar_transport: str) -> Iterator[Env]:
     factory = SidecarFactory()
     try:
         yield Env(

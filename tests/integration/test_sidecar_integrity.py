@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
+def pair(sidecar_transport: str) -> Iterator[Pair]:
     factory = SidecarFactory()
     try:
         p = Pair(factory.start("decode"), factory.start("prefill"))

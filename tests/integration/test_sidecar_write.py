@@ -41,7 +41,7 @@ def expected_runs(src: list[int], dst: list[int]) -> int:
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest, sidecar_transport: str) -> Iterator[Pair]:
     factory = SidecarFactory()
     try:
         decode = factory.start("decode", transport=request.param)

@@ -43,7 +43,7 @@ PAGE = TOY_LAYOUT.page_size
 
 
 @pytest.fixture(scope="module", params=["shm", "mooncake"])
-def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest, sidecar_transport: str) -> Iterator[Pair]:
     factory = SidecarFactory()
     try:
         p = Pair(factory.start("decode", transport=request.param),

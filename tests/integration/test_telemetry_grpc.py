@@ -271,3 +271,50 @@ def test_sync_server_span_sees_the_mapped_error(traced, tmp_path) -> None:
     inner = next(s for s in spans if s.name == "sidecar.allocate_inner")
     assert inner.parent.span_id == rpc.context.span_id
     assert inner.attributes["deltakv.failure_code"] == "UNAVAILABLE"
+
+
+def test_command_channel_calls_are_traced_like_grpc_calls(traced, tmp_path) -> None:
+    """Over the command channel: one trace, a CLIENT span in the caller and a SERVER span in
+    the server with the gRPC span name, ``rpc.system`` deltakv_command, the mapped status
+    seen by both, and the handler's own spans under the server span."""
+    from deltakv.rpc.command_client import CommandClient, CommandRpcError
+    from deltakv.rpc.command_server import CommandServer
+
+    tel, memory = traced
+    path = str(tmp_path / "sc.sock.cmd")
+    server = CommandServer(
+        path, lambda s: sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(Sidecar(), s))
+    server.start()
+
+    async def call() -> None:
+        client = CommandClient(path)
+        try:
+            with trace.get_tracer("test").start_as_current_span("worker.request"), \
+                    pytest.raises(CommandRpcError) as err:
+                await client.call(ALLOCATE, sidecar_pb2.AllocateRequest(
+                    request_id="r", num_pages=9).SerializeToString(), 5.0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(call())
+    finally:
+        server.stop(0)
+    spans = wait_spans(memory, lambda s: len([x for x in s if x.name == ALLOCATE]) == 2)
+    root = next(s for s in spans if s.name == "worker.request")
+    client_span = by_kind(spans, ALLOCATE, trace.SpanKind.CLIENT)
+    server_span = by_kind(spans, ALLOCATE, trace.SpanKind.SERVER)
+    assert client_span.parent.span_id == root.context.span_id
+    assert server_span.parent.span_id == client_span.context.span_id
+    assert {s.context.trace_id for s in (root, client_span, server_span)} == {
+        root.context.trace_id}
+    for s in (client_span, server_span):
+        assert s.attributes["rpc.system"] == "deltakv_command"
+        assert (s.attributes["rpc.service"], s.attributes["rpc.method"]) == (
+            "deltakv.v1.SidecarService", "Allocate")
+        assert s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert s.status.status_code == trace.StatusCode.ERROR
+        assert s.status.description.endswith("engine gone while allocating 9 pages")
+    inner = next(s for s in spans if s.name == "sidecar.allocate_inner")
+    assert inner.parent.span_id == server_span.context.span_id

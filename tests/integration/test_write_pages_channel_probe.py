@@ -24,9 +24,11 @@ def test_probe_writes_through_all_three_methods() -> None:
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "2 pages, shm, median of 2" in proc.stdout and "load average" in proc.stdout
-    rows = dict(re.findall(r"^(raw|grpc|seqpacket)\s+[\d.]+\s+([\d.]+)$", proc.stdout, re.M))
-    assert set(rows) == {"raw", "grpc", "seqpacket"}, proc.stdout
-    assert rows["raw"] == "1.000" and float(rows["grpc"]) > 0 and float(rows["seqpacket"]) > 0
+    rows = dict(re.findall(r"^(raw|grpc|channel|seqpacket)\s+[\d.]+\s+([\d.]+)$", proc.stdout,
+                           re.M))
+    assert set(rows) == {"raw", "grpc", "channel", "seqpacket"}, proc.stdout
+    assert rows["raw"] == "1.000"
+    assert all(float(rows[m]) > 0 for m in ("grpc", "channel", "seqpacket"))
     leftover = subprocess.run(["pgrep", "-f", "write_pages_channel_probe.py --serve"],
                               capture_output=True, text=True)
     assert leftover.stdout == ""

@@ -200,7 +200,7 @@ spec:
             {{- include "deltakv.volumeMounts" $root | nindent 12 }}
         {{- end }}
       containers:
-        {{- $wargs := list "serve" $role "--model" $v.model.name "--sidecar-socket" (printf "%s/sidecar-0.sock" $socketDir) }}
+        {{- $wargs := list "serve" $role "--model" $v.model.name "--sidecar-socket" (printf "%s/sidecar-0.sock" $socketDir) "--sidecar-channel" $v.sidecar.channel }}
         {{- if eq $role "decode" }}
         {{- $wargs = concat $wargs (list "--prefill-target" (include "deltakv.prefillTarget" $root)) }}
         {{- end }}

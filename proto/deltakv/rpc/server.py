@@ -42,10 +42,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deltakv.errors import DeltaKVError, Unavailable, status_of
-from deltakv.rpc import decoding
+from deltakv.errors import Unavailable
+from deltakv.rpc import decoding, dispatch
 from deltakv.rpc.channel import options
-from deltakv.rpc.streaming import end_request_stream
 
 log = structlog.get_logger(__name__)
 
@@ -57,22 +56,11 @@ _HEALTH_WORKERS = 4
 
 # -- error mapping ------------------------------------------------------------------------------
 
-def _mapped_status(exc: Exception, method: str, logger: Any) -> tuple[grpc.StatusCode, str]:
-    """(code, details) for a handler's exception, logged: INTERNAL with its traceback (a
-    bug), anything else at info (an expected refusal)."""
-    code, details = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.exception("rpc_internal_error", method=method, error=details)
-    else:
-        logger.info("rpc_error", method=method, code=code.name, error=details)
-    return code, details
-
-
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """Sync server interceptor: every handler's exception, whatever its kind (unary or
-    streaming, deltakv's own or health/reflection), becomes a status (see the module
-    docstring), and a request body that is not a message becomes INVALID_ARGUMENT
-    (:mod:`deltakv.rpc.decoding`). An abort made by the handler itself (the status is already
+    streaming, deltakv's own or health/reflection), becomes a status, and a request body that
+    is not a message becomes INVALID_ARGUMENT, through the transport-neutral dispatch the
+    command channel uses too (:func:`deltakv.rpc.dispatch.guarded`). An abort made by the handler itself (the status is already
     set) passes through untouched."""
 
     def __init__(self, logger: Any = None) -> None:
@@ -87,46 +75,10 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             inner = getattr(handler, kind)
             if inner is not None:
                 return factory(
-                    _sync_wrapped(kind, inner, handler_call_details.method, self._log),
+                    dispatch.guarded(kind, inner, handler_call_details.method, self._log),
                     request_deserializer=decoding.tolerant(handler.request_deserializer),
                     response_serializer=handler.response_serializer)
         return handler
-
-
-def _sync_wrapped(kind: str, inner: Callable, method: str, logger: Any) -> Callable:
-    """``inner`` (a sync handler of ``kind``) with its request checked and its exceptions
-    mapped to a status."""
-    streaming_request = kind.startswith("stream_")
-
-    def checked(request: Any) -> Any:
-        return decoding.decoded_iter(request) if streaming_request else decoding.decoded(request)
-
-    def fail(exc: Exception, context: grpc.ServicerContext, requests: Any = None) -> None:
-        own = not isinstance(exc, DeltaKVError | grpc.RpcError) and context.code() is not None
-        code, details = (context.code(), "") if own else _mapped_status(exc, method, logger)
-        if requests is not None:
-            # No client write may follow the status (deltakv.rpc.streaming).
-            end_request_stream(requests, context, code)
-        if own:
-            raise exc  # the handler aborted on its own; the status is already set
-        context.abort(code, details)
-
-    if kind.endswith("_stream"):
-        def stream(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                yield from inner(checked(request), context)
-            except Exception as exc:
-                fail(exc, context)
-
-        return stream
-
-    def unary(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return inner(checked(request), context)
-        except Exception as exc:
-            fail(exc, context, request if streaming_request else None)
-
-    return unary
 
 
 class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -166,7 +118,7 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         async def abort(exc: Exception, context: grpc.aio.ServicerContext) -> None:
             if isinstance(exc, grpc.aio.AbortError):
                 raise exc  # the handler's own abort: the status is already set
-            await context.abort(*_mapped_status(exc, method, logger))
+            await context.abort(*dispatch.mapped_status(exc, method, logger))
 
         if inspect.isasyncgenfunction(inner):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -5,7 +5,9 @@ bytes (default 64 pages of ``--model``'s geometry at 16 tokens per page, float32
 loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dims * 4 B =
 737,280 B) four ways:
 
-* **contiguous** — one consecutive run through the sidecar (``WritePages`` RPC, end to end);
+* **contiguous** — one consecutive run through the sidecar (``WritePages`` over the command
+  channel, as a worker calls it, end to end; **contiguous gRPC**: the same over gRPC, for
+  comparison);
 * **scattered** — fully scattered pages through the sidecar (every page its own run);
 * **raw** — the benchmark's own transport, in this process, writes the same source pages
   (the prefill sidecar's pool, mapped here) to the decode sidecar's endpoint as ONE
@@ -18,9 +20,9 @@ loader reports it: for SmolLM2-135M 30 layers * 2 * 16 tokens * 3 heads * 64 dim
 
 Beside them, interleaved with them, the **control RPC** moves no byte: an empty call
 (``Describe``) to the writing sidecar, prepared exactly like a contiguous write (fresh bytes,
-zeroed destination, grant, the worker's digests), so it measures what the gRPC hop between a
-worker and its sidecar costs in the write's own rhythm (it verifies when the destination is
-still zero). The contiguous write's time splits into raw engine + this hop +
+zeroed destination, grant, the worker's digests), so it measures what the hop between a
+worker and its sidecar costs in the write's own rhythm, over the command channel and over
+gRPC (it verifies when the destination is still zero). The contiguous write's time splits into raw engine + this hop +
 ``sidecar_own_ms`` (checks, admission, fences, stats; a difference of medians), and ``rpc_ceiling_ratio`` = raw /
 (raw + hop) is the best contiguous ratio any handler behind that hop could reach on this
 machine (``scripts/rpc_floor_probe.py`` compares the hop with a plain Unix socket).

@@ -38,6 +38,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
     import torch
 
     from deltakv.layout import KVLayout
+    from deltakv.rpc.command_client import command_socket_path
+    from deltakv.rpc.command_stub import CommandStub
     from deltakv.services.cli.bench.safety import FenceProbe, measure_safety_costs
     from deltakv.services.cli.serve.sidecar import parse_options
     from deltakv.sidecar.digests import PageDigester
@@ -70,9 +72,13 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         dec_ch, pre_ch = grpc.insecure_channel(decode.target), grpc.insecure_channel(prefill.target)
         plain_ch = grpc.insecure_channel(plain.target)
         closers += [dec_ch.close, pre_ch.close, plain_ch.close]
-        dec_stub = sidecar_pb2_grpc.SidecarServiceStub(dec_ch)
-        pre_stub = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
-        plain_stub = sidecar_pb2_grpc.SidecarServiceStub(plain_ch)
+        # The workers' transport, the command channel, for every call; gRPC for comparison
+        # (``contiguous_grpc``, ``control_rpc_grpc``, the small writes' ``sidecar_grpc``).
+        service = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"]
+        dec_stub, pre_stub, plain_stub = (CommandStub(command_socket_path(s.socket), service)
+                                          for s in (decode, prefill, plain))
+        closers += [dec_stub.close, pre_stub.close, plain_stub.close]
+        pre_grpc = sidecar_pb2_grpc.SidecarServiceStub(pre_ch)
         dec_desc = dec_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         pre_desc = pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
         plain_desc = plain_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
@@ -195,9 +201,11 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             return page_write_trial(src_view, src, dst_view, dst, action, seed=seed,
                                     setup=setup, teardown=teardown)
 
-        def control_rpc_trial(src: list[int], dst: list[int], seed: int) -> Trial:
-            """An empty unary call to the writing sidecar (``Describe``: the same server,
-            interceptors and thread pool as ``WritePages``), prepared exactly like a
+        def control_rpc_trial(src: list[int], dst: list[int], seed: int,
+                              stub: Any = pre_stub) -> Trial:
+            """An empty unary call to the writing sidecar over ``stub``'s transport
+            (``Describe``: the same server, dispatch and threads as ``WritePages``), prepared
+            exactly like a
             sidecar write of ``src`` -> ``dst`` (fresh source bytes, zeroed destination,
             a grant issued and closed, the worker's digests taken): what the gRPC hop
             alone costs in the write's own rhythm. A write must not happen, so a
@@ -209,7 +217,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                 granted.append(issue(dst))
 
             def action() -> None:
-                pre_stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
+                stub.Describe(sidecar_pb2.DescribeRequest(), timeout=10)
 
             # page_write_trial's preparation only: its check (destination == source) is a
             # write's, the opposite of this one's.
@@ -248,6 +256,9 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "raw": raw_trial(contiguous, contiguous, 3, cpu_raw),
             "raw_scattered": raw_trial(scat_src, scat_dst, 6),
             "control_rpc": control_rpc_trial(contiguous, contiguous, 8),
+            "contiguous_grpc": sidecar_trial(pre_grpc, src_view, contiguous, contiguous, 9,
+                                             True, [], supply=True),
+            "control_rpc_grpc": control_rpc_trial(contiguous, contiguous, 10, pre_grpc),
         })
         t_contig, ok_contig = timed["contiguous"]
         t_contig_off, ok_contig_off = timed["contiguous_nodigest"]
@@ -257,6 +268,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         t_raw, ok_raw = timed["raw"]
         t_raw_scat, ok_raw_scat = timed["raw_scattered"]
         t_rpc, ok_rpc = timed["control_rpc"]
+        t_grpc, ok_grpc = timed["contiguous_grpc"]
+        t_rpc_grpc, ok_rpc_grpc = timed["control_rpc_grpc"]
         # Small writes (issue 14: a delta of a few pages): the sidecar's fixed cost per
         # WritePages is its time minus the raw engine's for the same pages, interleaved.
         small: dict[str, dict[str, Any]] = {}
@@ -268,11 +281,17 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             pair = time_interleaved(small_repeats, {
                 "sidecar": sidecar_trial(pre_stub, src_view, block_n, block_n, 10 + n, True, [],
                                          supply=True),
+                "sidecar_grpc": sidecar_trial(pre_grpc, src_view, block_n, block_n, 30 + n, True,
+                                              [], supply=True),
                 "raw": raw_trial(block_n, block_n, 20 + n)})
             (t_side, ok_side), (t_eng, ok_eng) = pair["sidecar"], pair["raw"]
-            small_ok = small_ok and ok_side and ok_eng
+            t_side_grpc, ok_side_grpc = pair["sidecar_grpc"]
+            ok_n = ok_side and ok_eng and ok_side_grpc
+            small_ok = small_ok and ok_n
             small[str(n)] = {"sidecar_ms": t_side * 1e3, "raw_ms": t_eng * 1e3,
-                             "fixed_ms": (t_side - t_eng) * 1e3, "verified": ok_side and ok_eng}
+                             "fixed_ms": (t_side - t_eng) * 1e3,
+                             "sidecar_grpc_ms": t_side_grpc * 1e3,
+                             "fixed_grpc_ms": (t_side_grpc - t_eng) * 1e3, "verified": ok_n}
 
         # Safety costs, beside the write they protect.
         fence_view = None
@@ -305,14 +324,20 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "raw_cpu_ms": statistics.median(cpu_raw),
             "contiguous_ms": t_contig * 1e3,
             "raw_ms": t_raw * 1e3,
-            # Where the contiguous write's time goes beyond the engine: the gRPC hop alone
-            # (an empty call to the same sidecar, prepared like a write) and the rest, the
-            # sidecar's own work (checks, admission, fences, stats) as a difference of
-            # medians (noise can make it negative). ``rpc_ceiling_ratio`` is the best ratio
-            # any handler behind this gRPC hop could reach here.
+            # Where the contiguous write's time goes beyond the engine: the hop alone (an
+            # empty call to the same sidecar over the command channel, prepared like a
+            # write) and the rest, the sidecar's own work (checks, admission, fences, stats)
+            # as a difference of medians (noise can make it negative).
+            # ``rpc_ceiling_ratio`` is the best ratio any handler behind this hop could
+            # reach here.
             "control_rpc_ms": t_rpc * 1e3,
             "sidecar_own_ms": (t_contig - t_raw - t_rpc) * 1e3,
             "rpc_ceiling_ratio": t_raw / (t_raw + t_rpc),
+            # The same write and the same empty call over gRPC (``--sidecar-channel grpc``).
+            "contiguous_grpc_ms": t_grpc * 1e3,
+            "contiguous_grpc_ratio": t_raw / t_grpc,
+            "control_rpc_grpc_ms": t_rpc_grpc * 1e3,
+            "rpc_ceiling_ratio_grpc": t_raw / (t_raw + t_rpc_grpc),
             "contiguous_runs": runs_contig[-1],
             "scattered_runs": runs_scat[-1],
             "grant_check_us": costs["grant_check_us"],
@@ -333,7 +358,8 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "sidecar_hash_cost": (t_contig_hash - t_contig_off) / t_contig_hash,
             "small": small,
             "verified": (ok_contig and ok_scat and ok_raw and ok_raw_scat and ok_contig_off
-                         and ok_scat_off and ok_contig_hash and ok_rpc and small_ok),
+                         and ok_scat_off and ok_contig_hash and ok_rpc and small_ok and ok_grpc
+                         and ok_rpc_grpc),
         }
     finally:
         tear_down("bench transfer", closers, sidecars, workdir)

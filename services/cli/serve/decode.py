@@ -10,6 +10,7 @@ from deltakv.services.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from deltakv.services.cli.serve import add_sidecar_channel_argument
 
 DEFAULT_PORT = 50051
 
@@ -22,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role decode)")
+    add_sidecar_channel_argument(parser)
     parser.add_argument("--prefill-target", required=True, action="append",
                         help="a prefill backend, HOST:PORT, or dns:///NAME:PORT for every "
                              "address NAME resolves to (a headless Service); repeatable or "
@@ -135,7 +137,7 @@ async def build(args: argparse.Namespace, stack, log):
     # revokes their grants when this worker attaches, and those pages wait for the fence
     # (docs/architecture.md, "Fencing") — no timer is needed on top.
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
-                                quarantine_ms=0,
+                                quarantine_ms=0, channel=args.sidecar_channel,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s)
     stack.push_async_callback(worker.close)
 

@@ -11,6 +11,7 @@ from deltakv.services.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from deltakv.services.cli.serve import add_sidecar_channel_argument
 
 DEFAULT_PORT = 50061
 
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role prefill)")
+    add_sidecar_channel_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="gRPC port (0 = free)")
     parser.add_argument("--sidecar-timeout-s", type=positive_float, default=60.0,
@@ -88,7 +90,8 @@ async def build(args: argparse.Namespace, stack, log):
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
-                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s,
+                                channel=args.sidecar_channel)
     stack.push_async_callback(worker.close)
     chunk = {} if args.prefill_chunk_tokens is None else {
         "chunk_tokens": args.prefill_chunk_tokens}

@@ -1,0 +1,237 @@
+"""The worker's end of the command channel (asyncio): a small pool of connections.
+
+:class:`CommandClient` sends one call per connection at a time (a connection is taken from
+the pool, or opened, for each call and given back after its status), so concurrent calls never
+wait for one another and the sidecar runs each inline on its connection's thread
+(:mod:`deltakv.rpc.command_server`). A failed call raises :class:`CommandRpcError`, a
+``grpc.RpcError`` with ``code()``, ``details()`` and ``trailing_metadata()``: callers map it with
+the very function they use for gRPC errors (``deltakv.errors.from_rpc_error``,
+``SidecarClient._typed``), so every error comes out identical on both transports.
+
+Deadline: every call has one (``timeout_s`` > 0), sent as a relative deadline and enforced here
+too: past it the call raises DEADLINE_EXCEEDED ("Deadline Exceeded", as gRPC) and the sidecar
+is told (CANCEL). Cancelling the awaiting task sends CANCEL as well. A connection that saw
+anything unexpected is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+
+from deltakv.rpc import frames
+from deltakv.rpc.command_context import metadata_entries, metadata_pairs
+from deltakv.rpc.command_server import CODES
+from deltakv.rpc.command_trace import client_span
+from deltakv.rpc.streaming import failed_code
+from deltakv.v1 import command_pb2
+
+#: Suffix of the command socket's path beside the gRPC socket of the same sidecar.
+SOCKET_SUFFIX = ".cmd"
+
+
+def command_socket_path(grpc_socket_path: str) -> str:
+    """The command channel's socket beside a sidecar's gRPC socket (same directory)."""
+    return f"{grpc_socket_path}{SOCKET_SUFFIX}"
+
+
+class CommandRpcError(grpc.RpcError):
+    """A command-channel call that ended with a non-OK status (the gRPC error interface)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str,
+                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+def raise_status(status: command_pb2.CommandStatus) -> bytes:
+    """The response bytes of an OK status; else raises its :class:`CommandRpcError`."""
+    code = CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    if code != grpc.StatusCode.OK:
+        raise CommandRpcError(code, status.details, metadata_pairs(status.trailing_metadata))
+    return status.response
+
+
+class MethodTable:
+    """Request/response classes of a service's methods, from its descriptor."""
+
+    def __init__(self, service_descriptor: Any) -> None:
+        self.service = service_descriptor.full_name
+        self._methods = {m.name: m for m in service_descriptor.methods}
+
+    def full_name(self, name: str) -> str:
+        return f"/{self.service}/{name}"
+
+    def streaming(self, name: str) -> bool:
+        return self._methods[name].client_streaming
+
+    def response_class(self, name: str) -> Any:
+        return message_factory.GetMessageClass(self._methods[name].output_type)
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.spent = False
+
+    def usable(self) -> bool:
+        return not (self.spent or self.reader.at_eof() or self.writer.is_closing())
+
+    async def send(self, frame: command_pb2.CommandFrame) -> None:
+        self.writer.write(frames.encode(frame))
+        if self.writer.transport.get_write_buffer_size():
+            await self.writer.drain()  # only a large frame waits for the socket
+
+    def abandon(self, call_id: int) -> None:
+        """Tell the sidecar the call is over for us (best effort) and close."""
+        with contextlib.suppress(Exception):
+            self.writer.write(frames.encode(command_pb2.CommandFrame(
+                call_id=call_id, cancel=command_pb2.CommandCancel())))
+        self.writer.close()
+
+
+class CommandClient:
+    """Asyncio client of one command socket ``path`` (module docstring). ``max_idle``:
+    connections kept open between calls. Not shared between event loops; :meth:`close` when
+    done."""
+
+    def __init__(self, path: str, max_idle: int = 8) -> None:
+        self.path = path
+        self.max_idle = max_idle
+        self._idle: list[_Connection] = []
+        self._ids = itertools.count(1)
+
+    async def _take(self) -> _Connection:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable():
+                return conn
+            conn.writer.close()
+        try:
+            return _Connection(*await asyncio.open_unix_connection(self.path))
+        except OSError as exc:
+            raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
+                                  f"cannot connect to the sidecar's command socket "
+                                  f"{self.path}: {exc}") from None
+
+    def _give_back(self, conn: _Connection) -> None:
+        if len(self._idle) < self.max_idle and conn.usable():
+            self._idle.append(conn)
+        else:
+            conn.writer.close()
+
+    async def call(self, method: str, request: bytes | AsyncIterator[bytes], timeout_s: float,
+                   metadata: Sequence[tuple[str, str]] = ()) -> bytes:
+        """Run ``method`` (full name) with a serialized ``request`` (bytes), or a client
+        stream (an async iterator of serialized messages); the serialized response. Raises
+        :class:`CommandRpcError` (the call's status; UNAVAILABLE when the sidecar cannot be
+        reached or the connection breaks; DEADLINE_EXCEEDED after ``timeout_s``)."""
+        meta = list(metadata)
+        streaming = not isinstance(request, bytes | bytearray)
+        with client_span(method, meta) as span:
+            try:
+                response = await self._call(method, request, timeout_s, meta, streaming)
+            except CommandRpcError as err:
+                span.finish(err.code(), err.details())
+                raise
+            span.finish(grpc.StatusCode.OK, "")
+            return response
+
+    async def _call(self, method: str, request: Any, timeout_s: float,
+                    metadata: list[tuple[str, str]], streaming: bool) -> bytes:
+        call_id = next(self._ids)
+        conn = await self._take()
+        done = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await conn.send(command_pb2.CommandFrame(call_id=call_id, call=command_pb2.CommandCall(
+                    method=method, timeout_us=max(1, int(timeout_s * 1e6)),
+                    metadata=metadata_entries(metadata), request=b"" if streaming else request,
+                    client_streaming=streaming)))
+                status = await (self._stream(conn, call_id, request) if streaming
+                                else self._status(conn))
+            done = True
+        except TimeoutError:
+            raise CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except (frames.FrameTruncated, OSError) as exc:
+            raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
+                                  f"command channel to the sidecar broke: {exc}") from None
+        except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
+            raise CommandRpcError(exc.code, exc.message) from None
+        finally:
+            if done:
+                self._give_back(conn)
+            else:
+                conn.abandon(call_id)
+        return raise_status(status)
+
+    async def close(self) -> None:
+        """Close the idle connections (idempotent)."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.writer.close()
+
+    async def _status(self, conn: _Connection) -> command_pb2.CommandStatus:
+        while True:
+            frame = await frames.aread_frame(conn.reader)
+            if frame.WhichOneof("kind") == "status":
+                # Call id 0: a refusal of the whole connection, which the sidecar closes.
+                conn.spent = conn.spent or frame.call_id == 0
+                return frame.status
+
+    async def _stream(self, conn: _Connection, call_id: int,
+                      parts: AsyncIterator[bytes]) -> command_pb2.CommandStatus:
+        """Send ``parts`` until they end or the sidecar says the call failed (then stop at
+        once: no part may follow its notice), half-close, and return the status."""
+        told: asyncio.Future[Any] = asyncio.ensure_future(frames.aread_frame(conn.reader))
+        source = aiter(parts)
+        try:
+            while True:
+                following = asyncio.ensure_future(anext(source))
+                await asyncio.wait({following, told}, return_when=asyncio.FIRST_COMPLETED)
+                if told.done():
+                    following.cancel()
+                    with contextlib.suppress(BaseException):
+                        await following
+                    break
+                try:
+                    part = following.result()
+                except StopAsyncIteration:
+                    break
+                await conn.send(command_pb2.CommandFrame(
+                    call_id=call_id, part=command_pb2.CommandPart(message=part)))
+            half_closed = not told.done()
+            if half_closed:
+                await conn.send(command_pb2.CommandFrame(
+                    call_id=call_id, half_close=command_pb2.CommandHalfClose()))
+            first = await told
+            if first.WhichOneof("kind") == "status":
+                # Ended before our half-close: the sidecar closes this connection.
+                conn.spent = not half_closed or first.call_id == 0
+                return first.status
+            if failed_code(metadata_pairs(first.initial_metadata.metadata)) is None:
+                raise frames.FrameUndecodable("unexpected initial metadata on a command call")
+            if not half_closed:
+                await conn.send(command_pb2.CommandFrame(
+                    call_id=call_id, half_close=command_pb2.CommandHalfClose()))
+            return await self._status(conn)
+        finally:
+            if not told.done():
+                told.cancel()
+            with contextlib.suppress(BaseException):
+                await told

@@ -1,0 +1,239 @@
+"""A blocking stub over the command channel, shaped like a generated gRPC stub.
+
+``CommandStub(path, descriptor).WritePages(request, timeout=..., metadata=...)`` returns the
+response message or raises :class:`~deltakv.rpc.command_client.CommandRpcError` (a
+``grpc.RpcError`` with ``code()``, ``details()``, ``trailing_metadata()``), exactly where a
+``SidecarServiceStub`` call would; a client-streaming method takes an iterator of messages and
+stops sending as soon as the sidecar says the call failed. For benchmarks, probes and tests
+(tools and operators use gRPC); workers use the asyncio
+:class:`~deltakv.rpc.command_client.CommandClient`. Thread-safe like a gRPC stub: each call
+takes an idle connection (or opens one) and gives it back after its status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from deltakv.rpc import frames
+from deltakv.rpc.command_client import CommandRpcError, MethodTable, raise_status
+from deltakv.rpc.command_context import metadata_entries, metadata_pairs
+from deltakv.rpc.streaming import failed_code
+from deltakv.v1 import command_pb2
+
+_DEFAULT_TIMEOUT_S = 30.0
+
+
+class CommandFuture:
+    """A call running on its own thread and connection (``Method.future(...)``): the subset of
+    gRPC's call future deltakv's tests and tools use."""
+
+    def __init__(self, run: Any) -> None:
+        self._done = threading.Event()
+        self._initial = threading.Event()
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(run,), daemon=True,
+                         name="command-future").start()
+
+    def _run(self, run: Any) -> None:
+        try:
+            self._result = run(self._told)
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            self._error = exc
+        finally:
+            self._initial.set()
+            self._done.set()
+
+    def _told(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+        self._initial.set()
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The server's initial metadata (empty when it sent none before its status)."""
+        self._initial.wait()
+        return self._metadata
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The response; raises the call's CommandRpcError, or ``grpc.FutureTimeoutError``."""
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        return self._error
+
+
+class CommandStub:
+    """Blocking calls of ``service_descriptor``'s methods over the command socket ``path``."""
+
+    def __init__(self, path: str, service_descriptor: Any) -> None:
+        self.path = path
+        self._descriptor = service_descriptor
+        self._table = MethodTable(service_descriptor)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def call(self, method: str, request: bytes | Iterable[Any], timeout_s: float,
+             metadata: Sequence[tuple[str, str]] = (), streaming: bool = False,
+             on_initial: Any = None) -> bytes:
+        """One call (``request``: serialized bytes, or messages when ``streaming``); the
+        serialized response. ``on_initial(metadata)``: told the server's initial metadata.
+        Raises CommandRpcError."""
+        deadline = time.monotonic() + timeout_s
+        call_id = next(self._ids)
+        ok = False
+        sock: socket.socket | None = None
+        try:
+            sock = self._take()
+            try:
+                frames.write_frame(sock, command_pb2.CommandFrame(
+                    call_id=call_id, call=command_pb2.CommandCall(
+                        method=method, timeout_us=max(1, int(timeout_s * 1e6)),
+                        metadata=metadata_entries(metadata), client_streaming=streaming,
+                        request=b"" if streaming else request)))
+            except OSError:
+                # The sidecar may have refused the connection (its status is waiting) and
+                # closed it before the call went out.
+                sock.settimeout(1.0)
+                refusal = frames.read_frame(sock)
+                if refusal.WhichOneof("kind") != "status":
+                    raise
+                return raise_status(refusal.status)
+            stop = threading.Event()
+            if streaming:
+                threading.Thread(target=self._send_parts, args=(sock, call_id, request, stop),
+                                 daemon=True, name="command-parts").start()
+            try:
+                last = self._status(sock, deadline, stop, on_initial)
+            finally:
+                stop.set()
+            status = last.status
+            # A stream's connection may be spent, and call id 0 is a refusal of the whole
+            # connection (the sidecar closes it): never reuse those.
+            ok = not streaming and last.call_id != 0
+        except TimeoutError:
+            raise CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except (frames.FrameTruncated, OSError) as exc:
+            raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
+                                  f"command channel to {self.path} broke: {exc}") from None
+        except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
+            raise CommandRpcError(exc.code, exc.message) from None
+        finally:
+            if sock is not None:
+                if ok:
+                    with self._lock:
+                        self._idle.append(sock)
+                else:
+                    sock.close()
+        return raise_status(status)
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    @staticmethod
+    def _send_parts(sock: socket.socket, call_id: int, parts: Iterable[Any],
+                    stop: threading.Event) -> None:
+        """Sender thread of a client stream: parts until they end or the server spoke (its
+        notice or status: no part may follow it), then the half-close. A sidecar that ended
+        the call closes the connection: a failed write is no error (the status counts)."""
+        with contextlib.suppress(OSError):
+            for part in parts:
+                if stop.is_set():
+                    break
+                frames.write_frame(sock, command_pb2.CommandFrame(
+                    call_id=call_id,
+                    part=command_pb2.CommandPart(message=part.SerializeToString())))
+            frames.write_frame(sock, command_pb2.CommandFrame(
+                call_id=call_id, half_close=command_pb2.CommandHalfClose()))
+
+    def _status(self, sock: socket.socket, deadline: float, stop: threading.Event,
+                on_initial: Any) -> command_pb2.CommandFrame:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            frame = frames.read_frame(sock)
+            kind = frame.WhichOneof("kind")
+            if kind == "status":
+                if time.monotonic() > deadline:
+                    raise TimeoutError  # a status after the deadline: too late, as on gRPC
+                return frame
+            metadata = metadata_pairs(frame.initial_metadata.metadata)
+            if kind != "initial_metadata" or failed_code(metadata) is None:
+                raise frames.FrameTruncated(f"unexpected {kind} frame before the status")
+            stop.set()
+            if on_initial is not None:
+                on_initial(metadata)
+
+
+class _Method:
+    """``stub.Name``: call it, or ``.future(...)`` it, like a gRPC multi-callable."""
+
+    def __init__(self, stub: CommandStub, name: str) -> None:
+        self._stub = stub
+        self._full = stub._table.full_name(name)
+        self._streaming = stub._table.streaming(name)
+        self._response = stub._table.response_class(name)
+
+    def _invoke(self, stub: CommandStub, request: Any, timeout: float | None,
+                metadata: Any, on_initial: Any = None) -> Any:
+        data = stub.call(self._full, request if self._streaming else request.SerializeToString(),
+                         timeout or _DEFAULT_TIMEOUT_S, metadata or (), self._streaming,
+                         on_initial)
+        return self._response.FromString(data)
+
+    def __call__(self, request: Any, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> Any:
+        return self._invoke(self._stub, request, timeout, metadata)
+
+    def future(self, request: Any, timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] | None = None) -> CommandFuture:
+        """The call on a thread and connection of its own."""
+        own = CommandStub(self._stub.path, self._stub._descriptor)
+
+        def run(told: Any) -> Any:
+            try:
+                return self._invoke(own, request, timeout, metadata, told)
+            finally:
+                own.close()
+
+        return CommandFuture(run)

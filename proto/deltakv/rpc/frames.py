@@ -1,0 +1,106 @@
+"""Frames of the command channel (``deltakv.v1.CommandFrame``), sync and asyncio.
+
+A frame on the stream is a 4-byte big-endian length, then that many bytes of one serialized
+:class:`~deltakv.v1.command_pb2.CommandFrame`; the header is the only hand-written encoding
+(the envelope and the messages it carries are protobuf). A length above :data:`MAX_FRAME_BYTES`
+is refused before any byte of the body is read (:class:`FrameTooLarge`, RESOURCE_EXHAUSTED as
+gRPC answers a message over its receive limit); a stream that ends inside a frame is
+:class:`FrameTruncated`; bytes that do not parse are :class:`FrameUndecodable`
+(INVALID_ARGUMENT). After any of these the connection is out of step and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+from google.protobuf.message import DecodeError
+
+from deltakv.errors import InvalidArgument, ResourceExhausted, Unavailable
+from deltakv.v1 import command_pb2
+
+_HEADER = struct.Struct(">I")
+HEADER_BYTES = _HEADER.size
+#: Largest frame either side accepts: gRPC's message limit of deltakv's channels.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class FrameTooLarge(ResourceExhausted):
+    """A frame header announced more than :data:`MAX_FRAME_BYTES` (RESOURCE_EXHAUSTED)."""
+
+
+class FrameTruncated(Unavailable):
+    """The peer closed the stream inside a frame, or before one (UNAVAILABLE)."""
+
+
+class FrameUndecodable(InvalidArgument):
+    """A frame's bytes are not a ``CommandFrame`` (INVALID_ARGUMENT)."""
+
+
+def encode(frame: command_pb2.CommandFrame) -> bytes:
+    """``frame`` with its length header. Raises FrameTooLarge when over the limit."""
+    body = frame.SerializeToString()
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"command frame of {len(body)} bytes exceeds the "
+                            f"{MAX_FRAME_BYTES}-byte limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def _length(header: bytes, limit: int) -> int:
+    (length,) = _HEADER.unpack(header)
+    if length > limit:
+        raise FrameTooLarge(f"command frame header announces {length} bytes, over the "
+                            f"{limit}-byte limit")
+    return length
+
+
+def decode(body: bytes | bytearray | memoryview) -> command_pb2.CommandFrame:
+    """The frame in ``body`` (without header). Raises FrameUndecodable."""
+    frame = command_pb2.CommandFrame()
+    try:
+        frame.ParseFromString(body)
+    except DecodeError as exc:
+        raise FrameUndecodable(f"command frame ({len(body)} bytes) is not a CommandFrame: "
+                               f"{exc}") from None
+    if frame.WhichOneof("kind") is None:
+        raise FrameUndecodable(f"command frame ({len(body)} bytes) carries no kind")
+    return frame
+
+
+def _recv_exactly(sock: socket.socket, n: int, started: bool) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            where = "inside a frame" if started or got else "between frames"
+            raise FrameTruncated(f"command channel closed by the peer {where}")
+        got += k
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> command_pb2.CommandFrame:
+    """The next frame on a blocking socket (its timeout applies to each ``recv``). Raises
+    FrameTruncated (also for a clean close before a frame: check :func:`at_eof` first if that
+    is normal), FrameTooLarge, FrameUndecodable, ``TimeoutError``/``OSError``."""
+    length = _length(_recv_exactly(sock, HEADER_BYTES, False), limit)
+    return decode(_recv_exactly(sock, length, True))
+
+
+def write_frame(sock: socket.socket, frame: command_pb2.CommandFrame) -> None:
+    """Send ``frame`` whole on a blocking socket."""
+    sock.sendall(encode(frame))
+
+
+async def aread_frame(reader: asyncio.StreamReader,
+                      limit: int = MAX_FRAME_BYTES) -> command_pb2.CommandFrame:
+    """The next frame from an asyncio stream (errors as :func:`read_frame`)."""
+    try:
+        header = await reader.readexactly(HEADER_BYTES)
+        body = await reader.readexactly(_length(header, limit))
+    except asyncio.IncompleteReadError as exc:
+        where = "inside a frame" if exc.partial else "before a frame"
+        raise FrameTruncated(f"command channel closed by the sidecar {where}") from None
+    return decode(body)

@@ -1,0 +1,85 @@
+"""The command channel's frame header and envelope (deltakv.rpc.frames): round trip, and the
+three ways a stream of frames can be wrong (too long, cut short, not a frame)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import grpc
+import pytest
+
+from deltakv.rpc import frames
+from deltakv.rpc.command_client import CommandRpcError, raise_status
+from deltakv.rpc.command_server import status_frame
+from deltakv.v1 import command_pb2
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(5)
+    b.settimeout(5)
+    return a, b
+
+
+def test_a_frame_round_trips_whole_through_a_socket() -> None:
+    frame = command_pb2.CommandFrame(call_id=9, call=command_pb2.CommandCall(
+        method="/deltakv.v1.SidecarService/WritePages", timeout_us=1_500_000,
+        metadata=[command_pb2.CommandMetadata(key="traceparent", value="00-ab-cd-01")],
+        request=bytes(range(256)) * 100))
+    a, b = _pair()
+    with a, b:
+        frames.write_frame(a, frame)
+        assert frames.read_frame(b) == frame
+    wire = frames.encode(frame)
+    assert struct.unpack(">I", wire[:4])[0] == len(wire) - frames.HEADER_BYTES
+
+
+def test_an_oversized_length_is_refused_before_its_body_is_read() -> None:
+    a, b = _pair()
+    with a, b:
+        a.sendall(struct.pack(">I", frames.MAX_FRAME_BYTES + 1))
+        with pytest.raises(frames.FrameTooLarge) as err:
+            frames.read_frame(b)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_stream_cut_inside_a_frame_is_truncated() -> None:
+    body = command_pb2.CommandFrame(call_id=1, cancel=command_pb2.CommandCancel())
+    wire = frames.encode(body)
+    a, b = _pair()
+    with b:
+        a.sendall(wire[:-1])
+        a.close()
+        with pytest.raises(frames.FrameTruncated, match="inside a frame"):
+            frames.read_frame(b)
+
+    async def cut() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(wire[:3])
+        reader.feed_eof()
+        await frames.aread_frame(reader)
+
+    with pytest.raises(frames.FrameTruncated):
+        asyncio.run(cut())
+
+
+@pytest.mark.parametrize("body", [b"\xff\xff\xff", b"", b"\x08\x01"])
+def test_bytes_that_are_not_a_frame_are_undecodable(body: bytes) -> None:
+    with pytest.raises(frames.FrameUndecodable) as err:
+        frames.decode(body)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_status_frame_raises_the_grpc_error_interface() -> None:
+    frame = status_frame(4, grpc.StatusCode.FAILED_PRECONDITION, "stale",
+                         trailing=(("deltakv-incarnation", "abc"),))
+    with pytest.raises(CommandRpcError) as err:
+        raise_status(frame.status)
+    assert isinstance(err.value, grpc.RpcError)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                       "stale")
+    assert err.value.trailing_metadata() == (("deltakv-incarnation", "abc"),)
+    ok = status_frame(4, grpc.StatusCode.OK, response=b"xyz")
+    assert raise_status(ok.status) == b"xyz"
