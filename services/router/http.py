@@ -3,15 +3,18 @@ the decode replicas' OpenAI APIs.
 
 Every request goes to the replica that owns its routing key on the hash ring
 (:mod:`deltakv.services.router.ring`); the body and the response (SSE streams included) pass
-through unchanged, chunk by chunk. If that replica cannot be connected to, the next one on the
-ring gets the request (nothing was sent yet); once a replica answered, its answer is final.
-The proxy adds ``x-deltakv-replica`` (the replica's address) to every response.
+through unchanged, chunk by chunk. A replica that fails before the first byte of its answer
+reached the client is skipped for the next one on the ring; a stream that breaks afterwards ends
+with an OpenAI error event (:func:`create_app`). The proxy adds ``x-deltakv-replica`` (the
+replica's address) to every response.
 """
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 from starlette.applications import Starlette
@@ -19,7 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deltakv.services.openai.app import ERROR_TYPES
+from deltakv.services.router.health import ReplicaHealth
 from deltakv.services.router.ring import HashRing
+from deltakv.services.runtime.logs import get_logger
+
+log = get_logger()
 
 SESSION_HEADER = "x-deltakv-session"
 REQUEST_ID_HEADER = "x-request-id"
@@ -35,23 +43,59 @@ def routing_key(session: str | None, request_id: str | None) -> str:
     return session or request_id or uuid.uuid4().hex
 
 
-async def _relay(upstream: httpx.Response):
-    """The upstream body as it arrives; closing it early (the client went away) closes the
-    upstream connection, which cancels the request at the replica."""
+def error_body(status: int, message: str, code: str) -> dict:
+    """OpenAI's error object for the router's own failures (502, 503, 504)."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status)
+
+
+def sse_error_event(message: str) -> bytes:
+    """The event that ends a stream whose replica failed after bytes were sent: an OpenAI
+    error object, then ``[DONE]`` (what decode itself sends when a stream fails)."""
+    payload = json.dumps(error_body(502, message, "bad_gateway"), separators=(",", ":"))
+    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
+                 replica: str, health: ReplicaHealth | None):
+    """``first`` then the rest of the upstream stream (``chunks``) as it arrives. A replica that fails
+    mid-stream ends it with :func:`sse_error_event` (nothing can be re-sent: the client has
+    part of an answer). Closing early (the client went away) closes the upstream
+    connection, which cancels the request at the replica."""
     try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
+        yield first
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("router_stream_cut", replica=replica, reason=reason)
+            if health is not None:
+                health.mark_down(replica, reason)
+            yield sse_error_event(f"decode replica {replica} failed mid-stream ({reason})")
     finally:
         await upstream.aclose()
 
 
-def create_app(backends: Sequence[str], *, timeout_s: float = 600.0) -> Starlette:
+def create_app(backends: Sequence[str], *, timeout_s: float = 600.0,
+               health: ReplicaHealth | None = None) -> Starlette:
     """The proxy over decode HTTP ``backends`` (``HOST:PORT``, ring names). ``timeout_s``
-    bounds each proxied exchange (connect 5 s)."""
-    ring = HashRing(list(backends))
+    bounds each request from its arrival, failover included (connect 5 s per replica);
+    ``health`` (over the same ring names) orders the replicas, else the ring alone does.
+
+    A replica that fails before the first byte of its answer reached the client (connect
+    error, connection dropped before or while its headers or a non-streamed body arrive,
+    before a stream's first chunk) is marked down and the next one on the ring gets the
+    request; its answer, once relayed, is final. The router's own failures are OpenAI error
+    bodies: 502 (every replica failed), 503 (none reachable), 504 (``timeout_s`` ran out)."""
+    ring = health.ring if health is not None else HashRing(list(backends))
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
-    async def health(request: Request) -> Response:
+    async def health_endpoint(request: Request) -> Response:
         for backend in ring.backends:
             try:
                 reply = await client.get(f"http://{backend}/health", timeout=2.0)
@@ -62,31 +106,75 @@ def create_app(backends: Sequence[str], *, timeout_s: float = 600.0) -> Starlett
         return Response(status_code=503)
 
     async def proxy(request: Request) -> Response:
+        try:
+            return await forward(request)
+        except Exception as exc:  # noqa: BLE001 - an OpenAI error, never a bare 500
+            log.exception("router_proxy_failed")
+            return error_response(502, f"router: {type(exc).__name__}: {exc}", "bad_gateway")
+
+    async def forward(request: Request) -> Response:
+        deadline = time.monotonic() + timeout_s
         key = routing_key(request.headers.get(SESSION_HEADER),
                           request.headers.get(REQUEST_ID_HEADER))
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
-        last_error = ""
-        for backend in ring.order(key):
+        failures: list[str] = []
+        reached = False  # some replica accepted a connection
+        order = health.order(key) if health is not None else ring.order(key)
+        for backend in order:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             url = httpx.URL(f"http://{backend}{request.url.path}",
                             query=request.url.query.encode())
-            outgoing = client.build_request(request.method, url, headers=headers, content=body)
+            outgoing = client.build_request(
+                request.method, url, headers=headers, content=body,
+                timeout=httpx.Timeout(remaining, connect=min(5.0, remaining)))
+            upstream = None
             try:
                 upstream = await client.send(outgoing, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                last_error = f"{backend}: {exc}"
-                continue  # nothing reached this replica: the next one on the ring
+                stream = "text/event-stream" in upstream.headers.get("content-type", "")
+                # Nothing reached the client yet: a body or a stream's first chunk that
+                # fails to arrive sends the request to the next replica.
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"") if stream else await upstream.aread()
+            except httpx.TimeoutException as exc:
+                if upstream is not None:
+                    await upstream.aclose()
+                if isinstance(exc, httpx.ConnectTimeout):
+                    failures.append(f"{backend}: connect timeout")
+                    if health is not None:
+                        health.mark_down(backend, "connect timeout")
+                    continue
+                return error_response(504, f"decode replica {backend} did not answer within "
+                                            f"the router's {timeout_s:g} s", "timeout")
+            except httpx.HTTPError as exc:
+                if upstream is not None:
+                    await upstream.aclose()
+                reason = f"{type(exc).__name__}: {exc}"
+                reached = reached or not isinstance(exc, httpx.ConnectError)
+                failures.append(f"{backend}: {reason}")
+                if health is not None:
+                    health.mark_down(backend, reason)
+                continue
             out_headers = {k: v for k, v in upstream.headers.items()
                            if k.lower() not in _HOP_BY_HOP}
             out_headers["x-deltakv-replica"] = backend
-            return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
-                                     headers=out_headers)
-        return JSONResponse({"error": {"message": f"no decode replica reachable ({last_error})",
-                                       "type": "service_unavailable_error", "param": None,
-                                       "code": "unavailable"}}, status_code=503)
+            if not stream:
+                await upstream.aclose()
+                return Response(first, status_code=upstream.status_code, headers=out_headers)
+            return StreamingResponse(_relay(upstream, chunks, first, backend, health),
+                                     status_code=upstream.status_code, headers=out_headers)
+        if not failures:
+            return error_response(504, f"no decode replica answered within the router's "
+                                       f"{timeout_s:g} s", "timeout")
+        status = 502 if reached else 503
+        return error_response(status, "no decode replica could serve the request ("
+                              + "; ".join(failures) + ")",
+                              "bad_gateway" if reached else "unavailable")
 
     app = Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
+        Route("/health", health_endpoint, methods=["GET"]),
         Route("/{path:path}", proxy, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ])
     app.state.client = client

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from deltakv.services.cli.argtypes import non_negative_float, port_number
+from deltakv.services.cli.argtypes import non_negative_float, port_number, positive_float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", required=True, metavar="GRPC[=HTTP]",
                         help="one decode replica: its gRPC HOST:PORT and, for the HTTP side, "
                              "=HOST:PORT of its OpenAI API (repeatable, one per replica)")
+    parser.add_argument("--health-interval-s", type=positive_float, default=1.0,
+                        help="check every replica this often (gRPC health, HTTP /health); a "
+                             "replica that fails leaves the failover order's front until a "
+                             "check passes again")
     parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
                         help="on SIGTERM, give in-flight requests this long to finish (s)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -73,13 +77,19 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.openai.server import HttpServer
     from deltakv.services.router import http as http_router
     from deltakv.services.router.grpc_proxy import SERVICE, DecodeProxy
+    from deltakv.services.router.health import ReplicaHealth
+    from deltakv.services.router.ring import HashRing
     from deltakv.services.runtime.lifecycle import Service
 
     replicas = parse_replicas(args.decode)
     channels = {g: grpc.aio.insecure_channel(g, options=options("peer")) for g, _ in replicas}
     for channel in channels.values():
         stack.push_async_callback(channel.close)
-    proxy = DecodeProxy(channels)
+    grpc_health = ReplicaHealth(HashRing(list(channels)), {
+        g: _grpc_check(channel) for g, channel in channels.items()},
+        interval_s=args.health_interval_s)
+    proxy = DecodeProxy(channels, grpc_health)
+    monitors = [grpc_health]
     server = AioServer(f"{args.host}:{args.port}", [SERVICE.full_name],
                        lambda s: s.add_generic_rpc_handlers((proxy,)))
     http = None
@@ -87,11 +97,17 @@ async def build(args: argparse.Namespace, stack, log):
         backends = [h for _, h in replicas if h]
         if len(backends) != len(replicas):
             raise InvalidArgument("--http-port needs every --decode to name its HTTP address")
-        app = http_router.create_app(backends)
+        http_health = ReplicaHealth(HashRing(backends), {
+            h: _http_check(h) for h in backends}, interval_s=args.health_interval_s)
+        monitors.append(http_health)
+        app = http_router.create_app(backends, health=http_health)
         stack.push_async_callback(app.state.client.aclose)
         http = HttpServer(app, args.host, args.http_port)
 
     async def start() -> None:
+        for monitor in monitors:
+            monitor.start()
+            stack.push_async_callback(monitor.stop)
         if http is not None:
             await http.start()
         await server.start()
@@ -105,3 +121,26 @@ async def build(args: argparse.Namespace, stack, log):
     log.info("router_replicas", replicas=[f"{g}={h or ''}" for g, h in replicas])
     return Service(start, drain, {"address": server.address,
                                   "http_address": http.address if http else None})
+
+
+def _grpc_check(channel):
+    """A replica's gRPC check: ``grpc.health.v1`` Check (overall status) answers SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    async def check() -> bool:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return check
+
+
+def _http_check(address: str):
+    """A replica's HTTP check: ``GET /health`` answers 200 (one short-lived client per check:
+    the proxy's pool stays for requests)."""
+    import httpx
+
+    async def check() -> bool:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            return (await client.get(f"http://{address}/health")).status_code == 200
+    return check
