@@ -67,6 +67,26 @@ def raise_status(status: command_pb2.CommandStatus) -> bytes:
     return status.response
 
 
+def call_frame(call_id: int, method: str, timeout_s: float, metadata: Any, request: bytes,
+               streaming: bool) -> command_pb2.CommandFrame:
+    """The CALL frame of a call (``request``: the serialized message; empty for a stream)."""
+    return command_pb2.CommandFrame(call_id=call_id, call=command_pb2.CommandCall(
+        method=method, timeout_us=max(1, int(timeout_s * 1e6)),
+        metadata=metadata_entries(metadata), request=request, client_streaming=streaming))
+
+
+def channel_error(exc: BaseException, path: str) -> CommandRpcError:
+    """The status a call ends with when its connection failed with ``exc``: the deadline
+    passed (DEADLINE_EXCEEDED, "Deadline Exceeded" as gRPC), a frame the channel refuses (its
+    own code), or the connection broke (UNAVAILABLE)."""
+    if isinstance(exc, TimeoutError):
+        return CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    if isinstance(exc, frames.FrameTooLarge | frames.FrameUndecodable):
+        return CommandRpcError(exc.code, exc.message)
+    return CommandRpcError(grpc.StatusCode.UNAVAILABLE,
+                           f"command channel to the sidecar at {path} broke: {exc}")
+
+
 class MethodTable:
     """Request/response classes of a service's methods, from its descriptor."""
 
@@ -159,20 +179,14 @@ class CommandClient:
         done = False
         try:
             async with asyncio.timeout(timeout_s):
-                await conn.send(command_pb2.CommandFrame(call_id=call_id, call=command_pb2.CommandCall(
-                    method=method, timeout_us=max(1, int(timeout_s * 1e6)),
-                    metadata=metadata_entries(metadata), request=b"" if streaming else request,
-                    client_streaming=streaming)))
+                await conn.send(call_frame(call_id, method, timeout_s, metadata,
+                                           b"" if streaming else request, streaming))
                 status = await (self._stream(conn, call_id, request) if streaming
                                 else self._status(conn))
             done = True
-        except TimeoutError:
-            raise CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except (frames.FrameTruncated, OSError) as exc:
-            raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
-                                  f"command channel to the sidecar broke: {exc}") from None
-        except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
-            raise CommandRpcError(exc.code, exc.message) from None
+        except (OSError, frames.FrameTruncated, frames.FrameTooLarge,
+                frames.FrameUndecodable) as exc:
+            raise channel_error(exc, self.path) from None
         finally:
             if done:
                 self._give_back(conn)

@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 
 from deltakv.rpc import frames
-from deltakv.rpc.command_client import CommandRpcError, MethodTable, raise_status
-from deltakv.rpc.command_context import metadata_entries, metadata_pairs
+from deltakv.rpc.command_client import MethodTable, call_frame, channel_error, raise_status
+from deltakv.rpc.command_context import metadata_pairs
 from deltakv.rpc.streaming import failed_code
 from deltakv.v1 import command_pb2
 
@@ -115,11 +115,8 @@ class CommandStub:
         try:
             sock = self._take()
             try:
-                frames.write_frame(sock, command_pb2.CommandFrame(
-                    call_id=call_id, call=command_pb2.CommandCall(
-                        method=method, timeout_us=max(1, int(timeout_s * 1e6)),
-                        metadata=metadata_entries(metadata), client_streaming=streaming,
-                        request=b"" if streaming else request)))
+                frames.write_frame(sock, call_frame(call_id, method, timeout_s, metadata,
+                                                    b"" if streaming else request, streaming))
             except OSError:
                 # The sidecar may have refused the connection (its status is waiting) and
                 # closed it before the call went out.
@@ -140,13 +137,9 @@ class CommandStub:
             # A stream's connection may be spent, and call id 0 is a refusal of the whole
             # connection (the sidecar closes it): never reuse those.
             ok = not streaming and last.call_id != 0
-        except TimeoutError:
-            raise CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except (frames.FrameTruncated, OSError) as exc:
-            raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
-                                  f"command channel to {self.path} broke: {exc}") from None
-        except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
-            raise CommandRpcError(exc.code, exc.message) from None
+        except (OSError, frames.FrameTruncated, frames.FrameTooLarge,
+                frames.FrameUndecodable) as exc:
+            raise channel_error(exc, self.path) from None
         finally:
             if sock is not None:
                 if ok:
