@@ -142,6 +142,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state = self._open(request)
         try:
             parsed = self._parse(request)
+            state.cache_salt, state.chat_memory = parsed.cache_salt, parsed.chat_memory
             await self._admit(state, parsed, time_remaining)
             decode_request = await self._prefill(state, parsed, time_remaining)
             async for message in self._stream(state, parsed, decode_request):
@@ -178,7 +179,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         parsed = self._parse(request)
         sidecar_id = f"match/{uuid.uuid4().hex}"
         try:
-            cached, _ = await self.worker.sidecar.match_prefix(sidecar_id, parsed.prompt)
+            cached, _ = await self.worker.sidecar.match_prefix(
+                sidecar_id, parsed.prompt, cache_salt=parsed.cache_salt)
         finally:
             await asyncio.shield(self.worker.sidecar.release(sidecar_id))
         return len(parsed.prompt), cached
@@ -236,7 +238,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         tokens = parsed.prompt if parsed.reuse_prefix else []
 
         async def admit() -> tuple[int, list[int], list[int]]:
-            return await self.worker.sidecar.admit(state.sidecar_id, tokens, total_pages)
+            return await self.worker.sidecar.admit(state.sidecar_id, tokens, total_pages,
+                                                   cache_salt=state.cache_salt)
 
         with telemetry.span("decode.admit", total_pages=total_pages, prompt_len=prompt_len,
                             reuse=parsed.reuse_prefix, admission_timeout_s=budget_s) as span:
@@ -279,7 +282,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 first = await self.local_prefill.run(state, parsed)
                 if decision.tail_tokens:  # a full hit's pages are in the index already
                     canonical, _ = await self.worker.sidecar.commit(
-                        state.sidecar_id, parsed.prompt, state.page_table)
+                        state.sidecar_id, parsed.prompt, state.page_table,
+                        cache_salt=state.cache_salt)
                     state.page_table[: len(canonical)] = canonical
             else:
                 state.response = await self.prefill_call.first_token(state, parsed,
@@ -390,12 +394,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def _remember_answer(self, state: RequestState, decode_request: DecodeRequest) -> None:
         """Remember the text streamed for the answer and the ids behind it, for the next turn
-        of a text chat. A final EOS is left out: the chat template writes the end of turn."""
+        of a text chat under the request's cache salt (not for a request without chat
+        memory). A final EOS is left out: the chat template writes the end of turn."""
+        if not state.chat_memory:
+            return
         ids, pieces = state.answer_ids, state.answer_pieces
         if (ids and decode_request.finish_reason == "stop"
                 and ids[-1] in self.worker.model.eos_token_ids):
             ids, pieces = ids[:-1], pieces[:-1]
-        self.memory.remember(ids, pieces, text="".join(state.answer_text))
+        self.memory.remember(ids, pieces, text="".join(state.answer_text),
+                             salt=state.cache_salt)
 
     # -- accounting -------------------------------------------------------------------------
 
