@@ -69,8 +69,8 @@ class _Sampling(BaseModel):
     off, as in vLLM);
     ``cache_salt`` is vLLM's (a non-empty string when sent: cached KV and chat memory are
     shared only among requests with the same salt); ``disable_decode_prefix_reuse`` (the
-    full-transfer baseline) and ``disable_chat_memory`` (encode the chat plainly) are
-    deltakv's. docs/api.md describes them."""
+    full-transfer baseline), ``disable_chat_memory`` (encode the chat plainly) and
+    ``stall_timeout_ms`` (the longest wait for the next token) are deltakv's. docs/api.md describes them."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -89,6 +89,7 @@ class _Sampling(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1,
                                    max_length=MAX_CACHE_SALT_CHARS)
     disable_chat_memory: bool = False
+    stall_timeout_ms: int = Field(default=0, ge=0, lt=2**32)
     logprobs: Any = None
     user: str | None = None
 
@@ -107,7 +108,7 @@ class _Sampling(BaseModel):
             request_id=request_id, stop=self.stops(),
             disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
             cache_salt=self.cache_salt or "", disable_chat_memory=self.disable_chat_memory,
-            sampling=self.sampling(max_tokens))
+            stall_timeout_ms=self.stall_timeout_ms, sampling=self.sampling(max_tokens))
 
     def sampling(self, max_tokens: int | None) -> kv_pb2.SamplingParams:
         """deltakv's SamplingParams (OpenAI defaults: temperature 1, top_p 1; ``max_tokens``
