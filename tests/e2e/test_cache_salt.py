@@ -33,13 +33,6 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-@pytest.fixture()
-def client(cluster):
-    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _chat(client, messages, **extra):
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                            temperature=0,
