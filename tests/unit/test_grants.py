@@ -294,3 +294,15 @@ def test_prompt_digest_binds_the_cache_salt() -> None:
     assert prompt_digest(tokens, "a") == prompt_digest(tokens, "a")
     # The salt's length is hashed: ("a", ids) and ("", "a"-like prefix ids) cannot collide.
     assert prompt_digest([1], "ab") != prompt_digest([1], "a")
+
+
+def test_a_salted_grant_refuses_a_writer_that_ignored_the_salt(decode: Decode) -> None:
+    """Decode grants a salted prompt; a prefill that dropped the salt (one older than the
+    field) hashes the ids alone and is refused before a byte moves."""
+    pages = decode.pm.allocate("owner", 2)
+    tokens = list(range(40))
+    info = decode.authority.issue("owner", template(pages[:2]), prompt_digest(tokens, "t1"))
+    assert verify_grant(info, decode.key, prompt_digest(tokens, "t1")) == info.grant
+    for digest in (prompt_digest(tokens), prompt_digest(tokens, "t2")):
+        with pytest.raises(PermissionDenied, match="another prompt"):
+            verify_grant(info, decode.key, digest)
