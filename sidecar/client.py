@@ -173,10 +173,12 @@ class SidecarClient:
     # -- pages ----------------------------------------------------------------------------
 
     async def match_prefix(self, request_id: str, token_ids: Sequence[int],
-                           max_tokens: int = 0) -> tuple[int, list[int]]:
-        """(matched_len tokens, pages of that prefix); the pages are locked for request_id."""
+                           max_tokens: int = 0, cache_salt: str = "") -> tuple[int, list[int]]:
+        """(matched_len tokens, pages of that prefix under ``cache_salt``); the pages are
+        locked for request_id."""
         resp = await self._call("MatchPrefix", sidecar_pb2.MatchPrefixRequest(
-            request_id=request_id, token_ids=token_ids, max_tokens=max_tokens))
+            request_id=request_id, token_ids=token_ids, max_tokens=max_tokens,
+            cache_salt=cache_salt))
         return resp.matched_len, list(resp.page_indices)
 
     async def allocate(self, request_id: str, num_pages: int) -> list[int]:
@@ -186,24 +188,28 @@ class SidecarClient:
         return list(resp.page_indices)
 
     async def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
-                    max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
-        """Lock the cached prefix of ``token_ids`` and allocate the rest of ``total_pages``
-        in one step: ``(matched_len, prefix_pages, new_pages)``. ResourceExhausted if the
+                    max_match_tokens: int = 0, cache_salt: str = "",
+                    ) -> tuple[int, list[int], list[int]]:
+        """Lock the cached prefix of ``token_ids`` (under ``cache_salt``) and allocate the
+        rest of ``total_pages`` in one step: ``(matched_len, prefix_pages, new_pages)``. ResourceExhausted if the
         pages do not fit now (nothing is held then), Aborted for a released request id."""
         resp = await self._call("Admit", sidecar_pb2.AdmitRequest(
             request_id=request_id, token_ids=token_ids, total_pages=total_pages,
-            max_match_tokens=max_match_tokens))
+            max_match_tokens=max_match_tokens, cache_salt=cache_salt))
         return resp.matched_len, list(resp.prefix_pages), list(resp.new_pages)
 
     async def commit(self, request_id: str, token_ids: Sequence[int],
                      page_table: Sequence[int], verify_pages: Sequence[int] = (),
-                     verify_digests: Sequence[int] = ()) -> tuple[list[int], int]:
-        """Insert full pages into the radix index: (canonical page table, cached_len).
+                     verify_digests: Sequence[int] = (), cache_salt: str = "",
+                     ) -> tuple[list[int], int]:
+        """Insert full pages into the radix index under ``cache_salt``: (canonical page
+        table, cached_len).
         ``verify_pages`` / ``verify_digests``: check those pages' bytes first (DataLoss on a
         mismatch, nothing committed)."""
         resp = await self._call("Commit", sidecar_pb2.CommitRequest(
             request_id=request_id, token_ids=token_ids, page_indices=page_table,
-            verify=sidecar_pb2.PageDigests(page_indices=verify_pages, digests=verify_digests)))
+            verify=sidecar_pb2.PageDigests(page_indices=verify_pages, digests=verify_digests),
+            cache_salt=cache_salt))
         return list(resp.page_indices), resp.cached_len
 
     async def release(self, request_id: str, quarantine_ms: int = 0) -> tuple[int, int]:

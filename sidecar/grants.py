@@ -6,8 +6,8 @@ its expiry. It binds
 
 * the room, the decode endpoint incarnation (``endpoint_id``) that owns the pages,
 * the destination pages (and their count), ``decode_prefix_len`` and ``prompt_len``,
-* the SHA-256 of the prompt's token ids (:func:`prompt_digest`), so a grant stolen from one
-  request cannot carry the KV of other tokens into its pages,
+* the SHA-256 of the prompt's token ids and cache salt (:func:`prompt_digest`), so a grant
+  stolen from one request cannot carry the KV of other tokens (or tenants) into its pages,
 * ``expires_unix_ms``: issue time + the transfer's lease.
 
 Decode side (:class:`GrantAuthority`): ``IssueGrant`` picks the room (unique among the
@@ -61,9 +61,16 @@ log = structlog.get_logger(__name__)
 DIGEST_BYTES = 32
 
 
-def prompt_digest(token_ids: Sequence[int]) -> bytes:
-    """SHA-256 of ``token_ids`` packed as little-endian uint32 (32 bytes). InvalidArgument
-    for an id outside [0, 2**32)."""
+def prompt_digest(token_ids: Sequence[int], cache_salt: str = "") -> bytes:
+    """SHA-256 of ``token_ids`` packed as little-endian uint32 (32 bytes); with a non-empty
+    ``cache_salt`` (:mod:`deltakv.cache_salt`) the salt is hashed first (a domain tag, its
+    UTF-8 length as uint32, its bytes), so a grant of a salted prompt never covers the same
+    ids sent without the salt or with another one. InvalidArgument for an id outside
+    [0, 2**32)."""
+    digest = hashlib.sha256()
+    if cache_salt:
+        salt = cache_salt.encode("utf-8")
+        digest.update(b"deltakv.cache_salt\0" + len(salt).to_bytes(4, "little") + salt)
     packed = array.array("I")
     try:
         packed.extend(token_ids)
@@ -71,7 +78,8 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
         raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
     if sys.byteorder != "little":
         packed.byteswap()
-    return hashlib.sha256(packed.tobytes()).digest()
+    digest.update(packed.tobytes())
+    return digest.digest()
 
 
 def verify_grant(info: kv_pb2.TransferInfo, key: pairing.PairingKey, digest: bytes,

@@ -4,8 +4,8 @@ Every page of the pool is in exactly one state (DESIGN §6, invariant I1):
 
 * **free** — in the :class:`~deltakv.sidecar.allocator.PageAllocator`, ready to hand out;
 * **cached** — owned by the :class:`~deltakv.sidecar.radix.RadixIndex` (a full page of some prefix),
-  possibly locked by requests reading it; never the destination of a write (I4): a cached page
-  is never handed out by :meth:`PageManager.allocate`, and a locked one is never evicted;
+  possibly locked by requests reading it; never the destination of a write (I4): never handed
+  out by :meth:`PageManager.allocate`, never evicted while locked;
 * **live** — owned by one request (allocated delta / decode pages not yet in the index);
 * **quarantined** — released while a write into it (or, on prefill, out of it) might still be
   running: a page under a *hold* (:meth:`PageManager.hold`) that its owner released waits for
@@ -20,7 +20,8 @@ A request's life: ``admit`` (lock the cached prefix and allocate the rest in one
 change nothing, so a request that must wait for pages waits holding nothing: docs/admission.md)
 — or its halves ``match_prefix``, ``allocate`` — → ``commit`` (full pages move into the index,
 locked by the request) → ``release`` (every lock dropped exactly once; remaining live pages
-freed or quarantined; the id stays fenced, :mod:`deltakv.sidecar.requests`).
+freed or quarantined; the id stays fenced, :mod:`deltakv.sidecar.requests`). Match, admit and
+commit take the request's ``cache_salt`` (:mod:`deltakv.cache_salt`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
 from deltakv.sidecar.page_holds import PageHolds
@@ -75,8 +77,7 @@ class PageManager:
         self._lock = threading.RLock()
         self._requests = RequestTable(clock)
         self._live_total = 0
-        # (deadline_s, seq, pages) min-heap; seq keeps ordering total without comparing lists.
-        self._quarantine: list[tuple[float, int, list[int]]] = []
+        self._quarantine: list[tuple[float, int, list[int]]] = []  # (deadline_s, seq, pages)
         self._quarantined_total = 0
         self._seq = itertools.count()
         self._holds = PageHolds(num_pages)
@@ -107,24 +108,24 @@ class PageManager:
     # ------------------------------------------------------------------ request life
 
     def match_prefix(self, request_id: str, token_ids: Sequence[int],
-                     max_tokens: int = 0) -> tuple[int, list[int]]:
-        """Longest cached page-aligned prefix of ``token_ids``, locked for ``request_id``.
+                     max_tokens: int = 0, cache_salt: str = "") -> tuple[int, list[int]]:
+        """Longest cached page-aligned prefix of ``token_ids`` under ``cache_salt``, locked
+        for ``request_id``.
 
         Matches at most ``len(token_ids)`` tokens, and at most ``max_tokens`` if > 0 (e.g.
         ``prompt_len - 1`` on prefill so at least one token is computed). Returns
         ``(matched_len, pages)``: ``matched_len`` tokens (a multiple of ``page_size``) and
         their ``matched_len // page_size`` pages in prefix order. Creates the request record
         if needed; a second call adds a second lock, also dropped by :meth:`release`.
-        Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for a bad request id, token ids
-        or ``max_tokens``, :class:`~deltakv.errors.Aborted` (ABORTED) for a released id;
-        nothing changes then.
-        """
+        Raises InvalidArgument (INVALID_ARGUMENT) for a bad request id, token ids, salt or
+        ``max_tokens``, Aborted (ABORTED) for a released id; nothing changes then."""
         self._check_request_id(request_id)
         tokens = self._check_tokens(token_ids)
         self._check_count("max_tokens", max_tokens)
+        check_cache_salt(cache_salt)
         with self._lock:
             self._requests.check_open(request_id)
-            matched_len, pages, nodes = self._index.match(tokens, max_tokens)
+            matched_len, pages, nodes = self._index.match(tokens, max_tokens, cache_salt)
             req = self._requests.open(request_id)
             self._index.lock(nodes)
             req.locks.append(nodes)
@@ -137,18 +138,17 @@ class PageManager:
         Frees expired quarantine first, then evicts unlocked LRU leaves of the index if the
         free list is short. Raises :class:`ResourceExhausted` (RESOURCE_EXHAUSTED) if the
         pages cannot fit even after eviction (details: needed, free, evictable) — including
-        ``num_pages > num_pages of the pool`` — :class:`InvalidArgument`
-        (INVALID_ARGUMENT) for a bad id or count, and :class:`~deltakv.errors.Aborted`
-        (ABORTED) for a released id. Nothing changes on failure (no eviction, no request
-        record). Creates the request record if needed.
+        ``num_pages > num_pages of the pool`` —, InvalidArgument for a bad id or count, Aborted
+        for a released id; nothing changes then. Creates the request record if needed.
         """
         self._check_count("num_pages", num_pages)
         return self.admit(request_id, [], num_pages)[2]
 
     def admit(self, request_id: str, token_ids: Sequence[int], total_pages: int,
-              max_match_tokens: int = 0) -> tuple[int, list[int], list[int]]:
-        """Lock the longest cached page-aligned prefix of ``token_ids`` (at most
-        ``max_match_tokens`` tokens if > 0; none for empty ``token_ids``) AND allocate the
+              max_match_tokens: int = 0, cache_salt: str = "",
+              ) -> tuple[int, list[int], list[int]]:
+        """Lock the longest cached page-aligned prefix of ``token_ids`` under ``cache_salt`` (at
+        most ``max_match_tokens`` tokens if > 0; none for empty ``token_ids``) AND allocate the
         rest of a ``total_pages``-page page table — or change nothing. Fits iff the new pages
         fit in ``free + evictable`` once the prefix is locked; expired quarantine is freed
         first, unlocked LRU leaves are evicted as needed.
@@ -167,6 +167,7 @@ class PageManager:
         tokens = self._check_tokens(token_ids)
         self._check_count("total_pages", total_pages)
         self._check_count("max_match_tokens", max_match_tokens)
+        check_cache_salt(cache_salt)
         with self._lock:
             self._requests.check_open(request_id)
             self._reap_locked()
@@ -175,8 +176,8 @@ class PageManager:
                     f"request {request_id!r} needs {total_pages} pages but the pool only has "
                     f"{self.num_pages}", needed=total_pages, free=self._alloc.num_free,
                     evictable=self._index.num_evictable_pages, never_fits=True)
-            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens) if tokens
-                                          else (0, [], []))
+            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens, cache_salt)
+                                          if tokens else (0, [], []))
             need = total_pages - len(prefix)
             if need < 0:
                 raise InvalidArgument(f"total_pages={total_pages} is less than the "
@@ -212,8 +213,8 @@ class PageManager:
             return matched_len, prefix, pages
 
     def commit(self, request_id: str, token_ids: Sequence[int],
-               page_table: Sequence[int]) -> tuple[list[int], int]:
-        """Insert the full pages of ``token_ids`` into the index.
+               page_table: Sequence[int], cache_salt: str = "") -> tuple[list[int], int]:
+        """Insert the full pages of ``token_ids`` into the index under ``cache_salt``.
 
         ``page_table[i]`` holds tokens ``[i*page_size, (i+1)*page_size)``; it needs at least
         ``len(token_ids) // page_size`` entries. Every entry must be unique and in range;
@@ -245,6 +246,7 @@ class PageManager:
                 raise InvalidArgument(f"page index {p!r} out of range [0, {self.num_pages})")
         if len(set(table)) != len(table):
             raise InvalidArgument("page table entries must be unique")
+        check_cache_salt(cache_salt)
         with self._lock:
             req = self._get(request_id)
             locked = req.locked_nodes()
@@ -259,14 +261,14 @@ class PageManager:
                     f"page {p} at table position {i} is not a page request {request_id!r} "
                     f"may commit: it must {what}", page=p)
             canonical, new_nodes, duplicates = self._index.insert(
-                tokens[:n_full * self.page_size], table[:n_full])
+                tokens[:n_full * self.page_size], table[:n_full], cache_salt)
             for node in new_nodes:
                 del req.live[node.page]
             for p in duplicates:
                 del req.live[p]
             self._live_total -= len(new_nodes) + len(duplicates)
             self._free_pages(duplicates)
-            path = self._index.path(tokens[:n_full * self.page_size])
+            path = self._index.path(tokens[:n_full * self.page_size], cache_salt)
             if len(path) != n_full:
                 raise Internal(f"index path has {len(path)} pages after inserting {n_full}")
             fresh = [node for node in path if node.id not in locked]

@@ -18,6 +18,13 @@ locked page's prefix resident.
 The index only tracks pages; the caller owns the free list and must free the pages
 :meth:`RadixIndex.evict` returns and the duplicates :meth:`RadixIndex.insert` reports.
 Not thread-safe: :class:`deltakv.sidecar.page_manager.PageManager` serialises calls.
+
+**Cache salts** (a request's ``cache_salt``, vLLM's field of that name) scope the key space:
+every salt has its own root, so a prefix cached under one salt is invisible to a match, an
+insert or a path under any other (the empty salt is the shared cache of unsalted requests).
+Pages stay globally owned (one node per page across all roots), so a page can never be
+aliased into two tenants' trees; eviction is global LRU, and a salt's root goes when its last
+page does.
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ class RadixNode:
         self.digest: int | None = None
 
     @property
+    def is_root(self) -> bool:
+        """True for a salt's root (it owns no page)."""
+        return self.depth == 0
+
+    @property
     def attached(self) -> bool:
         """False once evicted (the node object may still be held by a stale caller)."""
         return self.parent is not None and self.parent.children.get(self.key) is self
@@ -72,7 +84,9 @@ class RadixIndex:
             raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self._ids = itertools.count(1)
-        self._root = RadixNode((), -1, None, 0, 0)
+        # One root per cache salt; "" (no salt) always exists.
+        self._roots: dict[str, RadixNode] = {"": RadixNode((), -1, None, next(self._ids), 0)}
+        self._salt_by_root: dict[int, str] = {self._roots[""].id: ""}
         self._by_page: dict[int, RadixNode] = {}
         self._tick = 0
         self._num_locked = 0
@@ -103,6 +117,34 @@ class RadixIndex:
         """All pages the index owns (a copy)."""
         return set(self._by_page)
 
+    @property
+    def num_salts(self) -> int:
+        """Salts with at least one cached page, plus the shared (unsalted) root."""
+        return len(self._roots)
+
+    def salt_of(self, node: RadixNode) -> str | None:
+        """The cache salt whose tree holds ``node`` (None if it is not attached)."""
+        while node.parent is not None:
+            node = node.parent
+        salt = self._salt_by_root.get(node.id)
+        return salt if salt is not None and self._roots.get(salt) is node else None
+
+    def _root(self, salt: str, create: bool = False) -> RadixNode | None:
+        if not isinstance(salt, str):
+            raise InvalidArgument(f"cache salt must be a str, got {type(salt).__name__}")
+        root = self._roots.get(salt)
+        if root is None and create:
+            root = self._roots[salt] = RadixNode((), -1, None, next(self._ids), 0)
+            self._salt_by_root[root.id] = salt
+        return root
+
+    def _drop_if_empty(self, root: RadixNode) -> None:
+        # A salt's root lives only while it holds pages: salts are client-chosen, unbounded.
+        salt = self._salt_by_root.get(root.id, "")
+        if salt and not root.children:
+            del self._roots[salt]
+            del self._salt_by_root[root.id]
+
     # ------------------------------------------------------------------ lookup / insert
 
     def _keys(self, tokens: Sequence[int], num_pages: int) -> list[tuple[int, ...]]:
@@ -124,9 +166,9 @@ class RadixIndex:
         for node in nodes:
             node.last_access = self._tick
 
-    def match(self, tokens: Sequence[int], max_tokens: int = 0,
+    def match(self, tokens: Sequence[int], max_tokens: int = 0, salt: str = "",
               ) -> tuple[int, list[int], list[RadixNode]]:
-        """Longest cached page-aligned prefix of ``tokens``.
+        """Longest cached page-aligned prefix of ``tokens`` under cache salt ``salt``.
 
         Matches at most ``len(tokens)`` tokens, and at most ``max_tokens`` if it is > 0
         (rounded down to a page). Returns ``(matched_len, pages, nodes)``: ``matched_len`` is
@@ -140,8 +182,8 @@ class RadixIndex:
             raise InvalidArgument(f"max_tokens must be a non-negative int, got {max_tokens!r}")
         limit = len(tokens) if max_tokens == 0 else min(len(tokens), max_tokens)
         nodes: list[RadixNode] = []
-        node = self._root
-        for key in self._keys(tokens, limit // self.page_size):
+        node = self._root(salt)
+        for key in self._keys(tokens, limit // self.page_size) if node is not None else ():
             child = node.children.get(key)
             if child is None:
                 break
@@ -151,9 +193,10 @@ class RadixIndex:
             self._touch(nodes)
         return len(nodes) * self.page_size, [n.page for n in nodes], nodes
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "",
                ) -> tuple[list[int], list[RadixNode], list[int]]:
-        """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them).
+        """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them) under
+        cache salt ``salt``.
 
         ``pages[i]`` holds tokens ``[i*page_size, (i+1)*page_size)``; entries past the full
         pages (e.g. the partial last page) are ignored. Where the index already has a page
@@ -179,7 +222,8 @@ class RadixIndex:
             raise InvalidArgument("page indices of one insert must be unique")
         keys = self._keys(tokens, n)
         # Validate the whole insert before mutating anything.
-        node = self._root
+        root = self._root(salt)
+        node = root
         path: list[RadixNode | None] = []
         for i, key in enumerate(keys):
             child = node.children.get(key) if node is not None else None
@@ -194,7 +238,7 @@ class RadixIndex:
         new_nodes: list[RadixNode] = []
         duplicates: list[int] = []
         full_path: list[RadixNode] = []
-        node = self._root
+        node = root if root is not None or not keys else self._root(salt, create=True)
         for i, key in enumerate(keys):
             child = path[i]
             if child is None:
@@ -211,11 +255,12 @@ class RadixIndex:
             self._touch(full_path)
         return canonical, new_nodes, duplicates
 
-    def path(self, tokens: Sequence[int]) -> list[RadixNode]:
-        """Nodes of the cached full-page prefix of ``tokens``, without touching LRU time."""
+    def path(self, tokens: Sequence[int], salt: str = "") -> list[RadixNode]:
+        """Nodes of the cached full-page prefix of ``tokens`` under cache salt ``salt``,
+        without touching LRU time."""
         nodes: list[RadixNode] = []
-        node = self._root
-        for key in self._keys(tokens, len(tokens) // self.page_size):
+        node = self._root(salt)
+        for key in self._keys(tokens, len(tokens) // self.page_size) if node else ():
             child = node.children.get(key)
             if child is None:
                 break
@@ -263,7 +308,7 @@ class RadixIndex:
 
     def _protect(self, node: RadixNode | None) -> None:
         # Propagate "protected" upwards until an ancestor that already was protected.
-        while node is not None and node is not self._root:
+        while node is not None and not node.is_root:
             node.protect_ref += 1
             if node.protect_ref > 1:
                 return
@@ -271,7 +316,7 @@ class RadixIndex:
             node = node.parent
 
     def _unprotect(self, node: RadixNode | None) -> None:
-        while node is not None and node is not self._root:
+        while node is not None and not node.is_root:
             node.protect_ref -= 1
             if node.protect_ref > 0:
                 return
@@ -300,7 +345,9 @@ class RadixIndex:
             del self._by_page[node.page]
             node.parent = None
             freed.append(node.page)
-            if parent is not self._root and not parent.children and parent.protect_ref == 0:
+            if parent.is_root:
+                self._drop_if_empty(parent)
+            elif not parent.children and parent.protect_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -321,8 +368,11 @@ class RadixIndex:
             stack.extend(current.children.values())
             del self._by_page[current.page]
             removed.append(current.page)
-        del node.parent.children[node.key]
+        parent = node.parent
+        del parent.children[node.key]
         node.parent = None
+        if parent.is_root:
+            self._drop_if_empty(parent)
         return removed
 
     # ------------------------------------------------------------------ checks
@@ -330,7 +380,7 @@ class RadixIndex:
     def iter_nodes(self) -> list[RadixNode]:
         """Every node below the root (depth-first)."""
         out: list[RadixNode] = []
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)

@@ -209,7 +209,8 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         _still_wanted(context, "MatchPrefix", rid)
         with self._pm_lock:
             matched, pages = self.page_manager.match_prefix(rid, list(request.token_ids),
-                                                  max_tokens=request.max_tokens)
+                                                  max_tokens=request.max_tokens,
+                                                  cache_salt=request.cache_salt)
         return sidecar_pb2.MatchPrefixResponse(matched_len=matched, page_indices=pages)
 
     def Allocate(self, request: sidecar_pb2.AllocateRequest,
@@ -235,7 +236,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         with self._pm_lock:
             matched, prefix, pages = self.page_manager.admit(
                 rid, list(request.token_ids), request.total_pages,
-                max_match_tokens=request.max_match_tokens)
+                max_match_tokens=request.max_match_tokens, cache_salt=request.cache_salt)
         return sidecar_pb2.AdmitResponse(matched_len=matched, prefix_pages=prefix,
                                          new_pages=pages)
 
@@ -255,7 +256,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         verified = self._verify(rid, request.verify)
         with self._pm_lock:
             pages, cached = self.page_manager.commit(rid, list(request.token_ids),
-                                           list(request.page_indices))
+                                           list(request.page_indices), request.cache_salt)
         self._record_digests(pages, verified)
         return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
 

@@ -237,13 +237,18 @@ def build_request(
     disable_decode_prefix_reuse: bool = False,
     echo_prompt_token_ids: bool = False,
     request_id: str = "",
+    cache_salt: str = "",
+    disable_chat_memory: bool = False,
+    stall_timeout_ms: int = 0,
 ) -> decode_pb2.GenerateRequest:
     """Build a ``GenerateRequest`` with exactly one input.
 
     ``text``: raw text (no chat template). ``chat``: messages as ``(role, content)`` pairs or
     ``{"role", "content"}`` dicts; roles are system/user/assistant. ``token_ids``: prompt ids.
     ``max_new_tokens`` counts generated tokens including prefill's first one (0 = server
-    default). ``temperature`` 0 is greedy.
+    default). ``temperature`` 0 is greedy. ``cache_salt``: share cached KV and chat memory
+    only with requests of the same salt; ``disable_chat_memory``: encode a chat plainly;
+    ``stall_timeout_ms``: the longest wait for the next token (0 = the server's bound).
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) unless exactly one input is given and
     non-empty, for an unknown chat role, negative ids, or out-of-range sampling values.
@@ -260,8 +265,9 @@ def build_request(
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
     # uint32 fields of the protocol: a larger value cannot be sent at all.
-    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
-        if value >= 2**32:
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k),
+                        ("stall_timeout_ms", stall_timeout_ms)):
+        if not 0 <= value < 2**32:
             raise InvalidArgument(f"{name} must be < 2**32, got {value}")
     sampling = kv_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                      max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
@@ -272,6 +278,9 @@ def build_request(
         sampling=sampling,
         disable_decode_prefix_reuse=disable_decode_prefix_reuse,
         echo_prompt_token_ids=echo_prompt_token_ids,
+        cache_salt=cache_salt,
+        disable_chat_memory=disable_chat_memory,
+        stall_timeout_ms=stall_timeout_ms,
     )
     if text is not None:
         if not text:

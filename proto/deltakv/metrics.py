@@ -17,6 +17,7 @@ instrument                             Prometheus                              a
 ``deltakv.request.cached_ratio``       ``deltakv_request_cached_ratio``         (decode)
 ``deltakv.requests`` counter           ``deltakv_requests_total``               ``outcome``
 ``deltakv.requests.rejected`` counter  ``deltakv_requests_rejected_total``      ``reason``
+``deltakv.requests.stalled`` counter   ``deltakv_requests_stalled_total``       ``phase``
 ``deltakv.prefix_reuse.bytes_saved``   ``deltakv_prefix_reuse_bytes_saved_      (decode)
                                        bytes_total``
 ``deltakv.prefill.duration`` hist, s   ``deltakv_prefill_duration_seconds``     (prefill)
@@ -43,7 +44,9 @@ the proof that no byte of their room can land; ``fence.wait`` is revocation -> p
 
 ``outcome`` of a request: ``ok | rejected | cancelled``; of a transfer: ``ok`` or the gRPC code
 name in lower case (``unavailable``, ``deadline_exceeded``, ``aborted``, ...). ``reason`` of a
-rejection: the gRPC code name in lower case. ``kind`` of prefill tokens: ``computed`` (the
+rejection: the gRPC code name in lower case. ``phase`` of a stalled request (its next token did
+not arrive within the stall bound; also counted as rejected, ``deadline_exceeded``):
+``first_token`` or ``decode``. ``kind`` of prefill tokens: ``computed`` (the
 forward pass ran over them) or ``cached`` (prefill-side prefix reuse skipped them). Pool ``state``: ``free | cached | live |
 quarantined | locked | evictable`` (``free + cached + live + quarantined == num_pages``; locked
 and evictable are subsets of cached). Page digests (``deltakv.sidecar.digests``): ``outcome`` is
@@ -96,6 +99,10 @@ class DeltaKVMetrics:
         self.requests_rejected = meter.create_counter(
             "deltakv.requests.rejected", unit="{request}",
             description="Generate requests that failed, by gRPC code (reason)")
+        self.requests_stalled = meter.create_counter(
+            "deltakv.requests.stalled", unit="{request}",
+            description="Generate requests ended because their next token did not arrive "
+                        "within the stall bound, by phase (first_token, decode)")
         self.prefix_bytes_saved = meter.create_counter(
             "deltakv.prefix_reuse.bytes_saved", unit="By",
             description="KV bytes not transferred because decode already held the prefix")

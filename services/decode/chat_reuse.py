@@ -36,7 +36,10 @@ The cases a text round trip breaks, and what happens:
   exactly what was returned, so all its ids are reused.
 
 Memory is bounded (``capacity`` completions, least recently used forgotten first) and
-per-process; a decode restart forgets it (the radix index is gone too).
+per-process; a decode restart forgets it (the radix index is gone too). It is scoped by the
+request's cache salt (:mod:`deltakv.cache_salt`): an answer given under one salt is spliced only
+into chats sent with the same salt, so one tenant's completions never change how another
+tenant's prompt is encoded. A request with ``disable_chat_memory`` neither reads nor feeds it.
 """
 
 from __future__ import annotations
@@ -94,18 +97,20 @@ class CompletionMemory:
             raise InvalidArgument(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._by_text: OrderedDict[str, Completion] = OrderedDict()
-        self._by_prefix: dict[str, dict[str, None]] = {}
+        # Keyed by (cache salt, answer text): a salt only ever sees its own answers.
+        self._by_text: OrderedDict[tuple[str, str], Completion] = OrderedDict()
+        self._by_prefix: dict[tuple[str, str], dict[tuple[str, str], None]] = {}
 
     def __len__(self) -> int:
         return len(self._by_text)
 
     def remember(self, token_ids: Sequence[int], pieces: Sequence[str],
-                 text: str | None = None) -> None:
-        """Remember one answer: ``pieces[i]`` is the text of ``token_ids[i]`` (``""`` for a
-        special token); ``text`` is what the client received (default: all pieces; a stop
-        string makes it a prefix of them). Only ids whose text lies inside ``text`` are kept.
-        Answers without text are ignored. InvalidArgument if the lengths differ."""
+                 text: str | None = None, salt: str = "") -> None:
+        """Remember one answer given under cache salt ``salt``: ``pieces[i]`` is the text of
+        ``token_ids[i]`` (``""`` for a special token); ``text`` is what the client received
+        (default: all pieces; a stop string makes it a prefix of them). Only ids whose text
+        lies inside ``text`` are kept. Answers without text are ignored. InvalidArgument if
+        the lengths differ."""
         if len(pieces) != len(token_ids):
             raise InvalidArgument(f"{len(token_ids)} token ids but {len(pieces)} text pieces")
         full = "".join(pieces)
@@ -119,31 +124,34 @@ class CompletionMemory:
             keep += 1
         completion = Completion(tuple(int(t) for t in token_ids[:keep]), tuple(ends[:keep]),
                                 text)
+        key = (salt, text)
         with self._lock:
-            self._by_text.pop(text, None)
-            self._by_text[text] = completion
-            self._by_prefix.setdefault(text[:PREFIX_KEY_CHARS], {})[text] = None
+            self._by_text.pop(key, None)
+            self._by_text[key] = completion
+            self._by_prefix.setdefault((salt, text[:PREFIX_KEY_CHARS]), {})[key] = None
             while len(self._by_text) > self.capacity:
-                old, _ = self._by_text.popitem(last=False)
-                bucket = self._by_prefix.get(old[:PREFIX_KEY_CHARS], {})
-                bucket.pop(old, None)
+                (old_salt, old), _ = self._by_text.popitem(last=False)
+                bucket_key = (old_salt, old[:PREFIX_KEY_CHARS])
+                bucket = self._by_prefix.get(bucket_key, {})
+                bucket.pop((old_salt, old), None)
                 if not bucket:
-                    self._by_prefix.pop(old[:PREFIX_KEY_CHARS], None)
+                    self._by_prefix.pop(bucket_key, None)
 
-    def lookup(self, content: str) -> tuple[list[int], int]:
-        """Remembered ids for an assistant ``content`` and how many of its leading characters
-        their text covers (the caller tokenizes the rest): the answer sent back unchanged, or
-        else the remembered answer sharing the longest whole-token prefix with it (contents
-        of at least ``PREFIX_KEY_CHARS`` characters). ``([], 0)`` when nothing matches."""
+    def lookup(self, content: str, salt: str = "") -> tuple[list[int], int]:
+        """Remembered ids for an assistant ``content`` (among the answers given under cache
+        salt ``salt``) and how many of its leading characters their text covers (the caller
+        tokenizes the rest): the answer sent back unchanged, or else the remembered answer
+        sharing the longest whole-token prefix with it (contents of at least
+        ``PREFIX_KEY_CHARS`` characters). ``([], 0)`` when nothing matches."""
         with self._lock:
-            exact = self._by_text.get(content)
+            exact = self._by_text.get((salt, content))
             if exact is not None:
-                self._by_text.move_to_end(content)
+                self._by_text.move_to_end((salt, content))
                 return list(exact.token_ids), (exact.ends[-1] if exact.ends else 0)
             if len(content) < PREFIX_KEY_CHARS:
                 return [], 0
             candidates = [self._by_text[t] for t in self._by_prefix.get(
-                content[:PREFIX_KEY_CHARS], ())]
+                (salt, content[:PREFIX_KEY_CHARS]), ())]
         best: tuple[list[int], int] = ([], 0)
         for completion in candidates:
             ids, covered = completion.ids_within(content)
@@ -184,9 +192,11 @@ def _segments(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
 
 def encode_chat_reusing(tokenizer: Any, messages: Sequence[Mapping[str, str]],
                         memory: CompletionMemory | None,
-                        add_generation_prompt: bool = True) -> tuple[list[int], int]:
+                        add_generation_prompt: bool = True, salt: str = "",
+                        ) -> tuple[list[int], int]:
     """Token ids of chat ``messages`` (see the module docstring) and how many of them are
-    remembered generated ids (tokens). Validation and errors as
+    remembered generated ids (tokens), looked up among the answers given under cache salt
+    ``salt``. Validation and errors as
     :func:`~deltakv.services.model.tokenizer.encode_chat` (InvalidArgument, INVALID_ARGUMENT).
     Without ``memory``, or without an assistant message, it *is* ``encode_chat``."""
     plain = encode_chat(tokenizer, [dict(m) for m in messages], add_generation_prompt)
@@ -200,7 +210,7 @@ def encode_chat_reusing(tokenizer: Any, messages: Sequence[Mapping[str, str]],
     spliced = 0
     contents = (m["content"] for m in chat if m["role"] == "assistant")
     for content, segment in zip(contents, segments[1:], strict=True):
-        remembered, covered = memory.lookup(content)
+        remembered, covered = memory.lookup(content, salt)
         ids += remembered + _tokenize(tokenizer, content[covered:])
         spliced += len(remembered)
         ids += _tokenize(tokenizer, segment)

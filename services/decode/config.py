@@ -21,6 +21,8 @@ class DecodeConfig:
     a full hit is local), ``never`` (always prefill), ``always`` (always decode);
     ``local_prefill_stall_weight``: how much each running request's stall during a local
     extend counts against it (:mod:`deltakv.services.decode.cost_model`).
+    ``stall_timeout_s``: the longest wait of a request for its next token, the first included
+    (:mod:`deltakv.services.decode.stall`); a request may ask for less.
     """
 
     max_batch_size: int = 8
@@ -35,3 +37,4 @@ class DecodeConfig:
     release_retry_s: float = 30.0
     local_prefill: str = "auto"
     local_prefill_stall_weight: float = 1.0
+    stall_timeout_s: float = 120.0

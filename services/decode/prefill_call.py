@@ -98,7 +98,7 @@ class PrefillCall:
         canonical, _ = await self.worker.sidecar.commit(
             state.sidecar_id, parsed.prompt, state.page_table,
             verify_pages=state.delta_pages if response.stats.page_digests else (),
-            verify_digests=response.stats.page_digests)
+            verify_digests=response.stats.page_digests, cache_salt=state.cache_salt)
         state.page_table[: len(canonical)] = canonical
         stats = response.stats
         self.costs.record_remote(state.prompt_len - stats.prefill_cached_len,
@@ -123,7 +123,7 @@ class PrefillCall:
         that nothing was written is no proof). A grant that cannot be closed ends the retries
         (prefill's error goes to the client; the Release fences the pages)."""
         backoff_s = _PREFILL_RETRY_FIRST_S
-        digest = prompt_digest(parsed.prompt)
+        digest = prompt_digest(parsed.prompt, parsed.cache_salt)
         while True:
             info = await self.worker.sidecar.issue_grant(
                 state.sidecar_id, kv_pb2.TransferInfo(
@@ -137,7 +137,8 @@ class PrefillCall:
             try:
                 return await self._call(state, prefill_pb2.PrefillRequest(
                     token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
-                    queue_timeout_ms=max(queue_ms, 1)), timeout_s, bound)
+                    queue_timeout_ms=max(queue_ms, 1), cache_salt=parsed.cache_salt),
+                    timeout_s, bound)
             except ResourceExhausted as exc:
                 await self.teardown.abort_transfer(state)
                 try:

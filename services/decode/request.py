@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import InvalidArgument, shown
 from deltakv.limits import MAX_REQUEST_ID_CHARS
 from deltakv.services.decode.chat_reuse import CompletionMemory, encode_chat_reusing
@@ -30,13 +31,18 @@ CHAT_ROLES = ("system", "user", "assistant")
 @dataclass(frozen=True)
 class ParsedRequest:
     """A validated request: ``prompt`` token ids (non-empty, inside the vocabulary),
-    ``sampling`` with ``max_new_tokens`` filled in, and the two request flags."""
+    ``sampling`` with ``max_new_tokens`` filled in, the request flags, its ``cache_salt``
+    (:mod:`deltakv.cache_salt`), whether it reads and feeds the chat memory
+    (``chat_memory``), and its ``stall_timeout_s`` (0 = the server's)."""
 
     prompt: list[int]
     sampling: kv_pb2.SamplingParams
     reuse_prefix: bool
     echo_prompt: bool
     stop: tuple[str, ...] = ()
+    cache_salt: str = ""
+    chat_memory: bool = True
+    stall_timeout_s: float = 0.0
 
 
 def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
@@ -44,12 +50,14 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
                    memory: CompletionMemory | None = None) -> ParsedRequest:
     """Tokenize (text, chat template, or token ids) and validate ``request`` for ``model``
     (a loaded model: ``tokenizer``, ``vocab_size``, ``config.max_position_embeddings``).
-    A chat's earlier assistant messages get the ids decode generated for them from ``memory``
-    (:func:`~deltakv.services.decode.chat_reuse.encode_chat_reusing`).
+    A chat's earlier assistant messages get the ids decode generated for them under the
+    request's cache salt from ``memory``
+    (:func:`~deltakv.services.decode.chat_reuse.encode_chat_reusing`), unless the request
+    sets ``disable_chat_memory``.
 
     Raises InvalidArgument (INVALID_ARGUMENT) for: a ``request_id`` over
     :data:`~deltakv.limits.MAX_REQUEST_ID_CHARS` characters, no input, an empty prompt or chat,
-    an unknown chat role, bad stop strings (more than 4, empty, over 256 characters), a token
+    a ``cache_salt`` over 256 characters, an unknown chat role, bad stop strings (more than 4, empty, over 256 characters), a token
     id outside the vocabulary, ``max_new_tokens`` over ``max_new_tokens_limit``, sampling
     parameters outside their ranges (:func:`~deltakv.services.model.sampling.validate_sampling`),
     or prompt + ``max_new_tokens`` beyond the model's context. Messages quote at most a clipped
@@ -58,6 +66,9 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id has {len(request.request_id)} characters; the limit "
                               f"is {MAX_REQUEST_ID_CHARS}")
+    salt = check_cache_salt(request.cache_salt)
+    if request.disable_chat_memory:
+        memory = None
     kind = request.WhichOneof("input")
     if kind == "text":
         prompt = encode_text(model.tokenizer, request.text)
@@ -69,7 +80,7 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
             if message["role"] not in CHAT_ROLES:
                 raise InvalidArgument(f"unknown chat role {shown(message['role'])}; use one of "
                                       f"{', '.join(CHAT_ROLES)}")
-        prompt, _ = encode_chat_reusing(model.tokenizer, messages, memory)
+        prompt, _ = encode_chat_reusing(model.tokenizer, messages, memory, salt=salt)
     elif kind == "token_ids":
         prompt = list(request.token_ids.ids)
         vocab = model.vocab_size
@@ -96,7 +107,9 @@ def parse_generate(request: decode_pb2.GenerateRequest, model: Any, *,
     return ParsedRequest(prompt=prompt, sampling=sampling,
                          reuse_prefix=not request.disable_decode_prefix_reuse,
                          echo_prompt=request.echo_prompt_token_ids,
-                         stop=tuple(check_stop_strings(request.stop)))
+                         stop=tuple(check_stop_strings(request.stop)), cache_salt=salt,
+                         chat_memory=not request.disable_chat_memory,
+                         stall_timeout_s=request.stall_timeout_ms / 1000.0)
 
 
 def sampler_for_decode(sampling: kv_pb2.SamplingParams) -> Sampler:
@@ -136,6 +149,8 @@ class RequestState:
     request_id: str
     sidecar_id: str
     started_at: float
+    cache_salt: str = ""  # scopes its radix matches, commits and chat memory
+    chat_memory: bool = True  # its answer is remembered for the next turn
     admission_deadline: float = 0.0
     prompt_len: int = 0
     decode_prefix_len: int = 0

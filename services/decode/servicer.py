@@ -22,6 +22,10 @@
 5. **finish** — ``Commit`` the full pages of prompt and generated tokens, ``Release`` the
    rest, send ``Usage``.
 
+Steps 3 and 4 wait for each token at most the stall bound (``--stall-timeout-s``, or the
+request's shorter ``stall_timeout_ms``): past it the request ends with DEADLINE_EXCEEDED
+(:mod:`deltakv.services.decode.stall`) instead of leaving an open, silent stream.
+
 On every exit (finish, error, client cancel, drain) the request's one teardown runs, shielded
 from cancellation (:mod:`deltakv.services.decode.teardown`): it asks prefill to stop an
 unanswered transfer (``AbortTransfer(room)``, bounded and advisory) and releases what the
@@ -65,6 +69,7 @@ from deltakv.services.decode.request import (
     sampler_for_decode,
 )
 from deltakv.services.decode.scheduler import DecodeRequest, DecodeScheduler
+from deltakv.services.decode.stall import StallBound, Stalled, stall_bound_s
 from deltakv.services.decode.stream import StreamMessages, token_batches
 from deltakv.services.decode.teardown import Teardown
 from deltakv.services.model.sampling import should_stop
@@ -140,14 +145,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         failed decode step). Closing the iterator early (or cancelling its task) cancels the
         request: its teardown runs as for a gRPC client cancel."""
         state = self._open(request)
+        stalled = False
         try:
             parsed = self._parse(request)
+            state.cache_salt, state.chat_memory = parsed.cache_salt, parsed.chat_memory
+            stall = StallBound(stall_bound_s(self.config.stall_timeout_s,
+                                             parsed.stall_timeout_s))
             await self._admit(state, parsed, time_remaining)
-            decode_request = await self._prefill(state, parsed, time_remaining)
-            async for message in self._stream(state, parsed, decode_request):
+            decode_request = await stall.wait(self._prefill(state, parsed, time_remaining),
+                                              "first_token")
+            async for message in self._stream(state, parsed, decode_request, stall):
                 yield message
             yield await self._finish(state, parsed, decode_request)
         except DeltaKVError as exc:
+            stalled = isinstance(exc, Stalled)
             await self._fail(state, exc)
             raise  # the server's error interceptor sends its status
         except (asyncio.CancelledError, GeneratorExit):
@@ -160,8 +171,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 log.info("request_cancelled")
             raise
         finally:
-            # Shielded: a cancelled handler still stops its transfer and frees its pages.
-            await asyncio.shield(self.teardown.once(state))
+            # Shielded: a cancelled handler still stops its transfer and frees its pages. A
+            # stalled request's teardown runs on (Teardown tracks it; shutdown waits for it).
+            cleanup = self.teardown.once(state)
+            if not stalled:
+                await asyncio.shield(cleanup)
 
     async def GetStats(self, request: kv_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> decode_pb2.DecodeStats:
@@ -178,7 +192,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         parsed = self._parse(request)
         sidecar_id = f"match/{uuid.uuid4().hex}"
         try:
-            cached, _ = await self.worker.sidecar.match_prefix(sidecar_id, parsed.prompt)
+            cached, _ = await self.worker.sidecar.match_prefix(
+                sidecar_id, parsed.prompt, cache_salt=parsed.cache_salt)
         finally:
             await asyncio.shield(self.worker.sidecar.release(sidecar_id))
         return len(parsed.prompt), cached
@@ -236,7 +251,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         tokens = parsed.prompt if parsed.reuse_prefix else []
 
         async def admit() -> tuple[int, list[int], list[int]]:
-            return await self.worker.sidecar.admit(state.sidecar_id, tokens, total_pages)
+            return await self.worker.sidecar.admit(state.sidecar_id, tokens, total_pages,
+                                                   cache_salt=state.cache_salt)
 
         with telemetry.span("decode.admit", total_pages=total_pages, prompt_len=prompt_len,
                             reuse=parsed.reuse_prefix, admission_timeout_s=budget_s) as span:
@@ -279,7 +295,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 first = await self.local_prefill.run(state, parsed)
                 if decision.tail_tokens:  # a full hit's pages are in the index already
                     canonical, _ = await self.worker.sidecar.commit(
-                        state.sidecar_id, parsed.prompt, state.page_table)
+                        state.sidecar_id, parsed.prompt, state.page_table,
+                        cache_salt=state.cache_salt)
                     state.page_table[: len(canonical)] = canonical
             else:
                 state.response = await self.prefill_call.first_token(state, parsed,
@@ -302,7 +319,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_request
 
     async def _stream(self, state: RequestState, parsed: ParsedRequest,
-                      decode_request: DecodeRequest
+                      decode_request: DecodeRequest, stall: StallBound
                       ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         """Step 4: the first token (TTFT is measured as it is sent), then the tokens the
         continuous batch produces until the request stops, then any text the detokenizer
@@ -310,14 +327,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         together in one message (:mod:`deltakv.services.decode.stream`). A stop string in the
         text ends the request early (finish_reason "stop", the text from the stop string on
         and the tokens after the one that completed it are not sent). An ``ErrorEvent`` from
-        the batch is raised (INTERNAL) after the tokens queued before it were sent."""
+        the batch is raised (INTERNAL) after the tokens queued before it were sent; a next
+        token later than ``stall``'s bound ends the request (DEADLINE_EXCEEDED)."""
         state.ttft_ms = (time.monotonic() - state.started_at) * 1000.0
         telemetry.annotate(ttft_ms=state.ttft_ms, room=state.room, prompt_len=state.prompt_len,
                            decode_prefix_len=state.decode_prefix_len,
                            prefill_location=state.decision.location)
         deltakv_metrics.instruments().ttft.record(state.ttft_ms / 1000.0)
         messages = StreamMessages(state, self.tokenizer, parsed.prompt, parsed.stop)
-        async with contextlib.aclosing(self._tokens(state, decode_request)) as batches:
+        async with contextlib.aclosing(self._tokens(state, decode_request, stall)) as batches:
             async for batch in batches:
                 yield messages.chunk(batch)
                 if messages.stopped:
@@ -327,16 +345,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if tail is not None:
             yield tail
 
-    async def _tokens(self, state: RequestState, decode_request: DecodeRequest
-                      ) -> AsyncIterator[list[int]]:
+    async def _tokens(self, state: RequestState, decode_request: DecodeRequest,
+                      stall: StallBound) -> AsyncIterator[list[int]]:
         """The generated token ids in batches: prefill's first one alone, then the
-        continuous batch's as they queue up (:func:`token_batches`)."""
+        continuous batch's as they queue up (:func:`token_batches`), each within the stall
+        bound (:class:`~deltakv.services.decode.stall.Stalled` otherwise)."""
         yield [decode_request.tokens[-1]]
         if decode_request.finish_reason is None:
             self.scheduler.add(decode_request)
             state.in_scheduler = True
             async with contextlib.aclosing(token_batches(decode_request.events)) as batches:
-                async for batch in batches:
+                while True:
+                    try:
+                        batch = await stall.wait(anext(batches), "decode")
+                    except StopAsyncIteration:
+                        return
                     yield batch
 
     async def _stop_early(self, state: RequestState, decode_request: DecodeRequest) -> None:
@@ -376,7 +399,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def _fail(self, state: RequestState, exc: DeltaKVError) -> None:
         """A request that failed with a typed error: counted, its root span marked with the
         reason, logged, and its resources released before the client sees the error (so the
-        client's next request finds the pages)."""
+        client's next request finds the pages) — except after a stall: the error is sent at
+        once, within the stall bound, and the release (which may first wait up to
+        ``abort_timeout_ms`` for a stopped prefill) runs on behind it."""
         state.counted = True
         self.counters["requests_failed"] += 1
         instruments = deltakv_metrics.instruments()
@@ -384,18 +409,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         instruments.requests_rejected.add(1, {"reason": deltakv_metrics.code_label(exc)})
         telemetry.fail_current(exc)  # the request's root span shows why it failed
         log.warning("request_failed", code=exc.code.name, reason=str(exc))
-        await asyncio.shield(self.teardown.once(state))
+        cleanup = self.teardown.once(state)  # started here either way
+        if not isinstance(exc, Stalled):
+            await asyncio.shield(cleanup)
 
     # -- pages of a request -----------------------------------------------------------------
 
     def _remember_answer(self, state: RequestState, decode_request: DecodeRequest) -> None:
         """Remember the text streamed for the answer and the ids behind it, for the next turn
-        of a text chat. A final EOS is left out: the chat template writes the end of turn."""
+        of a text chat under the request's cache salt (not for a request without chat
+        memory). A final EOS is left out: the chat template writes the end of turn."""
+        if not state.chat_memory:
+            return
         ids, pieces = state.answer_ids, state.answer_pieces
         if (ids and decode_request.finish_reason == "stop"
                 and ids[-1] in self.worker.model.eos_token_ids):
             ids, pieces = ids[:-1], pieces[:-1]
-        self.memory.remember(ids, pieces, text="".join(state.answer_text))
+        self.memory.remember(ids, pieces, text="".join(state.answer_text),
+                             salt=state.cache_salt)
 
     # -- accounting -------------------------------------------------------------------------
 

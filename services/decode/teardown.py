@@ -129,7 +129,8 @@ class Teardown:
         full_pages = len(kv_tokens) // self.worker.page_size
         if full_pages:
             await self.worker.sidecar.commit(state.sidecar_id, kv_tokens,
-                                             decode_request.page_table[:full_pages])
+                                             decode_request.page_table[:full_pages],
+                                             cache_salt=state.cache_salt)
 
     async def abort_transfer(self, state: RequestState) -> bool:
         """Ask the prefill backend the request is pinned to (``state.prefill``) to stop the

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deltakv.cache_salt import MAX_CACHE_SALT_CHARS
 from deltakv.errors import InvalidArgument
 from deltakv.v1 import decode_pb2, kv_pb2
 
@@ -66,7 +67,10 @@ class _Sampling(BaseModel):
     """Fields shared by both endpoints. ``ignore_eos`` and ``top_k`` are the extensions vLLM
     also accepts (benchmarks send ``ignore_eos`` to fix output lengths; ``top_k`` -1 or 0 is
     off, as in vLLM);
-    ``disable_decode_prefix_reuse`` is deltakv's (the full-transfer baseline)."""
+    ``cache_salt`` is vLLM's (a non-empty string when sent: cached KV and chat memory are
+    shared only among requests with the same salt); ``disable_decode_prefix_reuse`` (the
+    full-transfer baseline), ``disable_chat_memory`` (encode the chat plainly) and
+    ``stall_timeout_ms`` (the longest wait for the next token) are deltakv's. docs/api.md describes them."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -82,6 +86,10 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     ignore_eos: bool = False
     disable_decode_prefix_reuse: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1,
+                                   max_length=MAX_CACHE_SALT_CHARS)
+    disable_chat_memory: bool = False
+    stall_timeout_ms: int = Field(default=0, ge=0, lt=2**32)
     logprobs: Any = None
     user: str | None = None
 
@@ -91,6 +99,16 @@ class _Sampling(BaseModel):
             raise InvalidArgument(f"n={self.n}: only n=1 is supported")
         if self.logprobs not in (None, False, 0):
             raise InvalidArgument("logprobs are not supported")
+
+    def generate_request(self, request_id: str, max_tokens: int | None
+                         ) -> decode_pb2.GenerateRequest:
+        """The ``GenerateRequest`` fields both endpoints share (the input is set by the
+        caller)."""
+        return decode_pb2.GenerateRequest(
+            request_id=request_id, stop=self.stops(),
+            disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
+            cache_salt=self.cache_salt or "", disable_chat_memory=self.disable_chat_memory,
+            stall_timeout_ms=self.stall_timeout_ms, sampling=self.sampling(max_tokens))
 
     def sampling(self, max_tokens: int | None) -> kv_pb2.SamplingParams:
         """deltakv's SamplingParams (OpenAI defaults: temperature 1, top_p 1; ``max_tokens``
@@ -136,10 +154,8 @@ class ChatCompletionRequest(_Sampling):
         """The ``GenerateRequest`` (chat input). InvalidArgument for unsupported options or an
         unknown role."""
         self.check_supported()
-        request = decode_pb2.GenerateRequest(
-            request_id=request_id, stop=self.stops(),
-            disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
-            sampling=self.sampling(self.max_completion_tokens or self.max_tokens))
+        request = self.generate_request(request_id,
+                                        self.max_completion_tokens or self.max_tokens)
         if not self.messages:
             raise InvalidArgument("messages must not be empty")
         for message in self.messages:
@@ -161,10 +177,8 @@ class CompletionRequest(_Sampling):
         self.check_supported()
         if self.echo or self.suffix:
             raise InvalidArgument("echo and suffix are not supported")
-        request = decode_pb2.GenerateRequest(
-            request_id=request_id, stop=self.stops(),
-            disable_decode_prefix_reuse=self.disable_decode_prefix_reuse,
-            sampling=self.sampling(self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS))
+        request = self.generate_request(request_id,
+                                        self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

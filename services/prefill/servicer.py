@@ -44,6 +44,7 @@ import grpc
 
 from deltakv import metrics as deltakv_metrics
 from deltakv import telemetry
+from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import (
     Aborted,
     AlreadyExists,
@@ -82,7 +83,8 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, layout: KVLayo
                              vocab_size: int) -> None:
     """INVALID_ARGUMENT unless the request is well formed (checked before any work).
 
-    Prefill's own rules: a non-empty prompt, every token id < vocab_size, sampling parameters
+    Prefill's own rules: a non-empty prompt, every token id < vocab_size, a ``cache_salt`` of
+    at most 256 characters (:mod:`deltakv.cache_salt`), sampling parameters
     in their ranges (:func:`~deltakv.services.model.sampling.validate_sampling`), a
     TransferInfo whose ``request_id`` has at most
     :data:`~deltakv.limits.MAX_REQUEST_ID_CHARS` characters, ``prompt_len ==
@@ -97,6 +99,7 @@ def validate_prefill_request(request: prefill_pb2.PrefillRequest, layout: KVLayo
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    check_cache_salt(request.cache_salt)
     validate_sampling(request.sampling)
     if not request.HasField("transfer_info"):
         raise InvalidArgument("transfer_info is required")
@@ -197,7 +200,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            prompt_len=len(request.token_ids))  # on the Prefill server span
         try:
             validate_prefill_request(request, self.worker.layout, self.worker.model.vocab_size)
-            digest = prompt_digest(request.token_ids)
+            digest = prompt_digest(request.token_ids, request.cache_salt)
             verify_grant(info, self.key, digest)
             if info.room in self.attempts:
                 raise AlreadyExists(f"room {info.room} is already being prefilled")
@@ -282,7 +285,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         async def admit() -> tuple[int, list[int], list[int]]:
             return await sidecar.admit(attempt.sidecar_request_id, match,
                                        self.worker.layout.pages_for(len(tokens)),
-                                       max_match_tokens=len(tokens) - 1)
+                                       max_match_tokens=len(tokens) - 1,
+                                       cache_salt=request.cache_salt)
 
         attempt.holds_pages = True  # from the first Admit on, a Release is owed exactly once
         try:
@@ -378,7 +382,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             attempt.write_done = True
             transfer_ms = after_compute_ms = (time.monotonic() - t1) * 1000.0
         # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
-        await sidecar.commit(attempt.sidecar_request_id, tokens, page_table)
+        await sidecar.commit(attempt.sidecar_request_id, tokens, page_table,
+                             cache_salt=request.cache_salt)
         log.info("prefill_done", prompt_len=len(tokens), prefill_cached_len=cached_len,
                  decode_prefix_len=stats.decode_prefix_len, delta_pages=stats.pages,
                  bytes=stats.bytes, prefill_ms=round(prefill_ms, 2),

@@ -48,6 +48,17 @@ def toy_cluster(request, tmp_path_factory) -> Iterator[LocalCluster]:
         cluster.stop()
 
 
+@pytest.fixture()
+def client(cluster):
+    """The official ``openai`` client on the HTTP API of the module's ``cluster`` fixture (a
+    cluster started with ``http_port``)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                       max_retries=0, timeout=60) as c:
+        yield c
+
+
 def run(coro):
     """Run a coroutine to completion in a fresh event loop (tests are synchronous)."""
     return asyncio.run(coro)

@@ -30,13 +30,6 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-@pytest.fixture()
-def client(cluster):
-    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _reusable(prompt_tokens: int, completion_tokens: int) -> int:
     return (prompt_tokens + completion_tokens - 1) // TOY_PAGE_SIZE * TOY_PAGE_SIZE
 

@@ -283,6 +283,13 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Env], Callable[[], object
     ("match-empty-request", INVALID, "request_id",
      lambda e: lambda: e.decode.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
          token_ids=[1, 2, 3]), timeout=10)),
+    ("match-salt-too-long", INVALID, "cache_salt",
+     lambda e: lambda: e.decode.stub().MatchPrefix(sidecar_pb2.MatchPrefixRequest(
+         request_id="salty", token_ids=[1, 2, 3], cache_salt="s" * 257), timeout=10)),
+    ("commit-cached-page-under-another-salt", INVALID, "may commit",
+     lambda e: lambda: e.decode.stub().Commit(sidecar_pb2.CommitRequest(
+         request_id="dst", token_ids=list(range(PAGE)), page_indices=[e.cached[0]],
+         cache_salt="tenant"), timeout=10)),
     ("allocate-empty-request", INVALID, "request_id",
      lambda e: lambda: e.decode.stub().Allocate(sidecar_pb2.AllocateRequest(num_pages=1),
                                                 timeout=10)),

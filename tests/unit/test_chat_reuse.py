@@ -193,3 +193,26 @@ def test_memory_is_bounded_lru_and_checks_input() -> None:
         memory.remember([1, 2], ["x"])
     with pytest.raises(InvalidArgument):
         CompletionMemory(capacity=0)
+
+
+def test_memory_is_scoped_by_cache_salt(bpe) -> None:
+    """An answer remembered under one salt is spliced only into chats of that salt: another
+    tenant (or the unsalted cache) encodes the same messages plainly."""
+    memory = CompletionMemory()
+    answer = "the quick brown fox"
+    generated = _chars(bpe, answer)
+    memory.remember(generated, _pieces(bpe, generated), salt="alice")
+    plain = encode_chat(bpe, _turn2(answer))
+    assert encode_chat_reusing(bpe, _turn2(answer), memory, salt="bob") == (plain, 0)
+    assert encode_chat_reusing(bpe, _turn2(answer), memory) == (plain, 0)
+    ids, spliced = encode_chat_reusing(bpe, _turn2(answer), memory, salt="alice")
+    assert spliced == len(generated) and ids != plain
+    # Prefix matches stay within the salt too.
+    assert memory.lookup(answer + " jumps", salt="bob") == ([], 0)
+    assert memory.lookup(answer + " jumps", salt="alice")[0] == generated
+    # The same text under two salts: two entries, each with its own ids.
+    other = bpe(answer, add_special_tokens=False)["input_ids"]
+    memory.remember(other, _pieces(bpe, other), salt="bob")
+    assert memory.lookup(answer, salt="bob")[0] == other
+    assert memory.lookup(answer, salt="alice")[0] == generated
+    assert len(memory) == 2

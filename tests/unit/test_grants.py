@@ -282,3 +282,27 @@ def test_incarnation_fence_recycles_the_engine_before_freeing() -> None:
 
 def test_fence_strategy_follows_the_backend(decode: Decode) -> None:
     assert isinstance(decode.fencer.strategy, WordsFence)
+
+
+def test_prompt_digest_binds_the_cache_salt() -> None:
+    """No salt: the plain digest (an older peer computes the same). A salt: another digest
+    per salt, so a grant for a salted prompt refuses a prefill that ignored the salt."""
+    tokens = list(range(40))
+    assert prompt_digest(tokens, "") == DIGEST
+    salted = {prompt_digest(tokens, salt) for salt in ("a", "b", "ab", "é")}
+    assert len(salted) == 4 and DIGEST not in salted
+    assert prompt_digest(tokens, "a") == prompt_digest(tokens, "a")
+    # The salt's length is hashed: ("a", ids) and ("", "a"-like prefix ids) cannot collide.
+    assert prompt_digest([1], "ab") != prompt_digest([1], "a")
+
+
+def test_a_salted_grant_refuses_a_writer_that_ignored_the_salt(decode: Decode) -> None:
+    """Decode grants a salted prompt; a prefill that dropped the salt (one older than the
+    field) hashes the ids alone and is refused before a byte moves."""
+    pages = decode.pm.allocate("owner", 2)
+    tokens = list(range(40))
+    info = decode.authority.issue("owner", template(pages[:2]), prompt_digest(tokens, "t1"))
+    assert verify_grant(info, decode.key, prompt_digest(tokens, "t1")) == info.grant
+    for digest in (prompt_digest(tokens), prompt_digest(tokens, "t2")):
+        with pytest.raises(PermissionDenied, match="another prompt"):
+            verify_grant(info, decode.key, digest)

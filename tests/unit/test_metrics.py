@@ -42,6 +42,7 @@ def test_prometheus_endpoint_serves_every_instrument() -> None:
         m.cached_ratio.record(32 / 50)
         m.requests.add(1, {"outcome": "ok"})
         m.requests_rejected.add(2, {"reason": "resource_exhausted"})
+        m.requests_stalled.add(1, {"phase": "decode"})
         m.prefix_bytes_saved.add(65_536)
         m.transfers.add(1, {"outcome": "unavailable"})
         m.transfer_size.record(65_536)
@@ -60,6 +61,7 @@ def test_prometheus_endpoint_serves_every_instrument() -> None:
         assert value("deltakv_request_cached_ratio_sum") == pytest.approx(0.64)
         assert value("deltakv_requests_total", outcome="ok") == 1
         assert value("deltakv_requests_rejected_total", reason="resource_exhausted") == 2
+        assert value("deltakv_requests_stalled_total", phase="decode") == 1
         assert value("deltakv_prefix_reuse_bytes_saved_bytes_total") == 65_536
         assert value("deltakv_transfers_total", outcome="unavailable") == 1
         assert value("deltakv_transfer_size_bytes_bucket", le="131072") == 1

@@ -224,3 +224,18 @@ def test_length_errors_name_the_api_field(path, body, field) -> None:
     assert reply.status_code == 400
     assert error["message"] == f"{field}=5000 exceeds the limit 4096"
     assert error["param"] == field and "max_new_tokens" not in error["message"]
+
+
+def test_tenant_and_stall_fields_reach_the_generate_request() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "cache_salt": "tenant-1", "disable_chat_memory": True, "stall_timeout_ms": 2500}
+    request = ChatCompletionRequest.model_validate(body).to_generate("r")
+    assert request.cache_salt == "tenant-1" and request.disable_chat_memory
+    assert request.stall_timeout_ms == 2500
+    plain = CompletionRequest.model_validate({"model": "m", "prompt": "x"}).to_generate("r")
+    assert plain.cache_salt == "" and not plain.disable_chat_memory
+    assert plain.stall_timeout_ms == 0
+    # vLLM: a cache_salt, when sent, is a non-empty string.
+    for salt in ("", "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt"):
+            ChatCompletionRequest.model_validate({**body, "cache_salt": salt})

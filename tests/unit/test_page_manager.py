@@ -681,3 +681,42 @@ class PageManagerModel(RuleBasedStateMachine):
 PageManagerModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                               deadline=None)
 TestPageManagerModel = PageManagerModel.TestCase
+
+
+# ---------------------------------------------------------------------- cache salts
+
+def test_salted_requests_never_share_pages() -> None:
+    """Admit/commit/match under a salt see only that salt's pages; the same prompt under
+    two salts occupies disjoint pages; committing a page matched under another salt is
+    refused (it would alias one page into two tenants' trees)."""
+    pm = PageManager(64, PS)
+    tokens = prompt(48)
+    matched, prefix, a_pages = pm.admit("a1", tokens, 3, cache_salt="alice")
+    assert (matched, prefix) == (0, [])
+    a_table, _ = pm.commit("a1", tokens, a_pages, cache_salt="alice")
+    pm.release("a1")
+    # Bob: the same prompt matches nothing and gets pages of his own.
+    matched, prefix, b_pages = pm.admit("b1", tokens, 3, cache_salt="bob")
+    assert (matched, prefix) == (0, []) and not set(b_pages) & set(a_table)
+    b_table, _ = pm.commit("b1", tokens, b_pages, cache_salt="bob")
+    pm.release("b1")
+    assert not set(b_table) & set(a_table)
+    # Alice again: a hit on her own pages; unsalted: nothing.
+    assert pm.match_prefix("a2", tokens, cache_salt="alice") == (48, a_table)
+    assert pm.match_prefix("n1", tokens) == (0, [])
+    # a2 holds alice's pages locked: committing them under bob's salt is refused.
+    with pytest.raises(InvalidArgument, match="already cached"):
+        pm.commit("a2", tokens, a_table, cache_salt="bob")
+    pm.release("a2")
+    pm.release("n1")
+    c = counts(pm)
+    assert c.cached == 6 and c.live == 0 and c.free == 58
+
+
+def test_a_bad_salt_changes_nothing() -> None:
+    pm = PageManager(8, PS)
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        pm.admit("r", prompt(16), 1, cache_salt="x" * 257)
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        pm.match_prefix("r", prompt(16), cache_salt=None)  # type: ignore[arg-type]
+    assert counts(pm).free == 8

@@ -257,3 +257,55 @@ class RadixModel(RuleBasedStateMachine):
 RadixModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                         deadline=None)
 TestRadixModel = RadixModel.TestCase
+
+
+# ---------------------------------------------------------------------- cache salts
+
+def test_salts_scope_the_key_space() -> None:
+    """The same tokens under two salts are two prefixes: never matched, inserted or walked
+    across salts, and each salt's pages are its own."""
+    idx = RadixIndex(PS)
+    idx.insert(toks(1, 2), [10, 11], salt="alice")
+    assert idx.match(toks(1, 2), salt="alice")[:2] == (8, [10, 11])
+    assert idx.match(toks(1, 2))[:2] == (0, [])  # the shared cache sees nothing
+    assert idx.match(toks(1, 2), salt="bob")[:2] == (0, [])
+    assert idx.path(toks(1, 2), salt="bob") == []
+    canonical, new, dups = idx.insert(toks(1, 2), [20, 21], salt="bob")
+    assert canonical == [20, 21] and len(new) == 2 and dups == []  # not alice's pages
+    canonical, _, dups = idx.insert(toks(1, 2), [30, 31])
+    assert canonical == [30, 31] and dups == []
+    assert idx.match(toks(1, 2), salt="bob")[:2] == (8, [20, 21])
+    assert {idx.salt_of(idx.node_of_page(p)) for p in (10, 11)} == {"alice"}
+    assert {idx.salt_of(idx.node_of_page(p)) for p in (20, 21)} == {"bob"}
+    assert {idx.salt_of(idx.node_of_page(p)) for p in (30, 31)} == {""}
+    assert idx.num_cached_pages == 6 and idx.num_salts == 3
+    assert idx.check_invariants() == []
+
+
+def test_a_page_is_never_aliased_across_salts() -> None:
+    idx = RadixIndex(PS)
+    idx.insert(toks(1, 2), [10, 11], salt="alice")
+    with pytest.raises(InvalidArgument, match="already cached"):
+        idx.insert(toks(1, 2), [10, 11], salt="bob")  # alice's pages offered under bob
+    assert idx.match(toks(1, 2), salt="bob")[:2] == (0, [])
+    assert idx.num_salts == 2 and idx.check_invariants() == []
+
+
+def test_a_salt_root_goes_with_its_last_page_and_locks_protect_across_salts() -> None:
+    idx = RadixIndex(PS)
+    _, nodes_a, _ = idx.insert(toks(1, 2), [10, 11], salt="a")
+    idx.insert(toks(1, 2), [20, 21], salt="b")
+    idx.lock(nodes_a)
+    assert sorted(idx.evict(10)) == [20, 21]  # only the unlocked salt's pages go
+    assert idx.num_salts == 2  # "" and "a": b's root went with its last page
+    idx.unlock(nodes_a)
+    assert sorted(idx.evict(10)) == [10, 11]
+    assert idx.num_salts == 1 and idx.num_cached_pages == 0
+    # A salt comes back after its root went.
+    idx.insert(toks(1), [10], salt="a")
+    assert idx.match(toks(1), salt="a")[:2] == (4, [10])
+    (node,) = idx.path(toks(1), salt="a")
+    assert idx.remove_subtree(node) == [10] and idx.num_salts == 1
+    assert idx.check_invariants() == []
+    with pytest.raises(InvalidArgument, match="salt"):
+        idx.match(toks(1), salt=b"a")  # type: ignore[arg-type]

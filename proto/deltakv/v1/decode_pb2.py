@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deltakv.v1 import kv_pb2 as deltakv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x65ltakv/v1/decode.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.deltakv.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.deltakv.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.deltakv.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.deltakv.v1.SamplingParams\x12#\n\x1b\x64isable_decode_prefix_reuse\x18\x06 \x01(\x08\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x07\n\x05input\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xe6\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11transferred_pages\x18\x04 \x01(\r\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x04\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x13\n\x0btransfer_ms\x18\n \x01(\x01\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x10\n\x08total_ms\x18\x0e \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x0f \x03(\r\x12\x18\n\x10prefill_location\x18\x10 \x01(\t\x12\x1c\n\x14local_prefill_tokens\x18\x11 \x01(\r\x12\x19\n\x11local_estimate_ms\x18\x12 \x01(\x01\x12\x1a\n\x12remote_estimate_ms\x18\x13 \x01(\x01\x12\x18\n\x10prefill_decision\x18\x14 \x01(\t\"g\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.deltakv.v1.TokenChunkH\x00\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x11.deltakv.v1.UsageH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x0b\x44\x65\x63odeStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x13\n\x0brequests_ok\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x04 \x01(\x04\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x19\n\x11transferred_bytes\x18\t \x01(\x04\x32\x9a\x01\n\rDecodeService\x12G\n\x08Generate\x12\x1b.deltakv.v1.GenerateRequest\x1a\x1c.deltakv.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x17.deltakv.v1.DecodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x65ltakv/v1/decode.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.deltakv.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xde\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.deltakv.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.deltakv.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.deltakv.v1.SamplingParams\x12#\n\x1b\x64isable_decode_prefix_reuse\x18\x06 \x01(\x08\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x1b\n\x13\x64isable_chat_memory\x18\n \x01(\x08\x12\x18\n\x10stall_timeout_ms\x18\x0b \x01(\rB\x07\n\x05input\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xe6\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11transferred_pages\x18\x04 \x01(\r\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x04\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x13\n\x0btransfer_ms\x18\n \x01(\x01\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x10\n\x08total_ms\x18\x0e \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x0f \x03(\r\x12\x18\n\x10prefill_location\x18\x10 \x01(\t\x12\x1c\n\x14local_prefill_tokens\x18\x11 \x01(\r\x12\x19\n\x11local_estimate_ms\x18\x12 \x01(\x01\x12\x1a\n\x12remote_estimate_ms\x18\x13 \x01(\x01\x12\x18\n\x10prefill_decision\x18\x14 \x01(\t\"g\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.deltakv.v1.TokenChunkH\x00\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x11.deltakv.v1.UsageH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x0b\x44\x65\x63odeStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x13\n\x0brequests_ok\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x04 \x01(\x04\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x19\n\x11transferred_bytes\x18\t \x01(\x04\x32\x9a\x01\n\rDecodeService\x12G\n\x08Generate\x12\x1b.deltakv.v1.GenerateRequest\x1a\x1c.deltakv.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x17.deltakv.v1.DecodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=165
   _globals['_TOKENIDS']._serialized_end=188
   _globals['_GENERATEREQUEST']._serialized_start=191
-  _globals['_GENERATEREQUEST']._serialized_end=466
-  _globals['_TOKENCHUNK']._serialized_start=468
-  _globals['_TOKENCHUNK']._serialized_end=513
-  _globals['_USAGE']._serialized_start=516
-  _globals['_USAGE']._serialized_end=1002
-  _globals['_GENERATERESPONSE']._serialized_start=1004
-  _globals['_GENERATERESPONSE']._serialized_end=1107
-  _globals['_DECODESTATS']._serialized_start=1110
-  _globals['_DECODESTATS']._serialized_end=1341
-  _globals['_DECODESERVICE']._serialized_start=1344
-  _globals['_DECODESERVICE']._serialized_end=1498
+  _globals['_GENERATEREQUEST']._serialized_end=541
+  _globals['_TOKENCHUNK']._serialized_start=543
+  _globals['_TOKENCHUNK']._serialized_end=588
+  _globals['_USAGE']._serialized_start=591
+  _globals['_USAGE']._serialized_end=1077
+  _globals['_GENERATERESPONSE']._serialized_start=1079
+  _globals['_GENERATERESPONSE']._serialized_end=1182
+  _globals['_DECODESTATS']._serialized_start=1185
+  _globals['_DECODESTATS']._serialized_end=1416
+  _globals['_DECODESERVICE']._serialized_start=1419
+  _globals['_DECODESERVICE']._serialized_end=1573
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "disable_decode_prefix_reuse", "echo_prompt_token_ids", "stop")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "disable_decode_prefix_reuse", "echo_prompt_token_ids", "stop", "cache_salt", "disable_chat_memory", "stall_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,9 @@ class GenerateRequest(_message.Message):
     DISABLE_DECODE_PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     ECHO_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_CHAT_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
@@ -45,7 +48,10 @@ class GenerateRequest(_message.Message):
     disable_decode_prefix_reuse: bool
     echo_prompt_token_ids: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., disable_decode_prefix_reuse: _Optional[bool] = ..., echo_prompt_token_ids: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    cache_salt: str
+    disable_chat_memory: bool
+    stall_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., disable_decode_prefix_reuse: _Optional[bool] = ..., echo_prompt_token_ids: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., disable_chat_memory: _Optional[bool] = ..., stall_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text")

@@ -22,16 +22,18 @@ class HandshakeResponse(_message.Message):
     def __init__(self, prefill_endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "sampling", "transfer_info", "queue_timeout_ms")
+    __slots__ = ("token_ids", "sampling", "transfer_info", "queue_timeout_ms", "cache_salt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _kv_pb2.SamplingParams
     transfer_info: _kv_pb2.TransferInfo
     queue_timeout_ms: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., queue_timeout_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "stats", "prefill_ms", "transfer_ms", "chunks", "transfer_after_compute_ms")

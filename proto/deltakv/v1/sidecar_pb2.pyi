@@ -83,14 +83,16 @@ class ConnectPeerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "max_tokens")
+    __slots__ = ("request_id", "token_ids", "max_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("matched_len", "page_indices")
@@ -115,16 +117,18 @@ class AllocateResponse(_message.Message):
     def __init__(self, page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "max_match_tokens", "total_pages")
+    __slots__ = ("request_id", "token_ids", "max_match_tokens", "total_pages", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_match_tokens: int
     total_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_match_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_match_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("matched_len", "prefix_pages", "new_pages")
@@ -145,16 +149,18 @@ class PageDigests(_message.Message):
     def __init__(self, page_indices: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "page_indices", "verify")
+    __slots__ = ("request_id", "token_ids", "page_indices", "verify", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     page_indices: _containers.RepeatedScalarFieldContainer[int]
     verify: PageDigests
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_indices: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[PageDigests, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_indices: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[PageDigests, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("page_indices", "cached_len")

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission-timeout-s", type=non_negative_float, default=d.admission_timeout_s,
                         help="how long a request may wait for free pages (decode's and, by "
                              "retrying Prefill, prefill's), FIFO, from its start")
+    parser.add_argument("--stall-timeout-s", type=positive_float, default=d.stall_timeout_s,
+                        help="longest wait for a request's next token (the first included); "
+                             "past it the stream ends with DEADLINE_EXCEEDED (an error event "
+                             "over HTTP) and the request's pages are released")
     parser.add_argument("--max-waiting", type=positive_int, default=d.max_waiting,
                         help="requests waiting for pages at most; more are refused at once "
                              "(RESOURCE_EXHAUSTED)")
@@ -128,7 +132,7 @@ async def build(args: argparse.Namespace, stack, log):
         abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
-        local_prefill=args.local_prefill)
+        local_prefill=args.local_prefill, stall_timeout_s=args.stall_timeout_s)
     targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
