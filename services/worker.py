@@ -74,18 +74,24 @@ class Worker:
 
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
-                       reattach_timeout_s: float = 60.0) -> Worker:
+                       reattach_timeout_s: float = 60.0, device: str = "cpu") -> Worker:
     """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
     ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
     restarts (``reattach_timeout_s``: see :class:`SidecarPairing`) once
     :meth:`SidecarPairing.start` runs.
 
+    ``device``: where the model computes and the pool is mapped (``cpu``, ``cuda[:N]``).
+
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
-    FailedPrecondition if the model does not fit the pool's layout.
+    FailedPrecondition if the model does not fit the pool's layout or ``device`` cannot be
+    used here (checked first, before anything loads).
     """
     from deltakv.services.model.loader import load_model
     from deltakv.services.runtime import otel_grpc
+    from deltakv.sidecar.device import require_device
+
+    require_device(device)
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
@@ -95,9 +101,9 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
         describe = await sidecar.describe()
         layout = KVLayout.from_proto(describe.endpoint.layout)
         # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
+        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype, device)
         pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
-                                 reattach_timeout_s=reattach_timeout_s, log=log)
+                                 reattach_timeout_s=reattach_timeout_s, log=log, device=device)
         attachment = await pairing.attach(ready_timeout_s)
     except BaseException:
         await sidecar.close()

@@ -33,6 +33,17 @@ from deltakv.sidecar.device.base import DeviceError, DeviceOps
 REATTACH_SAFE: dict[str, bool] = {"shm": True, "cuda_ipc": False}
 
 
+def create_pool(layout: KVLayout, name: str, device: str = "cpu"):
+    """The sidecar's pool ``name`` on ``device``: a SharedKVPool for ``cpu``, else a
+    DevicePool on that device (DeviceUnavailable, one line, when it cannot be used here)."""
+    from deltakv.sidecar.device import device_ops, parse_device
+    from deltakv.sidecar.pool import SharedKVPool
+
+    if parse_device(device)[0] == "cpu":
+        return SharedKVPool.create(layout, name=name)
+    return DevicePool.create(layout, device_ops(device), name)
+
+
 class _Memory:
     """The device allocation or mapping; released when the last tensor over it is gone."""
 
@@ -106,6 +117,11 @@ class DevicePool:
             raise UnknownEndpoint(f"device pool {name!r} cannot be mapped: {exc}",
                                   name=name) from None
         return cls(name, layout, ops, _Memory(ops, ptr, owner=False), handle, uuid)
+
+    def describe_fields(self) -> dict:
+        """What ``Describe`` adds so a worker can map this pool (``DescribeResponse`` fields)."""
+        return {"pool_kind": self.pool_kind, "pool_handle": self.handle,
+                "device_uuid": self.uuid}
 
     @property
     def closed(self) -> bool:

@@ -18,6 +18,9 @@ DEFAULT_PORT = 50061
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
+    from deltakv.services.cli.argtypes import add_device_argument
+
+    add_device_argument(parser, "the model (and the pool it maps)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role prefill)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
@@ -88,7 +91,8 @@ async def build(args: argparse.Namespace, stack, log):
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
-                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s,
+                                device=args.device)
     stack.push_async_callback(worker.close)
     chunk = {} if args.prefill_chunk_tokens is None else {
         "chunk_tokens": args.prefill_chunk_tokens}
