@@ -16,6 +16,7 @@ on "different GPUs". Plug it in with the device name ``tests.support.fake_device
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -33,6 +34,11 @@ from deltakv.sidecar.pool import SHM_DIR, shm_prefix
 DEFAULT_UUID = "GPU-fa4e0000-0000-4000-8000-000000000000"
 UUID_ENV = "DELTAKV_FAKE_DEVICE_UUID"
 _MAGIC = b"FAKEDEV1"
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
 
 
 class _HostArray:
@@ -84,7 +90,11 @@ class FakeDevice(DeviceOps):
         return ptr
 
     def alloc(self, nbytes: int) -> int:
-        return self._map(f"{shm_prefix()}fakedev-{secrets.token_hex(16)}", create=nbytes)
+        name = f"{shm_prefix()}fakedev-{secrets.token_hex(16)}"
+        # A real device's memory dies with the process that allocated it; the fake's files
+        # must too, even when the process exits with views still alive.
+        atexit.register(_unlink, name)
+        return self._map(name, create=nbytes)
 
     def _unmap(self, ptr: int) -> str:
         with FakeDevice._lock:
@@ -95,9 +105,7 @@ class FakeDevice(DeviceOps):
         return name
 
     def free(self, ptr: int) -> None:
-        name = self._unmap(ptr)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+        _unlink(self._unmap(ptr))
 
     def export_handle(self, ptr: int) -> bytes:
         with FakeDevice._lock:
