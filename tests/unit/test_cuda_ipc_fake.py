@@ -232,3 +232,51 @@ def test_bytes_exact_across_processes(pair):
         assert torch.equal(got[r.dst_page], a.as_bytes()[r.src_page])
     for p in set(range(32)) - set(dst):
         assert bool((got[p] == 0x5A).all())
+
+
+@pytest.mark.timeout(60)
+def test_no_byte_lands_after_decode_proved_the_fence(pair, monkeypatch):
+    """A copy in flight (the fake's stream is slow to sync) while decode revokes the room:
+    decode's exclusive lock is granted only after the copy completed, and nothing changes
+    in the destination afterwards."""
+    import threading
+    import time
+
+    a, b, ta, tb, info = pair
+    _fill(a, 6)
+    b.as_bytes().zero_()
+    tb.fence_table.arm(1, range(4))
+    peer = ta.connect(info)
+    in_sync = threading.Event()
+    real_sync = FakeDevice.sync
+
+    def slow_sync(self, stream):
+        in_sync.set()
+        time.sleep(0.2)  # copies still queued on the stream
+        real_sync(self, stream)
+
+    monkeypatch.setattr(FakeDevice, "sync", slow_sync)
+    errors: list[Exception] = []
+
+    def writer():
+        try:
+            for _ in range(50):
+                a.as_bytes()[:4].add_(1)  # every write carries new bytes
+                ta.write(peer, [PageRun(0, 0, 4)], ticket())
+        except Exception as exc:  # noqa: BLE001 - the revocation ends the loop
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert in_sync.wait(10)
+    tb.fence_table.revoke(1, range(4))
+    deadline = time.monotonic() + 10
+    while tb.fence_table.try_prove([(0, 4)]):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proved = b.as_bytes()[:4].clone()
+    assert int(proved.sum()) != 0  # the copy in flight had landed before the proof
+    thread.join(10)
+    assert errors and isinstance(errors[0], PermissionDenied)
+    assert torch.equal(b.as_bytes()[:4], proved)
+    ta.disconnect(peer)
