@@ -89,9 +89,9 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     """
     from deltakv.services.model.loader import load_model
     from deltakv.services.runtime import otel_grpc
-    from deltakv.sidecar.device import require_device
+    from deltakv.sidecar.device import torch_device
 
-    require_device(device)
+    compute_device = torch_device(device)  # fails fast, before anything loads
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
@@ -101,7 +101,8 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
         describe = await sidecar.describe()
         layout = KVLayout.from_proto(describe.endpoint.layout)
         # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype, device)
+        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype,
+                                        compute_device)
         pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
                                  reattach_timeout_s=reattach_timeout_s, log=log, device=device)
         attachment = await pairing.attach(ready_timeout_s)

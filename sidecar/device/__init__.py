@@ -68,6 +68,20 @@ def device_ops(spec: str):
     return cls(index)
 
 
+def torch_device(spec: str):
+    """The torch device tensors of device ``spec`` live on (``cpu`` for the CPU pool; a GPU
+    pool's device otherwise). Raises as :func:`device_ops`."""
+    import torch
+
+    if parse_device(spec)[0] == "cpu":
+        return torch.device("cpu")
+    ops = device_ops(spec)
+    try:
+        return ops.torch_device
+    finally:
+        ops.close()
+
+
 def require_device(spec: str) -> None:
     """Check at start-up that device ``spec`` can be used here (``cpu`` always can). Raises
     InvalidArgument / DeviceUnavailable (one line) otherwise; opens nothing that lingers."""
