@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import threading
 from typing import TYPE_CHECKING
 
@@ -42,7 +40,7 @@ from deltakv.sidecar.transport.base import (
     Transport,
     TransportOptions,
 )
-from deltakv.sidecar.transport.shm import _node_id, _pid_namespace, _proc_start_time
+from deltakv.sidecar.transport.shm import _proc_start_time, check_same_host, owner_identity
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
@@ -117,17 +115,15 @@ class CudaIpcTransport(Transport):
         if layout.pool_bytes != pool.nbytes:
             raise InvalidArgument(f"describe: layout has {layout.pool_bytes} bytes, the "
                                   f"registered pool {pool.nbytes}")
-        host = socket.gethostname()
         descriptor = {
             "v": _DESCRIPTOR_VERSION, "pool": pool.name, "nbytes": pool.nbytes,
             "handle": pool.handle.hex(), "uuid": pool.uuid, "kind": pool.pool_kind,
             "fence": self.fence_table.name, "fence_inode": list(self.fence_table.inode),
-            "host": host, "node": _node_id(), "pidns": _pid_namespace(), "pid": os.getpid(),
-            "start_time": _proc_start_time(os.getpid()),
+            **owner_identity(),
         }
         return kv_pb2.EndpointInfo(
             endpoint_id=endpoint_id, backend=self.name,
-            address=f"{host}/{TOKEN_RE.sub('', pool.name)}",
+            address=f"{descriptor['host']}/{TOKEN_RE.sub('', pool.name)}",
             descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
             layout=layout.to_proto())
 
@@ -143,21 +139,13 @@ class CudaIpcTransport(Transport):
         local = self._require_pool()
         desc = self._parse(peer)
         remote = KVLayout.from_proto(peer.layout)
-        if (desc.get("node") or desc["host"]) != (
-                _node_id() if desc.get("node") else socket.gethostname()):
-            raise FailedPrecondition(
-                f"cuda_ipc needs both sidecars on one machine: peer is on {desc['host']!r}; "
-                f"use mooncake or mori across hosts")
+        start_time = check_same_host(desc, peer.endpoint_id, self.name)
         if desc["nbytes"] != remote.pool_bytes:
             raise InvalidArgument(f"cuda_ipc descriptor size {desc['nbytes']} != layout pool "
                                   f"bytes {remote.pool_bytes}")
         if desc["kind"] != local.pool_kind:
             raise FailedPrecondition(f"cuda_ipc peer pool kind {desc['kind']!r} != local "
                                      f"{local.pool_kind!r}")
-        same_ns = bool(desc["pidns"]) and desc["pidns"] == _pid_namespace()
-        start_time = desc.get("start_time") if same_ns else None
-        if start_time is not None and _proc_start_time(desc["pid"]) != start_time:
-            raise Unavailable(f"cuda_ipc peer {peer.endpoint_id!r} (pid {desc['pid']}) is gone")
         try:
             handle = bytes.fromhex(desc["handle"])
         except ValueError:

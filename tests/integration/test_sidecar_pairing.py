@@ -14,7 +14,6 @@ import grpc
 import pytest
 
 from deltakv.services.process import ManagedProcess, free_port
-from deltakv.sidecar.pool import reclaim_stale_segments, shm_prefix
 from tests.e2e.sidecars import NOT_SERVING, SERVING, health_of
 from tests.integration.sidecar_proc import REPO_ROOT, short_tmp_dir, start_sidecar
 
@@ -106,5 +105,3 @@ def test_a_worker_on_a_gpu_pool_exits_for_a_restart_instead_of_reattaching() -> 
         if restarted is not None:
             restarted.stop()
         shutil.rmtree(base, ignore_errors=True)
-        # The SIGKILLed sidecar's fake device memory (a GPU's would die with the process).
-        reclaim_stale_segments(f"{shm_prefix()}fakedev-")

@@ -2,8 +2,10 @@
 
 :class:`FakeDevice` implements :class:`deltakv.sidecar.device.base.DeviceOps` with host memory
 so that CPU CI drives the GPU pool and the ``cuda_ipc`` transport through the very code a GPU
-runs: "device memory" is a ``/dev/shm`` file per allocation (so another process can import it,
-as legacy CUDA IPC allows), a "handle" is 64 bytes naming that file, and copies are
+runs: "device memory" is an anonymous memory file (``memfd_create``) per allocation, which
+another process of this user and PID namespace imports through ``/proc/<pid>/fd`` (as legacy
+CUDA IPC may need a shared PID namespace), a "handle" is 64 bytes naming (pid, fd, inode), and
+like device memory it dies with the processes that map it; copies are
 **asynchronous like CUDA's**: :meth:`copy_runs` only queues them on the stream, and they land
 when :meth:`sync` runs. A transport that released its fence lock before synchronizing would
 therefore let bytes land after decode took the lock, and the tests see it.
@@ -16,12 +18,10 @@ on "different GPUs". Plug it in with the device name ``tests.support.fake_device
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import ctypes
 import mmap
 import os
-import secrets
+import struct
 import threading
 from collections.abc import Sequence
 
@@ -29,16 +29,10 @@ import numpy as np
 import torch
 
 from deltakv.sidecar.device.base import CopyRun, DeviceError, DeviceOps
-from deltakv.sidecar.pool import SHM_DIR, shm_prefix
 
 DEFAULT_UUID = "GPU-fa4e0000-0000-4000-8000-000000000000"
 UUID_ENV = "DELTAKV_FAKE_DEVICE_UUID"
-_MAGIC = b"FAKEDEV1"
-
-
-def _unlink(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(SHM_DIR, name))
+_MAGIC = b"FAKEDEV2"
 
 
 class _HostArray:
@@ -58,7 +52,7 @@ class FakeDevice(DeviceOps):
     handle_bytes = 64
     #: Per-process log: ("copy", stream, nbytes) | ("sync", stream, bytes_landed) | test marks.
     events: list[tuple] = []
-    _maps: dict[int, tuple[mmap.mmap, str, bool]] = {}
+    _maps: dict[int, tuple[mmap.mmap, int, bytes]] = {}
     _lock = threading.Lock()
 
     def __init__(self, index: int = 0) -> None:
@@ -74,53 +68,57 @@ class FakeDevice(DeviceOps):
         return os.environ.get(UUID_ENV, DEFAULT_UUID)
 
     @staticmethod
-    def _map(name: str, create: int = 0) -> int:
-        path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, create)
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+    def _map(fd: int, handle: bytes) -> int:
+        """Map the memory file ``fd`` (kept open while mapped: importers open it through
+        ``/proc/<pid>/fd``) and remember it under its pointer."""
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         with FakeDevice._lock:
-            FakeDevice._maps[ptr] = (mm, name, bool(create))
+            FakeDevice._maps[ptr] = (mm, fd, handle)
         return ptr
 
     def alloc(self, nbytes: int) -> int:
-        name = f"{shm_prefix()}fakedev-{secrets.token_hex(16)}"
-        # A real device's memory dies with the process that allocated it; the fake's files
-        # must too, even when the process exits with views still alive.
-        atexit.register(_unlink, name)
-        return self._map(name, create=nbytes)
+        # An anonymous memory file: like device memory it dies with the processes that use
+        # it, and never leaves a name behind.
+        fd = os.memfd_create("deltakv-fakedev", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            st = os.fstat(fd)
+            handle = (_MAGIC + struct.pack("<qqq", os.getpid(), fd, st.st_ino)).ljust(
+                self.handle_bytes, b"\0")
+            return self._map(fd, handle)
+        except BaseException:
+            os.close(fd)
+            raise
 
-    def _unmap(self, ptr: int) -> str:
+    def _unmap(self, ptr: int) -> None:
         with FakeDevice._lock:
-            mm, name, _ = FakeDevice._maps.pop(ptr)
-        # ctypes.c_char.from_buffer holds an export until collected; mmap.close would then
-        # refuse, so the mapping is left to the garbage collector.
+            mm, fd, _ = FakeDevice._maps.pop(ptr)
+        # ctypes.c_char.from_buffer held an export only while computing the pointer; the
+        # mapping goes with the last reference to ``mm``.
         del mm
-        return name
+        os.close(fd)
 
     def free(self, ptr: int) -> None:
-        _unlink(self._unmap(ptr))
+        self._unmap(ptr)
 
     def export_handle(self, ptr: int) -> bytes:
         with FakeDevice._lock:
-            name = FakeDevice._maps[ptr][1].encode()
-        return (_MAGIC + name).ljust(self.handle_bytes, b"\0")
+            return FakeDevice._maps[ptr][2]
 
     def import_handle(self, handle: bytes) -> int:
-        name = handle[len(_MAGIC):].rstrip(b"\0").decode(errors="replace")
-        if (len(handle) != self.handle_bytes or not handle.startswith(_MAGIC)
-                or not name.startswith(f"{shm_prefix()}fakedev-") or "/" in name):
+        if len(handle) != self.handle_bytes or not handle.startswith(_MAGIC):
             raise DeviceError("fakeIpcOpenMemHandle", 1, "invalid handle")
+        pid, fd, ino = struct.unpack_from("<qqq", handle, len(_MAGIC))
         try:
-            return self._map(name)
+            local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise DeviceError("fakeIpcOpenMemHandle", 1, str(exc)) from None
+            raise DeviceError("fakeIpcOpenMemHandle", 1, f"no such allocation ({exc.strerror})"
+                              ) from None
+        if os.fstat(local).st_ino != ino:
+            os.close(local)
+            raise DeviceError("fakeIpcOpenMemHandle", 1, "handle names another allocation")
+        return self._map(local, handle)
 
     def close_import(self, ptr: int) -> None:
         self._unmap(ptr)

@@ -9,6 +9,8 @@ import contextlib
 import gc
 import json
 import multiprocessing as mp
+import os
+import struct
 
 import pytest
 import torch
@@ -158,9 +160,12 @@ def _edited(info: kv_pb2.EndpointInfo, **changes) -> kv_pb2.EndpointInfo:
 
 def test_forged_wrong_gpu_and_malformed_descriptors_are_refused(pair, monkeypatch):
     a, b, ta, tb, info = pair
-    forged = (b"FAKEDEV1" + b"deltakv-fakedev-" + b"0" * 32).ljust(64, b"\0").hex()
-    with pytest.raises(UnknownEndpoint, match="cannot be mapped"):
-        ta.connect(_edited(info, handle=forged))
+    real = bytes.fromhex(json.loads(info.descriptor)["handle"])
+    pid, fd, ino = struct.unpack_from("<qqq", real, 8)
+    for forged in ((pid, 999_999, ino), (pid, fd, ino + 1), (os.getpid(), 0, ino)):
+        handle = (real[:8] + struct.pack("<qqq", *forged)).ljust(64, b"\0").hex()
+        with pytest.raises(UnknownEndpoint, match="cannot be mapped"):
+            ta.connect(_edited(info, handle=handle))
     with pytest.raises(InvalidArgument):
         ta.connect(_edited(info, handle="00" * 63))
     with pytest.raises(UnknownEndpoint, match="same GPU"):
@@ -280,3 +285,15 @@ def test_no_byte_lands_after_decode_proved_the_fence(pair, monkeypatch):
     assert errors and isinstance(errors[0], PermissionDenied)
     assert torch.equal(b.as_bytes()[:4], proved)
     ta.disconnect(peer)
+
+
+@pytest.mark.mooncake
+def test_mooncake_refuses_a_device_pool_it_cannot_fence():
+    pool = _pool("deltakv-ut-cim")
+    t = create_transport("mooncake")
+    try:
+        with pytest.raises(FailedPrecondition, match="GPU memory"):
+            t.register_pool(pool)
+    finally:
+        t.close()
+        pool.close()
