@@ -27,7 +27,7 @@ import json
 import threading
 from typing import TYPE_CHECKING
 
-from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable, UnknownEndpoint
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
 from deltakv.layout import KVLayout
 from deltakv.sidecar.device.base import CopyRun
 from deltakv.sidecar.device.pool import DevicePool
@@ -40,7 +40,7 @@ from deltakv.sidecar.transport.base import (
     Transport,
     TransportOptions,
 )
-from deltakv.sidecar.transport.shm import _proc_start_time, check_same_host, owner_identity
+from deltakv.sidecar.transport.shm import check_same_host, owner_identity, peer_view
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class CudaIpcTransport(Transport):
             return
         local = self._require_pool()
         src = local.as_bytes()  # held: keeps both mappings alive while copying
-        dst = self._live_view(handle)
+        dst = peer_view(handle, self.name)
         ops, page_bytes = local.ops, handle.layout.page_bytes
         src_base, dst_base = src.data_ptr(), dst.data_ptr()
         with self._copy_lock:
@@ -237,14 +237,3 @@ class CudaIpcTransport(Transport):
             raise InvalidArgument(f"not a cuda_ipc peer handle: {type(peer).__name__}")
         return peer
 
-    @staticmethod
-    def _live_view(handle: CudaIpcPeer):
-        try:
-            view = handle.pool.as_bytes()
-        except InvalidArgument:
-            raise UnknownEndpoint(
-                f"cuda_ipc peer {handle.endpoint_id!r} was disconnected; reconnect") from None
-        if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
-            raise Unavailable(f"cuda_ipc peer {handle.endpoint_id!r} is gone: its process "
-                              f"(pid {handle.pid}) exited")
-        return view

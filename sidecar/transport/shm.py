@@ -119,6 +119,21 @@ def check_same_host(desc: dict, endpoint_id: str, backend: str) -> int | None:
     return start_time
 
 
+def peer_view(handle, backend: str):
+    """``handle.pool.as_bytes()`` of a same-host peer whose owner is still alive (when its
+    ``start_time`` is checkable). UnknownEndpoint if the handle was disconnected,
+    Unavailable if the owner process exited."""
+    try:
+        view = handle.pool.as_bytes()
+    except InvalidArgument:
+        raise UnknownEndpoint(
+            f"{backend} peer {handle.endpoint_id!r} was disconnected; reconnect") from None
+    if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
+        raise Unavailable(f"{backend} peer {handle.endpoint_id!r} is gone: its process "
+                          f"(pid {handle.pid}) exited")
+    return view
+
+
 def _segment_inode(name: str) -> tuple[int, int] | None:
     try:
         st = os.stat(os.path.join(SHM_DIR, name))
@@ -317,15 +332,8 @@ class ShmTransport(Transport):
         """The peer's byte view, after checking its owner is alive and the segment is still
         the one mapped. Holding the returned tensor keeps the mapping valid even if another
         thread disconnects meanwhile (the pool defers its unmap)."""
-        try:
-            view = handle.pool.as_bytes()
-        except InvalidArgument:
-            raise UnknownEndpoint(
-                f"shm peer {handle.endpoint_id!r} was disconnected; reconnect") from None
+        view = peer_view(handle, "shm")
         if _segment_inode(handle.segment) != handle.inode:
             raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its segment "
                               f"{handle.segment!r} was removed or replaced")
-        if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
-            raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its process "
-                              f"(pid {handle.pid}) exited")
         return view
