@@ -70,8 +70,9 @@ _RUNTIME = {
 _DRIVER = {
     "cuInit": (ctypes.c_int, [ctypes.c_uint]),
     "cuDeviceGet": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
-    "cuDeviceGetUuid": (ctypes.c_int, [ctypes.POINTER(_CUuuid), ctypes.c_int]),
 }
+#: cuda.h maps cuDeviceGetUuid to its _v2 since CUDA 11.4; older drivers have only the first.
+_UUID_CALLS = ("cuDeviceGetUuid_v2", "cuDeviceGetUuid")
 
 _LIB_LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
@@ -157,10 +158,12 @@ class CudaDevice(DeviceOps):
 
     def uuid(self) -> str:
         drv = load_library("cuda", _DRIVER)
+        get_uuid = next(getattr(drv, name) for name in _UUID_CALLS if hasattr(drv, name))
+        get_uuid.restype, get_uuid.argtypes = ctypes.c_int, [ctypes.POINTER(_CUuuid), ctypes.c_int]
         dev, raw = ctypes.c_int(0), _CUuuid()
         for call, err in (("cuInit", drv.cuInit(0)),
                           ("cuDeviceGet", drv.cuDeviceGet(ctypes.byref(dev), self.index)),
-                          ("cuDeviceGetUuid", drv.cuDeviceGetUuid(ctypes.byref(raw), dev))):
+                          ("cuDeviceGetUuid", get_uuid(ctypes.byref(raw), dev))):
             if err != 0:
                 raise DeviceError(call, err, "CUDA driver error")
         h = bytes(raw.bytes).hex()
