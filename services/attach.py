@@ -34,7 +34,10 @@ refused as stale; every call the worker makes is bound to its incarnation
 
 Why re-attach instead of always exiting: a sidecar restart costs the requests in flight (they
 fail UNAVAILABLE and are retried), not the worker's model load and warm-up; exiting remains
-the answer whenever re-attaching cannot be proven safe (the ``FAILED`` cases).
+the answer whenever re-attaching cannot be proven safe (the ``FAILED`` cases) — and always
+for a pool in GPU memory mapped by a legacy CUDA IPC handle (``cuda_ipc``): what such a mapping
+does once its exporter died is undefined, so the worker goes to ``FAILED`` and is restarted
+with a fresh CUDA context (:data:`deltakv.sidecar.device.pool.REATTACH_SAFE`, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -146,11 +149,12 @@ class SidecarPairing:
 
     def __init__(self, root: SidecarClient, model: LoadedModel, *, quarantine_ms: int = 0,
                  reattach_timeout_s: float = 60.0, poll_interval_s: float = 0.5,
-                 probe_timeout_s: float = 2.0, log: Any = None) -> None:
+                 probe_timeout_s: float = 2.0, log: Any = None, device: str = "cpu") -> None:
         if reattach_timeout_s <= 0 or poll_interval_s <= 0 or probe_timeout_s <= 0:
             raise InvalidArgument("pairing timeouts and interval must be > 0 s")
         self.root = root
         self.model = model
+        self.device = device  # where a GPU pool is imported (the model's device)
         self.quarantine_ms = quarantine_ms
         self.reattach_timeout_s = reattach_timeout_s
         self.poll_interval_s = poll_interval_s
@@ -220,7 +224,7 @@ class SidecarPairing:
         except FailedPrecondition as exc:
             raise FailedPrecondition(f"model {self.model.name!r} does not match the sidecar's "
                                      f"KV pool: {exc}") from exc
-        pool = self.root.map_pool(describe)
+        pool = self.root.map_pool(describe, self.device)
         incarnation = pool_incarnation(describe)
         attachment = Attachment(
             incarnation=incarnation, describe=describe, layout=layout, pool=pool,
@@ -317,7 +321,15 @@ class SidecarPairing:
         """Fail and drain the old incarnation's requests (once), pair with the new one, swap.
         Raises PairingFailed if they do not end in time, FailedPrecondition if the new pool
         does not fit, Unavailable if the sidecar went away meanwhile."""
+        from deltakv.sidecar.device.pool import REATTACH_SAFE
+
         old = self.current
+        kind = old.describe.pool_kind or "shm"
+        if not REATTACH_SAFE.get(kind, False):
+            # A legacy CUDA IPC mapping of a dead exporter is undefined: the process exits and
+            # is restarted with a clean CUDA context rather than serving next to it.
+            raise PairingFailed(f"this worker's sidecar restarted and its {kind} pool cannot "
+                                f"be re-attached safely in this process; exiting for a restart")
         if self.state is not PairingState.REATTACHING:
             reason = (f"this worker's sidecar restarted: pool incarnation {old.incarnation} is "
                       f"gone, the sidecar is now {incarnation}")

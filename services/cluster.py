@@ -82,6 +82,17 @@ def check_transport(name: str) -> None:
         raise ClusterError(reason)
 
 
+def check_device(device: str) -> None:
+    """ClusterError with one line if ``device`` (``cpu``, ``cuda[:N]``) cannot be used here."""
+    from deltakv.errors import DeltaKVError
+    from deltakv.sidecar.device import require_device
+
+    try:
+        require_device(device)
+    except DeltaKVError as exc:
+        raise ClusterError(exc.message if hasattr(exc, "message") else str(exc)) from None
+
+
 @dataclass
 class ClusterConfig:
     """Options of a local cluster (flags of ``deltakv up``; seconds unless named otherwise)."""

@@ -74,7 +74,8 @@ class Worker:
 
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
-                       reattach_timeout_s: float = 60.0, channel: str = "channel") -> Worker:
+                       reattach_timeout_s: float = 60.0, channel: str = "channel",
+                       device: str = "cpu") -> Worker:
     """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
     ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
@@ -82,11 +83,17 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     :meth:`SidecarPairing.start` runs. ``channel``: the transport of its calls to the sidecar
     (:data:`deltakv.sidecar.client.CHANNELS`).
 
+    ``device``: where the model computes and the pool is mapped (``cpu``, ``cuda[:N]``).
+
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
-    FailedPrecondition if the model does not fit the pool's layout.
+    FailedPrecondition if the model does not fit the pool's layout or ``device`` cannot be
+    used here (checked first, before anything loads).
     """
     from deltakv.services.model.loader import load_model
     from deltakv.services.runtime import otel_grpc
+    from deltakv.sidecar.device import torch_device
+
+    compute_device = torch_device(device)  # fails fast, before anything loads
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
@@ -97,9 +104,10 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
         describe = await sidecar.describe()
         layout = KVLayout.from_proto(describe.endpoint.layout)
         # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
+        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype,
+                                        compute_device)
         pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
-                                 reattach_timeout_s=reattach_timeout_s, log=log)
+                                 reattach_timeout_s=reattach_timeout_s, log=log, device=device)
         attachment = await pairing.attach(ready_timeout_s)
     except BaseException:
         await sidecar.close()

@@ -328,10 +328,14 @@ class SidecarClient:
 
     # -- memory ---------------------------------------------------------------------------
 
-    def map_pool(self, describe: sidecar_pb2.DescribeResponse) -> SharedKVPool:
+    def map_pool(self, describe: sidecar_pb2.DescribeResponse,
+                 device: str = "cpu") -> SharedKVPool:
         """Attach the sidecar's pool zero-copy (non-owner: never unlinks it). The caller
-        closes the returned pool. UnknownEndpoint (FAILED_PRECONDITION) if the segment is
-        gone, InvalidArgument if its size disagrees with the layout."""
+        closes the returned pool. A ``cuda_ipc`` pool is imported on ``device`` (this
+        worker's ``--device``, e.g. ``cuda:0``) as a DevicePool. UnknownEndpoint
+        (FAILED_PRECONDITION) if the segment is gone or the GPU pool lives on another GPU,
+        InvalidArgument if its size disagrees with the layout or a GPU pool meets a CPU
+        worker."""
         from deltakv.layout import KVLayout
         from deltakv.sidecar.pool import SharedKVPool
 
@@ -339,6 +343,16 @@ class SidecarClient:
         if describe.pool_bytes and describe.pool_bytes != layout.pool_bytes:
             raise InvalidArgument(f"sidecar reports pool_bytes={describe.pool_bytes}, its "
                                   f"layout implies {layout.pool_bytes}")
+        if describe.pool_kind not in ("", "shm"):
+            from deltakv.sidecar.device import device_ops, parse_device
+            from deltakv.sidecar.device.pool import DevicePool
+
+            if parse_device(device)[0] == "cpu":
+                raise InvalidArgument(f"the sidecar's pool is in GPU memory "
+                                      f"({describe.pool_kind}); start the worker with "
+                                      f"--device cuda[:N]")
+            return DevicePool.attach(describe.pool_shm_name, layout, device_ops(device),
+                                     describe.pool_handle, describe.device_uuid)
         return SharedKVPool.attach(describe.pool_shm_name, layout)
 
     async def close(self) -> None:

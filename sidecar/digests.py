@@ -70,13 +70,14 @@ class PageDigester:
         if not self.enabled:
             return []
         num_pages = self.pool.layout.num_pages
-        view = self.pool.as_bytes()
-        out = []
         for p in pages:
             if not 0 <= p < num_pages:
                 raise InvalidArgument(f"page {p} is outside the pool [0, {num_pages})")
-            out.append(xxhash.xxh3_64_intdigest(view[p].numpy()))
-        return out
+        # A device pool is hashed on the host after one gathered device-to-host copy.
+        host_pages = getattr(self.pool, "host_pages", None)
+        view = host_pages(pages) if host_pages is not None else self.pool.as_bytes()
+        rows = range(len(pages)) if host_pages is not None else pages
+        return [xxhash.xxh3_64_intdigest(view[r].numpy()) for r in rows]
 
     def verify(self, pages: Sequence[int], expected: Sequence[int]) -> dict[int, int]:
         """Check each page's bytes against ``expected`` (same order); returns page -> digest

@@ -61,7 +61,8 @@ class SidecarConfig:
     cluster's pairing key (:func:`deltakv.sidecar.pairing.key_from_args`);
     ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof;
     ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
-    checked or kept).
+    checked or kept); ``device``: where the pool lives (``cpu`` = /dev/shm, ``cuda[:N]`` =
+    GPU memory exported by handle: :mod:`deltakv.sidecar.device`).
     """
 
     role: str
@@ -80,6 +81,7 @@ class SidecarConfig:
     abort_grace_s: float = 5.0
     close_grant_timeout_s: float = 2.0
     page_digests: bool = True
+    device: str = "cpu"
 
 
 def default_shm_name(socket_path: str) -> str:
@@ -134,8 +136,9 @@ class SidecarServer:
 
     def start(self) -> None:
         """Build and serve (see class docstring)."""
+        from deltakv.sidecar.device.pool import create_pool
         from deltakv.sidecar.page_manager import PageManager
-        from deltakv.sidecar.pool import SharedKVPool, incarnation_name, reclaim_incarnations
+        from deltakv.sidecar.pool import incarnation_name, reclaim_incarnations
         from deltakv.sidecar.transport.base import Transport, TransportOptions
         from deltakv.sidecar.transport.registry import create_transport
 
@@ -147,7 +150,7 @@ class SidecarServer:
             reclaimed = reclaim_incarnations(base)
             if reclaimed:
                 self.log.info("reclaimed_segments", segments=reclaimed)
-            self.pool = SharedKVPool.create(cfg.layout, name=incarnation_name(base))
+            self.pool = create_pool(cfg.layout, incarnation_name(base), cfg.device)
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
 
             def make() -> Transport:

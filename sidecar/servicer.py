@@ -158,11 +158,13 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         """The current sealed EndpointInfo (a new engine incarnation after a fence recycle),
         the pool ``incarnation`` a worker pairs with (fixed for this process), role, and how
         to map the pool: ``pool_shm_name``, ``pool_bytes`` = num_pages * page_bytes,
-        ``page_bytes``, ``pid``."""
+        ``page_bytes``, ``pid``; a device pool adds ``pool_kind``, ``pool_handle`` and
+        ``device_uuid``."""
         return sidecar_pb2.DescribeResponse(
             endpoint=self.endpoint, role=ROLES[self.role], pool_shm_name=self.pool.name,
             pool_bytes=self.layout.pool_bytes, page_bytes=self.layout.page_bytes,
-            pid=os.getpid(), incarnation=self.incarnation)
+            pid=os.getpid(), incarnation=self.incarnation,
+            **getattr(self.pool, "describe_fields", dict)())
 
     def Attach(self, request: sidecar_pb2.AttachRequest,
                context: grpc.ServicerContext) -> sidecar_pb2.AttachResponse:

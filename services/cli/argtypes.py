@@ -60,6 +60,13 @@ non_negative_float = _bounded(float, 0, strict=False)
 fraction = _bounded(float, 0, strict=False, high=1)
 
 
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--device cpu|cuda|cuda:N`` (default cpu): where ``what`` lives. Without CUDA, a cuda
+    device fails start-up with one line (exit 1)."""
+    parser.add_argument("--device", default="cpu",
+                        help=f"where {what} lives: cpu, cuda or cuda:N (default cpu)")
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows each flag's default, ``(default: 2048)``, except where it says nothing
     (None, False, an empty list) or the help text already names it."""

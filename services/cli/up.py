@@ -80,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     c = ClusterConfig()
     parser.add_argument("--model", default=c.model, help="smollm2 | tiny-random | PATH")
-    parser.add_argument("--transport", default=c.transport, help="shm | mooncake | mori")
+    parser.add_argument("--transport", default=c.transport,
+                        help="shm | mooncake | mori | cuda_ipc (GPU pools, with --device cuda)")
+    from deltakv.services.cli.argtypes import add_device_argument
+
+    add_device_argument(parser, "every pool and model")
     parser.add_argument("--page-size", type=positive_int, default=c.page_size, help="tokens per page")
     parser.add_argument("--num-pages", type=positive_int, default=c.num_pages,
                         help="pages per KV pool (each sidecar)")
@@ -182,13 +186,19 @@ def cluster_config(args: argparse.Namespace):
                          start_timeout_s=args.start_timeout_s,
                          transport_options=args.transport_option, log_level=args.log_level,
                          telemetry_args=otel.forwarded_args(args),
-                         decode_args=_decode_bounds(args),
                          page_digests=getattr(args, "page_digests", "on") == "on",
                          sidecar_channel=getattr(args, "sidecar_channel", "channel"),
                          link=getattr(args, "link", None),
                          torch_threads=getattr(args, "torch_threads", 0),
                          metrics_port=_metrics_base_port(args),
-                         prefill_args=_prefill_chunk(args))
+                         prefill_args=_prefill_chunk(args) + _device(args),
+                         decode_args=_decode_bounds(args) + _device(args),
+                         prefill_sidecar_args=_device(args), decode_sidecar_args=_device(args))
+
+
+def _device(args: argparse.Namespace) -> list[str]:
+    device = getattr(args, "device", "cpu")
+    return [] if device == "cpu" else ["--device", device]
 
 
 def _prefill_chunk(args: argparse.Namespace) -> list[str]:
@@ -221,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     (named on stderr), 2 for bad flags, 130 if interrupted during start-up. After a failure
     the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
-    from deltakv.services.cluster import ClusterError, LocalCluster, check_transport
+    from deltakv.services.cluster import ClusterError, LocalCluster, check_device, check_transport
 
     try:
         config = cluster_config(args)
@@ -233,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         check_transport(config.transport)
+        check_device(getattr(args, "device", "cpu"))
         cluster = LocalCluster(config)
     except ClusterError as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)

@@ -72,8 +72,14 @@ def _cpu_flash_kernel() -> Kernel | None:
     return None if packet is None else packet.default
 
 
-# Attention kernels that return (out, lse), by device type. One entry today: the model runs on CPU.
-KERNELS: dict[str, Callable[[], Kernel | None]] = {"cpu": _cpu_flash_kernel}
+def _torch_ops_kernel() -> Kernel | None:
+    from deltakv.services.model.torch_attention import torch_attention
+
+    return torch_attention
+
+
+# (out, lse) kernels by device type; CUDA's is checked against the CPU one on CPU.
+KERNELS: dict[str, Callable[[], Kernel | None]] = {"cpu": _cpu_flash_kernel, "cuda": _torch_ops_kernel}
 
 
 # Fused decode kernels (:mod:`deltakv.services.model.paged_decode`'s signature), by device

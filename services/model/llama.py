@@ -193,8 +193,8 @@ class PagedLlama:
             parts = [bias(lin) for lin in linears]
             if all(p is None for p in parts):
                 return None
-            return torch.cat([p if p is not None else torch.zeros(lin.out_features,
-                                                                  dtype=lin.weight.dtype)
+            return torch.cat([p if p is not None else torch.zeros(
+                lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
                               for p, lin in zip(parts, linears, strict=True)])
 
         def linear(*linears: Any) -> Linear:

@@ -351,12 +351,14 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
     )
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LoadedModel:
     """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
-    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized).
+    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized) on
+    ``device`` (the transformers model is moved there before the runner takes its weights).
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
     hf_model, tokenizer = load_transformers_model(model, dtype)
-    return loaded_from_transformers(model, hf_model, tokenizer)
+    return loaded_from_transformers(model, hf_model.to(device), tokenizer)

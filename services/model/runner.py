@@ -166,8 +166,13 @@ class ModelRunner:
             group = module.spec.num_heads // module.spec.num_kv_heads
             plan = kv.plan(page_table, start, query_rows=(n - start) * group)
             ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=device)
-            return module.prefill(kv, ContextReader(kv, [plan], self._kernel), ids, start,
-                                  write_rows, return_all_logits)
+            logits = module.prefill(kv, ContextReader(kv, [plan], self._kernel), ids, start,
+                                    write_rows, return_all_logits)
+        if device.type == "cuda":
+            # The sidecar copies these pages from another process on its own stream: they
+            # must be in memory before the caller asks it to (WritePages follows this call).
+            torch.cuda.synchronize(device)
+        return logits
 
     def decode_step(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence in ``batch`` (continuous batching): writes each

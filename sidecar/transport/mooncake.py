@@ -221,6 +221,10 @@ class MooncakeTransport(Transport):
         engine refuses a registration."""
         if self._pool is not None:
             raise InvalidArgument("mooncake transport already has a registered pool")
+        if not hasattr(pool, "map_again"):
+            # A per-incarnation alias of GPU memory needs the VMM pool kind (docs/gpu.md).
+            raise FailedPrecondition("transport mooncake cannot fence a pool in GPU memory yet: "
+                                     "use cuda_ipc on one node, or --device cpu")
         mapping = pool.map_again()
         regions = []
         if self.remote_access or self.protocol == "rdma":

@@ -33,7 +33,7 @@ import sys
 import threading
 from typing import Any
 
-from deltakv.errors import InvalidArgument, Unavailable
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
 from deltakv.sidecar.transport.ports import block
 
 #: Listeners of one engine: the handshake RPC port and the TCP data port.
@@ -45,6 +45,8 @@ _EPHEMERAL = range(32768, 61000)
 _RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
 # Engine construction and the first import read process-wide environment variables.
 _ENGINE_INIT_LOCK = threading.Lock()
+#: Where the kernel lists RDMA devices (what ``ibv_devices`` reads through libibverbs).
+_IB_SYSFS = "/sys/class/infiniband"
 
 
 def engine_ports(port: int) -> tuple[int, ...]:
@@ -78,15 +80,11 @@ def engine_module(ports: tuple[int, ...] = ()) -> Any:
     if "mooncake.engine" in sys.modules or not ports:
         return _import()
     saved = {name: os.environ.get(name) for name in _RANGE_ENV}
-    os.environ[_RANGE_ENV[0]], os.environ[_RANGE_ENV[1]] = str(ports[0]), str(ports[-1])
+    _set_env({_RANGE_ENV[0]: str(ports[0]), _RANGE_ENV[1]: str(ports[-1])})
     try:
         return _import()
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_env(saved)
 
 
 def _import() -> Any:
@@ -98,6 +96,46 @@ def _import() -> Any:
         raise BackendUnavailable("mooncake", str(exc).splitlines()[0]) from exc
 
 
+def rdma_devices(sysfs: str = _IB_SYSFS) -> list[str]:
+    """Names of the RDMA devices (HCAs) the kernel exposes (``/sys/class/infiniband``), the
+    same list ``ibv_devices`` prints; empty on a host without one."""
+    try:
+        return sorted(os.listdir(sysfs))
+    except OSError:
+        return []
+
+
+def protocol_env(protocol: str, sysfs: str = _IB_SYSFS) -> dict[str, str | None]:
+    """The environment the engine's constructor must see so that it uses ``protocol``
+    (name -> value, None = unset: the engine tests these variables for presence, not value).
+
+    Mooncake's Python binding ignores its ``protocol`` argument when it picks a transport in
+    standard builds: it installs RDMA whenever an HCA is found, else TCP, unless
+    ``MC_FORCE_TCP`` is set. So ``tcp`` sets ``MC_FORCE_TCP=1`` (and unsets
+    ``MC_INTRANODE_NVLINK``, which CUDA builds would pick first); ``rdma`` unsets both and is
+    refused with FailedPrecondition on a host without an HCA instead of silently running over
+    TCP.
+    InvalidArgument for any other protocol.
+    """
+    if protocol == "tcp":
+        return {"MC_FORCE_TCP": "1", "MC_INTRANODE_NVLINK": None}
+    if protocol == "rdma":
+        if not rdma_devices(sysfs):
+            raise FailedPrecondition(
+                f"mooncake protocol 'rdma' needs an RDMA device, and this host has none "
+                f"({sysfs} is empty or absent); use protocol=tcp")
+        return {"MC_FORCE_TCP": None, "MC_INTRANODE_NVLINK": None}
+    raise InvalidArgument(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def start_engine(host: str, port: int, protocol: str, device_name: str,
                  transfer_timeout_s: int) -> Any:
     """A started ``mooncake.engine.TransferEngine`` advertising ``host`` (P2P handshake).
@@ -107,25 +145,28 @@ def start_engine(host: str, port: int, protocol: str, device_name: str,
     (:func:`engine_ports`). ``transfer_timeout_s``: the engine's own bound
     of one batch (``MC_TRANSFER_TIMEOUT``, read by the binding's constructor).
 
-    Raises InvalidArgument for a port the engine would ignore; BackendUnavailable if the
+    ``protocol`` is enforced (:func:`protocol_env`): the engine's constructor sees
+    ``MC_FORCE_TCP`` set for ``tcp``, and ``rdma`` without an HCA is refused.
+
+    Raises InvalidArgument for a port the engine would ignore; FailedPrecondition for ``rdma``
+    on a host without an RDMA device; BackendUnavailable if the
     extension cannot be loaded; Unavailable if the engine fails to start (e.g. no free port
     left in the block), or listens outside the requested block (the engine was imported earlier
     in this process with another range: Mooncake reads it once per process). The caller
     owns the engine; dropping the last reference stops its threads.
     """
     ports = engine_ports(port)
+    env = protocol_env(protocol)
+    env["MC_TRANSFER_TIMEOUT"] = str(transfer_timeout_s)
     with _ENGINE_INIT_LOCK:
         module = engine_module(ports)
-        saved = os.environ.get("MC_TRANSFER_TIMEOUT")
-        os.environ["MC_TRANSFER_TIMEOUT"] = str(transfer_timeout_s)
+        saved = {name: os.environ.get(name) for name in env}
+        _set_env(env)
         try:
             engine = module.TransferEngine()
             rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         finally:
-            if saved is None:
-                os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-            else:
-                os.environ["MC_TRANSFER_TIMEOUT"] = saved
+            _set_env(saved)
     if rc != 0:
         full = (f"; its port block {ports[0]}-{ports[-1]} may be taken by this sidecar's other "
                 f"engines or other programs" if ports else "")

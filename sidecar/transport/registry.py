@@ -30,6 +30,7 @@ BACKENDS: dict[str, str] = {
     "shm": "deltakv.sidecar.transport.shm:ShmTransport",
     "mooncake": "deltakv.sidecar.transport.mooncake:MooncakeTransport",
     "mori": "deltakv.sidecar.transport.mori:MoriTransport",
+    "cuda_ipc": "deltakv.sidecar.transport.cuda_ipc:CudaIpcTransport",
 }
 
 #: What to install when a backend's optional dependency is missing (one line each).

@@ -91,6 +91,49 @@ def _pid_namespace() -> str:
         return ""
 
 
+def owner_identity() -> dict:
+    """This process as a same-host descriptor names it: host, kernel (``node``), PID
+    namespace, PID and start time (so a writer can tell its peer's owner died)."""
+    return {"host": socket.gethostname(), "node": _node_id(), "pidns": _pid_namespace(),
+            "pid": os.getpid(), "start_time": _proc_start_time(os.getpid())}
+
+
+def check_same_host(desc: dict, endpoint_id: str, backend: str) -> int | None:
+    """Check a same-host peer's :func:`owner_identity` fields: FailedPrecondition if it runs
+    on another machine (kernel), Unavailable if its owner process is gone. Returns the
+    owner's start time to re-check later, None when its PID namespace is not ours (liveness
+    not checkable)."""
+    # Same kernel, not same hostname: pods on one node have their own hostnames but can
+    # share the node's /dev/shm (the Helm chart's shm mode mounts it).
+    peer_node = desc.get("node") or desc["host"]
+    local_node = _node_id() if desc.get("node") else socket.gethostname()
+    if peer_node != local_node:
+        raise FailedPrecondition(
+            f"{backend} backend needs both sidecars on one machine: peer is on "
+            f"{desc['host']!r}, this one on {socket.gethostname()!r}; use mooncake or mori "
+            f"across hosts")
+    same_ns = bool(desc["pidns"]) and desc["pidns"] == _pid_namespace()
+    start_time = desc.get("start_time") if same_ns else None
+    if start_time is not None and _proc_start_time(desc["pid"]) != start_time:
+        raise Unavailable(f"{backend} peer {endpoint_id!r} (pid {desc['pid']}) is gone")
+    return start_time
+
+
+def peer_view(handle, backend: str):
+    """``handle.pool.as_bytes()`` of a same-host peer whose owner is still alive (when its
+    ``start_time`` is checkable). UnknownEndpoint if the handle was disconnected,
+    Unavailable if the owner process exited."""
+    try:
+        view = handle.pool.as_bytes()
+    except InvalidArgument:
+        raise UnknownEndpoint(
+            f"{backend} peer {handle.endpoint_id!r} was disconnected; reconnect") from None
+    if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
+        raise Unavailable(f"{backend} peer {handle.endpoint_id!r} is gone: its process "
+                          f"(pid {handle.pid}) exited")
+    return view
+
+
 def _segment_inode(name: str) -> tuple[int, int] | None:
     try:
         st = os.stat(os.path.join(SHM_DIR, name))
@@ -174,12 +217,9 @@ class ShmTransport(Transport):
             "inode": list(pool.inode),
             "fence": fence.name,
             "fence_inode": list(fence.inode),
-            "host": host,
-            "node": _node_id(),
-            "pidns": _pid_namespace(),
-            "pid": os.getpid(),
-            "start_time": _proc_start_time(os.getpid()),
+            **owner_identity(),
         }
+        host = descriptor["host"]
         slot = TOKEN_RE.sub("", pool.name)
         return kv_pb2.EndpointInfo(
             endpoint_id=endpoint_id, backend=self.name, address=f"{host}/{slot}",
@@ -201,21 +241,10 @@ class ShmTransport(Transport):
         self._require_pool()
         desc = self._parse(peer)
         remote = KVLayout.from_proto(peer.layout)
-        # Same kernel, not same hostname: pods on one node have their own hostnames but can
-        # share the node's /dev/shm (the Helm chart's shm mode mounts it).
-        peer_node = desc.get("node") or desc["host"]
-        local_node = _node_id() if desc.get("node") else socket.gethostname()
-        if peer_node != local_node:
-            raise FailedPrecondition(
-                f"shm backend needs both sidecars on one machine: peer is on {desc['host']!r}, "
-                f"this one on {socket.gethostname()!r}; use mooncake or mori across hosts")
+        start_time = check_same_host(desc, peer.endpoint_id, self.name)
         if desc["nbytes"] != remote.pool_bytes:
             raise InvalidArgument(
                 f"shm descriptor size {desc['nbytes']} != layout pool bytes {remote.pool_bytes}")
-        same_ns = bool(desc["pidns"]) and desc["pidns"] == _pid_namespace()
-        same_ns = same_ns and desc["start_time"] is not None
-        if same_ns and _proc_start_time(desc["pid"]) != desc["start_time"]:
-            raise Unavailable(f"shm peer {peer.endpoint_id!r} (pid {desc['pid']}) is gone")
         inode = tuple(desc["inode"])
         mapped = SharedKVPool.attach(desc["segment"], remote, identity=inode)
         try:
@@ -223,8 +252,7 @@ class ShmTransport(Transport):
         except BaseException:
             mapped.close()
             raise
-        return ShmPeer(peer, mapped, fence, inode, desc["pid"],
-                       desc["start_time"] if same_ns else None)
+        return ShmPeer(peer, mapped, fence, inode, desc["pid"], start_time)
 
     def disconnect(self, peer: PeerHandle) -> None:
         """Unmap the peer's pool and fence words (both deferred while a write still uses
@@ -314,15 +342,8 @@ class ShmTransport(Transport):
         """The peer's byte view, after checking its owner is alive and the segment is still
         the one mapped. Holding the returned tensor keeps the mapping valid even if another
         thread disconnects meanwhile (the pool defers its unmap)."""
-        try:
-            view = handle.pool.as_bytes()
-        except InvalidArgument:
-            raise UnknownEndpoint(
-                f"shm peer {handle.endpoint_id!r} was disconnected; reconnect") from None
+        view = peer_view(handle, "shm")
         if _segment_inode(handle.segment) != handle.inode:
             raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its segment "
                               f"{handle.segment!r} was removed or replaced")
-        if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
-            raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its process "
-                              f"(pid {handle.pid}) exited")
         return view

@@ -427,13 +427,22 @@ def selected_cases() -> list[str]:
     return wanted or list(CASES)
 
 
+def needs_missing_cuda(name: str) -> bool:
+    """True for a values file whose pools live in GPU memory while this machine has no CUDA:
+    its commands must fail fast instead (:func:`test_gpu_values_fail_fast_without_cuda`)."""
+    from deltakv.sidecar.device.cuda import CudaDevice
+
+    accelerator = values_of(name).get("accelerator", {})
+    return accelerator.get("kvPoolDevice") == "cuda" and CudaDevice.probe(0) is not None
+
+
 @pytest.fixture(scope="module")
 def cases(fixtures) -> Iterator[list[Case]]:
     root = Path(tempfile.mkdtemp(prefix="dkv-chart-", dir="/tmp"))
     built: list[Case] = []
     try:
         with helm_python.Chart.load(CHART) as chart:
-            for name in selected_cases():
+            for name in [c for c in selected_cases() if not needs_missing_cuda(c)]:
                 values = values_of(name)
                 workdir = root / name
                 workdir.mkdir()
@@ -505,6 +514,39 @@ def _wait_all(procs: list[ManagedProcess]) -> None:
         except ProcessError as exc:
             errors.append(str(exc))
     assert not errors, "\n\n".join(errors)
+
+
+def test_gpu_values_fail_fast_without_cuda(fixtures) -> None:
+    """Without CUDA, every sidecar and worker of a GPU-pool values file exits 1 at start-up
+    with one line naming CUDA, and none serves."""
+    names = [c for c in selected_cases() if needs_missing_cuda(c)]
+    if not names:
+        pytest.skip("no GPU-pool values file selected, or CUDA is present")
+    root = Path(tempfile.mkdtemp(prefix="dkv-chart-gpu-", dir="/tmp"))
+    failures = []
+    try:
+        with helm_python.Chart.load(CHART) as chart:
+            for name in names:
+                values = values_of(name)
+                (root / name).mkdir()
+                case = Case(name, chart.merge_values(values), render(chart, values),
+                            root / name, fixtures)
+                try:
+                    case.start_sidecars()
+                    case.start_workers()
+                    procs = case.processes("sidecar") + case.processes("worker")
+                    assert len(procs) == 4, [p.name for p in procs]  # 2 pods x (sidecar, worker)
+                    for proc in procs:
+                        code = proc.wait(120)
+                        lines = [ln for ln in proc.log_text().splitlines() if "CUDA" in ln]
+                        if code != 1 or len(lines) != 1:
+                            failures.append(f"{proc.name}: exit {code}, CUDA lines {lines}\n"
+                                            f"{proc.log_tail()}")
+                finally:
+                    case.cleanup()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert not failures, "\n".join(failures)
 
 
 def test_every_named_model_resolves() -> None:

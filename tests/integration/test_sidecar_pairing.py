@@ -66,3 +66,42 @@ def test_a_worker_whose_sidecar_stays_away_reports_not_serving_and_exits_1() -> 
         worker.stop()
         sidecar.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+FAKE_DEVICE = "tests.support.fake_device:FakeDevice"
+
+
+def test_a_worker_on_a_gpu_pool_exits_for_a_restart_instead_of_reattaching() -> None:
+    """A legacy CUDA IPC mapping of a dead exporter is undefined: when the sidecar of a GPU
+    pool restarts, its worker must not re-attach in the same process but fail (NOT_SERVING,
+    exit 1) so it is restarted with a fresh context. Real processes on the labelled fake
+    device (tests/support/fake_device.py) standing in for the GPU."""
+    base = short_tmp_dir("dkv-pairgpu-")
+    socket = os.path.join(base, "prefill.sock")
+    port = free_port()
+    argv = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "prefill",
+            "--socket", socket, "--model", "tiny-random", "--num-pages", "32",
+            "--transport", "cuda_ipc", "--device", FAKE_DEVICE]
+    sidecar = start_sidecar("prefill", socket, argv=argv)
+    worker = ManagedProcess("prefill", [
+        sys.executable, "-m", "deltakv.services.cli.main", "serve", "prefill",
+        "--model", "tiny-random", "--sidecar-socket", socket, "--port", str(port),
+        "--device", FAKE_DEVICE, "--sidecar-reattach-timeout-s", "30", "--log-format", "json"],
+        os.path.join(base, "prefill.log"), health_target=f"127.0.0.1:{port}", cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    restarted = None
+    try:
+        worker.start().wait_serving(120)
+        sidecar.kill()
+        restarted = start_sidecar("prefill", socket, argv=argv)
+        assert worker.wait(60) == 1, worker.log_tail()
+        log = events(worker.log_text())
+        failed = [e for e in log if e.get("event") == "service_failed"]
+        assert failed and "cannot be re-attached safely" in failed[0]["reason"], failed
+        assert not [e for e in log if e.get("event") == "sidecar_attached"][1:]
+    finally:
+        worker.stop()
+        sidecar.stop()
+        if restarted is not None:
+            restarted.stop()
+        shutil.rmtree(base, ignore_errors=True)

@@ -15,6 +15,7 @@ Adding a backend is one :class:`BackendCase` in :data:`BACKEND_CASES`; ``env`` a
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import zlib
@@ -34,9 +35,10 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
+from deltakv.sidecar.device.pool import create_pool
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.planner import plan_delta
-from deltakv.sidecar.pool import SharedKVPool
+from deltakv.sidecar.pool import SharedKVPool, incarnation_name, shm_prefix
 from deltakv.sidecar.transport import (
     BatchLimits,
     PageRun,
@@ -61,6 +63,10 @@ BACKEND_CASES: list[BackendCase] = [
     # DELTAKV_MORI_REAL=1 on an AMD node, on the installed amd-mori instead (docs/mori.md).
     BackendCase("mori", pythonpath=("tests/standins",))
     if os.environ.get("DELTAKV_MORI_REAL") != "1" else BackendCase("mori"),
+    # GPU pools: on CPU CI through the labelled fake device (asynchronous copies that land at
+    # the stream sync); with DELTAKV_GPU_REAL=1 on a GPU node, on CUDA device 0.
+    BackendCase("cuda_ipc", device="tests.support.fake_device:FakeDevice")
+    if os.environ.get("DELTAKV_GPU_REAL") != "1" else BackendCase("cuda_ipc", device="cuda:0"),
 ]
 
 # Small pages keep > max_entries distinct runs cheap: page_bytes = 2*2*4*1*8*4 = 512 B.
@@ -86,6 +92,8 @@ def case(request) -> Iterator[BackendCase]:
         for path in reversed(c.pythonpath):
             mp.syspath_prepend(str(REPO_ROOT / path))
         reason = available_backends()[c.name]
+        if c.device.startswith("tests."):
+            reason = None  # a fake device stands in for the hardware the probe looks for
         assert reason is None, f"backend {c.name} must be usable in the test environment: {reason}"
         yield c
 
@@ -98,10 +106,11 @@ def peer(case, tmp_path_factory) -> Iterator[PeerProcess]:
 
 
 @pytest.fixture(scope="module")
-def local_pool() -> Iterator[SharedKVPool]:
-    pool = SharedKVPool.create(LOCAL_LAYOUT)
+def local_pool(case) -> Iterator[SharedKVPool]:
+    pool = create_pool(LOCAL_LAYOUT, incarnation_name(f"{shm_prefix()}conformance"), case.device)
     yield pool
     pool.close()
+    gc.collect()  # a device pool is released with its last view
 
 
 @pytest.fixture

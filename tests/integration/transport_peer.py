@@ -2,7 +2,8 @@
 
     python -m tests.integration.transport_peer --backend shm --layout '{"num_layers": 2, ...}'
 
-Creates a :class:`SharedKVPool` (an incarnation name, as a sidecar does), a transport of the
+Creates a pool on ``--device`` (a :class:`SharedKVPool` for cpu; an incarnation name, as a
+sidecar does), a transport of the
 given backend with the pool registered, its endpoint sealed with the session's pairing key
 (``$DELTAKV_PAIRING_KEY_FILE``), and — for a backend fenced by words (shm) — every page's fence
 word armed for room 1, the room of :func:`tests.support.tickets.ticket` (the conformance suite
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", required=True, help="KVLayout fields as JSON")
     parser.add_argument("--extra", default="{}", help="TransportOptions.extra as JSON")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--device", default="cpu", help="where the pool lives (create_pool)")
     args = parser.parse_args(argv)
 
     import time
@@ -47,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from deltakv.layout import KVLayout
     from deltakv.sidecar import pairing
-    from deltakv.sidecar.pool import SharedKVPool, incarnation_name, shm_prefix
+    from deltakv.sidecar.device.pool import create_pool
+    from deltakv.sidecar.pool import incarnation_name, shm_prefix
     from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
     from deltakv.v1 import kv_pb2
     from tests.support.tickets import ticket
 
     layout = KVLayout(**json.loads(args.layout))
-    pool = SharedKVPool.create(layout, name=incarnation_name(f"{shm_prefix()}test-peer-"
-                                                             f"{uuid.uuid4().hex[:12]}"))
+    pool = create_pool(layout, incarnation_name(f"{shm_prefix()}test-peer-"
+                                                f"{uuid.uuid4().hex[:12]}"), args.device)
     transport = None
     try:
         transport = create_transport(args.backend, TransportOptions(

@@ -30,13 +30,16 @@ REPLY_TIMEOUT_S = 30.0
 class BackendCase:
     """One backend under test. ``extra``: TransportOptions.extra on both sides; ``env``:
     environment variables for both sides; ``pythonpath``: directories (relative to the repo
-    root) put first on the import path of both sides; ``marks``: pytest marks."""
+    root) put first on the import path of both sides; ``marks``: pytest marks; ``device``:
+    where both sides' pools live (``cpu``, or a device name such as the labelled fake
+    ``tests.support.fake_device:FakeDevice``)."""
 
     name: str
     extra: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     pythonpath: tuple[str, ...] = ()
     marks: tuple = ()
+    device: str = "cpu"
 
 
 def _env_for(case: BackendCase) -> dict[str, str]:
@@ -62,7 +65,8 @@ class PeerProcess:
             "model_fingerprint")})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.transport_peer", "--backend", case.name,
-             "--layout", layout_json, "--extra", json.dumps(case.extra)],
+             "--layout", layout_json, "--extra", json.dumps(case.extra),
+             "--device", case.device],
             cwd=REPO_ROOT, env=_env_for(case), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()

@@ -211,7 +211,7 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
     assert decode_svc["spec"]["ports"][0]["port"] == values["decode"]["service"]["port"]
     # Every sidecar declares exactly the port block its engines really listen in (a current and
     # a replacement engine: mooncake 2 ports each, tests/integration/test_mooncake_exposure.py;
-    # mori 1 each, tests/unit/test_transport_ports.py; shm: none).
+    # mori 1 each, tests/unit/test_transport_ports.py; shm and cuda_ipc: none, same node).
     backend = values["transport"]["backend"]
     for _, c, is_sidecar in workload_containers(objects):
         all_ports = [p["containerPort"] for p in c.get("ports", [])]
@@ -220,7 +220,7 @@ def test_ports_consistent_between_services_containers_and_transfer(case, rendere
             continue
         rank = int(c["name"].removeprefix("sidecar-"))
         declared = {n: p for n, p in ports_by_name(c).items() if n.startswith("xfer-")}
-        if backend == "shm":
+        if backend in ("shm", "cuda_ipc"):
             assert "--port" not in c["args"] and declared == {}
             continue
         engine_port = int(flag_value(c["args"], "--port"))

@@ -23,6 +23,7 @@ never runs without its sidecar and in-flight transfers can drain.
 {{- $socketDir := trimSuffix "/" $v.sidecar.socketDir }}
 {{- $workerHealthPort := int64 (include "deltakv.workerHealthPort" $ctx) }}
 {{- $onGpu := ne $v.accelerator.type "cpu" }}
+{{- $poolOnGpu := eq (default "cpu" $v.accelerator.kvPoolDevice) "cuda" }}
 {{- $metrics := $v.telemetry.metrics }}
 apiVersion: apps/v1
 kind: Deployment
@@ -64,6 +65,10 @@ spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ include "deltakv.gracePeriodSeconds" $ctx }}
+      {{- if $poolOnGpu }}
+      {{- /* Legacy CUDA IPC handles may check the exporter's PID: share the pod's namespace. */}}
+      shareProcessNamespace: true
+      {{- end }}
       {{- if $v.rdma.hostNetwork }}
       hostNetwork: true
       dnsPolicy: ClusterFirstWithHostNet
@@ -126,6 +131,9 @@ spec:
         {{- if not $onGpu }}
         {{- /* Unique per pod and rank: with transport shm every pod of the node shares /dev/shm. */}}
         {{- $args = concat $args (list "--shm-name" (printf "deltakv-$(POD_NAME)-r%d" $rank)) }}
+        {{- end }}
+        {{- if $poolOnGpu }}
+        {{- $args = concat $args (list "--device" "cuda") }}
         {{- end }}
         {{- range $key := keys $v.transport.options | sortAlpha }}
         {{- $args = concat $args (list "--transport-option" (printf "%s=%v" $key (get $v.transport.options $key))) }}
@@ -214,6 +222,9 @@ spec:
         {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--pairing-key-file" (include "deltakv.pairingKeyFile" $root) "--log-level" $v.logLevel) }}
         {{- if $pool.torchThreads }}
         {{- $wargs = concat $wargs (list "--torch-threads" (toString (int64 $pool.torchThreads))) }}
+        {{- end }}
+        {{- if $poolOnGpu }}
+        {{- $wargs = concat $wargs (list "--device" "cuda") }}
         {{- end }}
         {{- if $metrics.enabled }}
         {{- $wargs = concat $wargs (list "--metrics-port" (toString (int64 $metrics.port))) }}

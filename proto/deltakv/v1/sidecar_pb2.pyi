@@ -35,7 +35,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("endpoint", "role", "pool_shm_name", "pool_bytes", "page_bytes", "pid", "incarnation")
+    __slots__ = ("endpoint", "role", "pool_shm_name", "pool_bytes", "page_bytes", "pid", "incarnation", "pool_kind", "pool_handle", "device_uuid")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     POOL_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class DescribeResponse(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    POOL_KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     endpoint: _kv_pb2.EndpointInfo
     role: SidecarRole
     pool_shm_name: str
@@ -50,7 +53,10 @@ class DescribeResponse(_message.Message):
     page_bytes: int
     pid: int
     incarnation: str
-    def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    pool_kind: str
+    pool_handle: bytes
+    device_uuid: str
+    def __init__(self, endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., role: _Optional[_Union[SidecarRole, str]] = ..., pool_shm_name: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., pool_kind: _Optional[str] = ..., pool_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("quarantine_ms",)

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DecodeConfig()
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
+    from deltakv.services.cli.argtypes import add_device_argument
+
+    add_device_argument(parser, "the model (and the pool it maps)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role decode)")
     add_sidecar_channel_argument(parser)
@@ -142,7 +145,8 @@ async def build(args: argparse.Namespace, stack, log):
     # (docs/architecture.md, "Fencing") — no timer is needed on top.
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
                                 quarantine_ms=0, channel=args.sidecar_channel,
-                                reattach_timeout_s=args.sidecar_reattach_timeout_s)
+                                reattach_timeout_s=args.sidecar_reattach_timeout_s,
+                                device=args.device)
     stack.push_async_callback(worker.close)
 
     def prefill_channel(target: str, server_name: str | None):

@@ -19,6 +19,9 @@ DEFAULT_PORT = 50061
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 | tiny-random | path to an HF dir or .gguf (default smollm2)")
+    from deltakv.services.cli.argtypes import add_device_argument
+
+    add_device_argument(parser, "the model (and the pool it maps)")
     parser.add_argument("--sidecar-socket", required=True,
                         help="Unix socket of this worker's sidecar (role prefill)")
     add_sidecar_channel_argument(parser)
@@ -91,7 +94,7 @@ async def build(args: argparse.Namespace, stack, log):
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s,
-                                channel=args.sidecar_channel)
+                                channel=args.sidecar_channel, device=args.device)
     stack.push_async_callback(worker.close)
     chunk = {} if args.prefill_chunk_tokens is None else {
         "chunk_tokens": args.prefill_chunk_tokens}

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--port", type=port_number, default=0, help="engine port (0 = a free one)")
     eng.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                      help="backend option, repeatable (e.g. protocol=rdma for mooncake)")
+    from deltakv.services.cli.argtypes import add_device_argument
+
+    add_device_argument(parser, "the KV pool")
     parser.add_argument("--shm-name", default=None,
                         help="pool segment name (default: derived from --socket, so a restart "
                              "reclaims a leftover segment)")
@@ -133,7 +136,8 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
         host=args.host, port=args.port,
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
-        max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on")
+        max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on",
+        device=args.device)
     server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
 
     async def start() -> None:

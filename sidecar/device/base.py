@@ -1,0 +1,123 @@
+"""The device-ops interface a GPU pool and the ``cuda_ipc`` transport are written against.
+
+One small surface, the calls CUDA's runtime API (and HIP's, by rename) offers for memory a
+process owns and other processes map: allocate, export a handle, import a peer's handle, copy
+runs of bytes on a stream, synchronize. Pointers are plain ints (device virtual addresses in
+this process); handles are opaque bytes that travel inside sealed descriptors. The CUDA
+implementation is :class:`deltakv.sidecar.device.cuda.CudaDevice`; CPU-only CI drives the same
+code through a labelled fake (``tests/support/fake_device.py``), never shipped as a backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+
+class CopyRun(NamedTuple):
+    """One contiguous copy: ``nbytes`` bytes from ``src + src_offset`` to ``dst + dst_offset``."""
+
+    dst_offset: int
+    src_offset: int
+    nbytes: int
+
+
+class DeviceOps(abc.ABC):
+    """Memory and copy operations on one device ordinal ``index``.
+
+    Ownership: memory from :meth:`alloc` is the caller's until :meth:`free`; a mapping from
+    :meth:`import_handle` is the caller's until :meth:`close_import`. Freeing exported memory
+    while another process still maps it is undefined behaviour in CUDA: the owner frees only
+    at shutdown. Errors from the device are raised as :class:`DeviceError` (a RuntimeError).
+    Thread-safe for distinct streams.
+    """
+
+    #: torch device type of the memory (``"cuda"``).
+    kind: str = "cuda"
+    #: What ``Describe`` publishes as the pool kind (how a worker maps it).
+    pool_kind: str = "cuda_ipc"
+    #: Size of an exported handle in bytes (``cudaIpcMemHandle_t``: 64).
+    handle_bytes: int = 64
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls, index: int) -> str | None:
+        """None if device ``index`` can be used in this process, else why not (one line)."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The torch device tensors over this memory live on."""
+        return torch.device(self.kind, self.index)
+
+    @abc.abstractmethod
+    def uuid(self) -> str:
+        """The device's identity (``GPU-xxxxxxxx-...`` as ``nvidia-smi -L`` prints it): stable
+        across processes whatever ``CUDA_VISIBLE_DEVICES`` renumbers."""
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> int:
+        """Pointer to ``nbytes`` bytes of zero-filled device memory (ResourceExhausted-worthy
+        failures raise DeviceError)."""
+
+    @abc.abstractmethod
+    def free(self, ptr: int) -> None:
+        """Release memory from :meth:`alloc`."""
+
+    @abc.abstractmethod
+    def export_handle(self, ptr: int) -> bytes:
+        """A handle (:attr:`handle_bytes` bytes) another process imports to map ``ptr``'s
+        allocation (``ptr`` must be an allocation's base)."""
+
+    @abc.abstractmethod
+    def import_handle(self, handle: bytes) -> int:
+        """Map a peer's exported allocation; returns its pointer in this process. DeviceError if
+        the handle names nothing this process can map (forged, freed, another GPU)."""
+
+    @abc.abstractmethod
+    def close_import(self, ptr: int) -> None:
+        """Unmap a pointer from :meth:`import_handle`."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> int:
+        """A new non-blocking stream (caller-owned until :meth:`destroy_stream`)."""
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: int) -> None:
+        """Release a stream from :meth:`new_stream`."""
+
+    @abc.abstractmethod
+    def copy_runs(self, dst: int, src: int, runs: Sequence[CopyRun], stream: int) -> None:
+        """Enqueue device-to-device copies of ``runs`` on ``stream`` (asynchronous: the bytes
+        have landed only after :meth:`sync` of the same stream)."""
+
+    @abc.abstractmethod
+    def sync(self, stream: int) -> None:
+        """Block until every copy enqueued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def to_host(self, ptr: int, nbytes: int) -> bytes:
+        """Synchronous device-to-host copy of ``nbytes`` bytes at ``ptr``."""
+
+    @abc.abstractmethod
+    def tensor(self, ptr: int, nbytes: int, keepalive: object) -> torch.Tensor:
+        """Zero-copy ``uint8 [nbytes]`` tensor over device memory at ``ptr``; the tensor holds
+        a reference to ``keepalive`` (whose finalizer releases the memory) as long as it or a
+        view of it lives."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release per-process resources of this object (not memory it handed out)."""
+
+
+class DeviceError(RuntimeError):
+    """A device API call failed: ``call`` (the function) and the runtime's error text."""
+
+    def __init__(self, call: str, code: int, text: str) -> None:
+        super().__init__(f"{call} failed: {text} (error {code})")
+        self.call = call
+        self.code = code

@@ -1,0 +1,239 @@
+"""Same-host GPU transport: open the peer's device pool and copy runs device to device.
+
+The GPU twin of :mod:`.shm` (DESIGN §7, §12). Both sidecars own a
+:class:`~deltakv.sidecar.device.pool.DevicePool` (``--device cuda[:N]``); the writer imports the
+peer's pool from its sealed descriptor — the exported handle, the GPU's UUID and the pool's
+*host* fence segment — and copies each run with ``cudaMemcpyAsync`` on its own stream.
+
+Fencing is the shm one (``fence_kind = "words"``, :class:`~deltakv.sidecar.fence_table.FenceView`),
+with one addition that makes it hold for asynchronous copies: the writer **synchronizes its
+stream before it releases the run's shared lock**. So when decode has taken the exclusive lock on
+a page's fence word, every copy that was checked under that word has already completed, and no
+byte of a revoked room can land afterwards. (What a SIGKILLed writer's queued copies do is the
+one thing that must be measured on a GPU: ``scripts/gpu_check.py``, section "sigkill fence".)
+
+Descriptor (JSON, version 1): ``pool`` (incarnation name), ``nbytes``, ``handle`` (hex of the
+64-byte IPC handle), ``uuid`` (the GPU), ``kind`` (pool kind), ``fence``/``fence_inode`` (host
+fence segment), and the owner's ``host``/``node``/``pidns``/``pid``/``start_time`` as for shm.
+The peer table verifies the endpoint's seal before :meth:`CudaIpcTransport.connect` sees it,
+so a writer imports only handles a paired sidecar published; a handle on another GPU (UUID
+differs from this process's device) or one that cannot be mapped is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from typing import TYPE_CHECKING
+
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
+from deltakv.layout import KVLayout
+from deltakv.sidecar.device.base import CopyRun
+from deltakv.sidecar.device.pool import DevicePool
+from deltakv.sidecar.fence_table import FenceTable, FenceView
+from deltakv.sidecar.pool import TOKEN_RE
+from deltakv.sidecar.transport.base import (
+    BatchLimits,
+    PageRun,
+    PeerHandle,
+    Transport,
+    TransportOptions,
+)
+from deltakv.sidecar.transport.shm import check_same_host, owner_identity, peer_view
+from deltakv.v1 import kv_pb2
+
+if TYPE_CHECKING:
+    from deltakv.sidecar.rooms import RoomTicket
+
+_DESCRIPTOR_VERSION = 1
+_FIELDS = {"pool": str, "nbytes": int, "handle": str, "uuid": str, "kind": str, "fence": str,
+           "fence_inode": list, "host": str, "pidns": str, "pid": int}
+
+
+class CudaIpcPeer(PeerHandle):
+    """A connected same-host GPU peer: its device pool imported into this process and a
+    read-only view of its host fence words."""
+
+    def __init__(self, info: kv_pb2.EndpointInfo, pool: DevicePool, fence: FenceView,
+                 pid: int, start_time: int | None) -> None:
+        super().__init__(info)
+        self.pool, self.fence = pool, fence
+        self.pid, self.start_time = pid, start_time
+
+
+class CudaIpcTransport(Transport):
+    """Copies pages into a peer's device pool on the same machine (module docstring).
+
+    ``options.extra["max_entries"]``: runs per batch (default 65,536). Thread-safe: each
+    ``write`` uses the transport's one stream under a lock (copies of concurrent writes are
+    serialized; each run is synchronized before its fence lock is released anyway).
+    """
+
+    name = "cuda_ipc"
+    fence_kind = "words"
+
+    def __init__(self, options: TransportOptions | None = None) -> None:
+        options = options or TransportOptions()
+        max_entries = int(options.extra.get("max_entries", 1 << 16))
+        if max_entries <= 0:
+            raise InvalidArgument(f"cuda_ipc max_entries must be > 0, got {max_entries}")
+        self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
+        self._pool: DevicePool | None = None
+        self.fence_table: FenceTable | None = None
+        self._stream: int | None = None
+        self._copy_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """None if a CUDA device is usable here, else why not (one line)."""
+        from deltakv.sidecar.device.cuda import CudaDevice
+
+        return CudaDevice.probe(0)
+
+    # ------------------------------------------------------------------ local side
+
+    def register_pool(self, pool) -> None:
+        """Remember the local device pool (source of writes; what peers import), create its
+        host fence segment ``<pool name>.fence`` and the copy stream. FailedPrecondition for a
+        pool that is not in device memory (start the sidecar with ``--device cuda``),
+        InvalidArgument if called twice."""
+        if self._pool is not None:
+            raise InvalidArgument("cuda_ipc transport already has a registered pool")
+        if not isinstance(pool, DevicePool):
+            raise FailedPrecondition("transport cuda_ipc needs the pool in GPU memory: start "
+                                     "the sidecar with --device cuda[:N]")
+        self.fence_table = FenceTable.create(f"{pool.name}.fence", pool.layout.num_pages)
+        self._stream = pool.ops.new_stream()
+        self._pool = pool
+
+    def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
+        """EndpointInfo with ``address`` = ``host/<pool name without its token>`` and the JSON
+        descriptor (module docstring). The caller seals it."""
+        pool = self._require_pool()
+        if layout.pool_bytes != pool.nbytes:
+            raise InvalidArgument(f"describe: layout has {layout.pool_bytes} bytes, the "
+                                  f"registered pool {pool.nbytes}")
+        descriptor = {
+            "v": _DESCRIPTOR_VERSION, "pool": pool.name, "nbytes": pool.nbytes,
+            "handle": pool.handle.hex(), "uuid": pool.uuid, "kind": pool.pool_kind,
+            "fence": self.fence_table.name, "fence_inode": list(self.fence_table.inode),
+            **owner_identity(),
+        }
+        return kv_pb2.EndpointInfo(
+            endpoint_id=endpoint_id, backend=self.name,
+            address=f"{descriptor['host']}/{TOKEN_RE.sub('', pool.name)}",
+            descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
+            layout=layout.to_proto())
+
+    # ------------------------------------------------------------------ peers
+
+    def connect(self, peer: kv_pb2.EndpointInfo) -> CudaIpcPeer:
+        """Import the peer's device pool and map its fence words.
+
+        Raises FailedPrecondition for a peer on another machine, InvalidArgument for a
+        malformed descriptor or one whose size disagrees with the peer's layout,
+        UnknownEndpoint (FAILED_PRECONDITION) for a pool on another GPU or a handle that
+        cannot be mapped, Unavailable if its owner is gone or this transport is closed."""
+        local = self._require_pool()
+        desc = self._parse(peer)
+        remote = KVLayout.from_proto(peer.layout)
+        start_time = check_same_host(desc, peer.endpoint_id, self.name)
+        if desc["nbytes"] != remote.pool_bytes:
+            raise InvalidArgument(f"cuda_ipc descriptor size {desc['nbytes']} != layout pool "
+                                  f"bytes {remote.pool_bytes}")
+        if desc["kind"] != local.pool_kind:
+            raise FailedPrecondition(f"cuda_ipc peer pool kind {desc['kind']!r} != local "
+                                     f"{local.pool_kind!r}")
+        try:
+            handle = bytes.fromhex(desc["handle"])
+        except ValueError:
+            raise InvalidArgument(f"malformed cuda_ipc handle for {peer.endpoint_id!r}") from None
+        mapped = DevicePool.attach(desc["pool"], remote, local.ops, handle, desc["uuid"])
+        try:
+            fence = FenceView.open(desc["fence"], remote.num_pages, tuple(desc["fence_inode"]))
+        except BaseException:
+            mapped.close()
+            raise
+        return CudaIpcPeer(peer, mapped, fence, desc["pid"], start_time)
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Drop the imported pool and the fence view (deferred while a write uses them);
+        later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
+        handle = self._check_handle(peer)
+        handle.closed = True
+        with contextlib.suppress(Exception):
+            handle.pool.close()
+        handle.fence.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, peer: PeerHandle, batch: list[PageRun], ticket: RoomTicket) -> None:
+        """Copy each run device to device from the local pool into the peer's, inside the
+        run's fence hold (shared lock, words checked against ``ticket.room``), and wait for
+        the copy to complete **before** the hold ends; ``ticket.check_alive()`` before each run.
+
+        Raises Aborted / DeadlineExceeded from the ticket before a run starts (earlier runs
+        stay written: decode fences the room), PermissionDenied if a run's pages are not
+        granted to the room (or were revoked), Unavailable if the peer's process is gone,
+        UnknownEndpoint if ``peer`` was disconnected, DeviceError if the device fails."""
+        handle = self._check_handle(peer)
+        handle.check_open()
+        if not batch:
+            return
+        local = self._require_pool()
+        src = local.as_bytes()  # held: keeps both mappings alive while copying
+        dst = peer_view(handle, self.name)
+        ops, page_bytes = local.ops, handle.layout.page_bytes
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
+        with self._copy_lock:
+            for run in batch:
+                ticket.check_alive()
+                with handle.fence.hold(run.dst_page, run.num_pages, ticket):
+                    ops.copy_runs(dst_base, src_base, [CopyRun(
+                        run.dst_page * page_bytes, run.src_page * page_bytes,
+                        run.num_pages * page_bytes)], self._stream)
+                    ops.sync(self._stream)  # before the lock goes: nothing left in flight
+
+    def close(self) -> bool:
+        """Refuse further connects, release the stream and remove the fence segment.
+        Idempotent; returns True."""
+        self._closed = True
+        with self._copy_lock:
+            stream, self._stream = self._stream, None
+            if stream is not None and self._pool is not None:
+                with contextlib.suppress(Exception):
+                    self._pool.ops.destroy_stream(stream)
+        if self.fence_table is not None:
+            self.fence_table.close()
+        return True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_pool(self) -> DevicePool:
+        if self._closed:
+            raise Unavailable("cuda_ipc transport is closed")
+        if self._pool is None:
+            raise FailedPrecondition("cuda_ipc transport has no registered pool")
+        return self._pool
+
+    def _parse(self, peer: kv_pb2.EndpointInfo) -> dict:
+        try:
+            desc = json.loads(peer.descriptor)
+            ok = isinstance(desc, dict) and desc.get("v") == _DESCRIPTOR_VERSION and all(
+                isinstance(desc[k], t) for k, t in _FIELDS.items())
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok or len(desc["fence_inode"]) != 2 or not TOKEN_RE.search(desc["pool"]) or (
+                desc["fence"] != f"{desc['pool']}.fence"):
+            raise InvalidArgument(f"malformed cuda_ipc descriptor for endpoint "
+                                  f"{peer.endpoint_id!r}")
+        return desc
+
+    @staticmethod
+    def _check_handle(peer: PeerHandle) -> CudaIpcPeer:
+        if not isinstance(peer, CudaIpcPeer):
+            raise InvalidArgument(f"not a cuda_ipc peer handle: {type(peer).__name__}")
+        return peer
+
