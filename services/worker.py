@@ -74,7 +74,7 @@ class Worker:
 
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
-                       reattach_timeout_s: float = 60.0) -> Worker:
+                       reattach_timeout_s: float = 60.0, cache_dir: Any = None) -> Worker:
     """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
     ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
@@ -82,23 +82,37 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     :meth:`SidecarPairing.start` runs.
 
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
-    FailedPrecondition if the model does not fit the pool's layout.
+    FailedPrecondition if the model does not fit the pool's layout. ``cache_dir``: where
+    converted weights are cached (:mod:`deltakv.services.model.weights_cache`; None: none).
+    Each step logs a ``startup_phase`` line (:mod:`deltakv.services.runtime.startup`).
     """
+    from deltakv.services.model import host_memory
     from deltakv.services.model.loader import load_model
     from deltakv.services.runtime import otel_grpc
+    from deltakv.services.runtime.startup import phase
 
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
     sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
     try:
-        await sidecar.wait_ready(timeout_s=ready_timeout_s)
-        describe = await sidecar.describe()
+        with phase(log, "sidecar_wait"):
+            await sidecar.wait_ready(timeout_s=ready_timeout_s)
+            describe = await sidecar.describe()
         layout = KVLayout.from_proto(describe.endpoint.layout)
         # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype)
+        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype,
+                                        cache_dir=cache_dir, log=log)
+        # What the loading path freed goes back to the system now, and only then does the
+        # process keep freed memory for its forwards (host_memory's docstring).
+        host_memory.release_free_memory()
+        if log is not None:
+            log.info("host_malloc", keep_freed_memory=host_memory.keep_freed_memory())
+        with phase(log, "kernels"):
+            await asyncio.to_thread(_warm_kernels, model)
         pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
                                  reattach_timeout_s=reattach_timeout_s, log=log)
-        attachment = await pairing.attach(ready_timeout_s)
+        with phase(log, "attach"):
+            attachment = await pairing.attach(ready_timeout_s)
     except BaseException:
         await sidecar.close()
         raise
@@ -107,6 +121,26 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
                  num_pages=attachment.layout.num_pages, page_bytes=attachment.layout.page_bytes,
                  endpoint_id=attachment.incarnation, backend=attachment.endpoint.backend)
     return Worker(model=model, pairing=pairing)
+
+
+def cache_dir_from_args(args: Any) -> Any:
+    """The weights cache location of a worker's ``--cache-dir`` (None for ``off``)."""
+    from deltakv.services.model.weights_cache import default_cache_dir
+
+    value = getattr(args, "cache_dir", None)
+    if value == "off":
+        return None
+    return value or default_cache_dir()  # None when $DELTAKV_CACHE_DIR is off
+
+
+def _warm_kernels(model: LoadedModel) -> None:
+    """Compile (or load from numba's disk cache) the fused decode kernel of the model's device
+    now, so that the first runner built at attach does not wait for it."""
+    from deltakv.services.model.attention import DECODE_KERNELS
+
+    factory = DECODE_KERNELS.get(model.module.device.type)
+    if factory is not None:
+        factory()
 
 
 def worker_server(args: Any, service_name: str, add_servicers: Callable[[Any], None],

@@ -7,8 +7,9 @@ one decode replica (consistent hashing). ``--http-port`` (default 8000) serves t
 OpenAI-compatible API next to gRPC.
 
 Starts the processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
-runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check, prints
-**one** line with the decode address and then only errors (lines logged at level error by any
+runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check while
+printing each process's start-up phases on stderr, prints **one** line with the decode
+address on stdout and then only errors (lines logged at level error by any
 process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
 (SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
 pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        cluster.start(interrupted=stop.is_set)
+        cluster.start(progress=_progress, interrupted=stop.is_set)
     except ClusterError as exc:
         print(f"deltakv up: {exc}{_logs_line(cluster)}", file=sys.stderr, flush=True)
         return 130 if stop.is_set() else 1
@@ -273,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv up: cluster stopped after a failure{_logs_line(cluster)}",
               file=sys.stderr, flush=True)
     return code
+
+
+def _progress(line: str) -> None:
+    """A start-up phase of one process, on stderr (stdout gets only the ready line)."""
+    print(f"deltakv up: {line}", file=sys.stderr, flush=True)
 
 
 def _logs_line(cluster) -> str:

@@ -200,12 +200,35 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
     return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
-def _load_config(source: _Source) -> Any:
+def _load_config(source: _Source, cache: Any = None, digest: str | None = None) -> Any:
+    """The transformers config of ``source``; from the weights cache when one is configured
+    (a GGUF file's metadata takes ~15 s to parse on 2 cores), written there on a miss."""
     if source.kind == "tiny-random":
         return tiny_random_config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+    from deltakv.services.model import weights_cache
+
+    if cache is None and (directory := weights_cache.default_cache_dir()) is not None:
+        cache = weights_cache.WeightsCache(directory)
+    if cache is not None:
+        digest = digest or weights_cache.source_digest(_digest_files(source))
+        cached = cache.load_config(digest)
+        if cached is not None:
+            fields = dict(cached)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+    if cache is not None:
+        cache.store_config(digest, config.to_dict())
+    return config
+
+
+def _digest_files(source: _Source) -> list[Path]:
+    """The files whose bytes name a source in the weights cache."""
+    files = source.weight_files()
+    if source.kind == "hf":
+        files = [*files, source.directory / "config.json"]
+    return files
 
 
 def _stamp(source: _Source) -> tuple[Any, ...]:
@@ -351,12 +374,75 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
     )
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype = torch.float32, *,
+               cache_dir: str | Path | None = None, log: Any = None) -> LoadedModel:
     """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
     the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized).
+
+    ``cache_dir``: a :class:`~deltakv.services.model.weights_cache.WeightsCache` location for
+    the converted weights (None: no cache; ``tiny-random`` is never cached). ``log``: a
+    structlog logger for the start-up phases (``weights``, ``pack``) and the cache's lines.
+    Nothing of the loading path stays referenced: the transformers model object is dropped
+    once its weights are packed.
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    hf_model, tokenizer = load_transformers_model(model, dtype)
-    return loaded_from_transformers(model, hf_model, tokenizer)
+    from deltakv.services.runtime.startup import phase
+
+    with phase(log, "weights", cached=cache_dir is not None):
+        if cache_dir is None or _resolve(model).kind == "tiny-random":
+            hf_model, tokenizer = load_transformers_model(model, dtype)
+        else:
+            hf_model, tokenizer = _load_through_cache(model, dtype, cache_dir, log)
+    with phase(log, "pack"):
+        return loaded_from_transformers(model, hf_model, tokenizer)
+
+
+def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
+                        log: Any) -> tuple[Any, Any]:
+    """``(hf_model, tokenizer)`` with the weights memory-mapped from the cache entry of the
+    source files' digest, or converted by transformers and written there first (a miss)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from deltakv.services.model.weights_cache import WeightsCache, source_digest
+
+    if dtype not in _COMPUTE_DTYPES:
+        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
+                              f"float16")
+    source = _resolve(model)
+    cache = WeightsCache(cache_dir, log)
+    digest = source_digest(_digest_files(source))
+    entry = cache.load(digest, dtype)
+    if entry is None:
+        hf_model, tokenizer = load_transformers_model(model, dtype)
+        tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+        state = {k: v for k, v in hf_model.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}  # one tensor, stored once
+        if cache.store(digest, dtype, state, hf_model.config.to_dict()) is not None:
+            cache.store_config(digest, hf_model.config.to_dict())
+            cache.store_tokenizer(digest, tokenizer)
+        return hf_model, tokenizer
+    tensors, config_dict = entry
+    # PagedLlama copies every projection (fused and packed) but shares the embedding and the
+    # norms: copy those out of the mapping, so that the file is unmapped once loading ends.
+    tensors = {k: v if "_proj." in k else v.clone() for k, v in tensors.items()}
+    config_dict = dict(config_dict)
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = hf_model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        hf_model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise InvalidArgument(f"weights cache entry of {model!r} does not fit its config "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    saved = cache.tokenizer_dir(digest)
+    if saved is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory),
+                                                  **source.pretrained_kwargs())
+        cache.store_tokenizer(digest, tokenizer)
+    return hf_model.eval(), tokenizer
