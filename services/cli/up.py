@@ -125,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of each prefill/decode process (0 = each gets its "
                              "share of this machine's cores: pools that each expect every core "
                              "stall each other)")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="cache of converted weights, for every process (default "
+                             "$DELTAKV_CACHE_DIR, else $XDG_CACHE_HOME/deltakv, else "
+                             "~/.cache/deltakv; off: none)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"],
                         help="log level of every process")
@@ -184,7 +188,17 @@ def cluster_config(args: argparse.Namespace):
                          link=getattr(args, "link", None),
                          torch_threads=getattr(args, "torch_threads", 0),
                          metrics_port=_metrics_base_port(args),
-                         prefill_args=_prefill_chunk(args))
+                         prefill_args=_prefill_chunk(args),
+                         env=_cache_env(args))
+
+
+def _cache_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--cache-dir`` as the environment of every child (the sidecars read the config from
+    the same cache as the workers)."""
+    from deltakv.services.model.weights_cache import ENV_VAR
+
+    value = getattr(args, "cache_dir", None)
+    return {} if value is None else {ENV_VAR: value}
 
 
 def _prefill_chunk(args: argparse.Namespace) -> list[str]:

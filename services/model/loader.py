@@ -388,21 +388,27 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, *,
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    from deltakv.services.runtime.startup import phase
+    import time
 
-    with phase(log, "weights", cached=cache_dir is not None):
-        if cache_dir is None or _resolve(model).kind == "tiny-random":
-            hf_model, tokenizer = load_transformers_model(model, dtype)
-        else:
-            hf_model, tokenizer = _load_through_cache(model, dtype, cache_dir, log)
+    from deltakv.services.runtime.startup import log_phase, phase
+
+    start = time.perf_counter()
+    if cache_dir is None or _resolve(model).kind == "tiny-random":
+        hf_model, tokenizer = load_transformers_model(model, dtype)
+        cache = "off"
+    else:
+        hf_model, tokenizer, hit = _load_through_cache(model, dtype, cache_dir, log)
+        cache = "hit" if hit else "miss"
+    log_phase(log, "weights", time.perf_counter() - start, cache=cache)
     with phase(log, "pack"):
         return loaded_from_transformers(model, hf_model, tokenizer)
 
 
 def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
-                        log: Any) -> tuple[Any, Any]:
-    """``(hf_model, tokenizer)`` with the weights memory-mapped from the cache entry of the
-    source files' digest, or converted by transformers and written there first (a miss)."""
+                        log: Any) -> tuple[Any, Any, bool]:
+    """``(hf_model, tokenizer, hit)`` with the weights memory-mapped from the cache entry of
+    the source files' digest (``hit``), or converted by transformers and written there first
+    (a miss)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from deltakv.services.model.weights_cache import WeightsCache, source_digest
@@ -422,7 +428,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         if cache.store(digest, dtype, state, hf_model.config.to_dict()) is not None:
             cache.store_config(digest, hf_model.config.to_dict())
             cache.store_tokenizer(digest, tokenizer)
-        return hf_model, tokenizer
+        return hf_model, tokenizer, False
     tensors, config_dict = entry
     # PagedLlama copies every projection (fused and packed) but shares the embedding and the
     # norms: copy those out of the mapping, so that the file is unmapped once loading ends.
@@ -445,4 +451,4 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory),
                                                   **source.pretrained_kwargs())
         cache.store_tokenizer(digest, tokenizer)
-    return hf_model.eval(), tokenizer
+    return hf_model.eval(), tokenizer, True
