@@ -211,14 +211,15 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None) 
 
     if cache is None and (directory := weights_cache.default_cache_dir()) is not None:
         cache = weights_cache.WeightsCache(directory)
-    if cache is not None:
-        digest = digest or weights_cache.source_digest(_digest_files(source))
+    if cache is None:
+        return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+    digest = digest or weights_cache.source_digest(_digest_files(source))
+    with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
         if cached is not None:
             fields = dict(cached)
             return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config = AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
-    if cache is not None:
+        config = AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
         cache.store_config(digest, config.to_dict())
     return config
 
@@ -421,14 +422,17 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
     digest = source_digest(_digest_files(source))
     entry = cache.load(digest, dtype)
     if entry is None:
-        hf_model, tokenizer = load_transformers_model(model, dtype)
-        tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
-        state = {k: v for k, v in hf_model.state_dict().items()
-                 if not (tied and k == "lm_head.weight")}  # one tensor, stored once
-        if cache.store(digest, dtype, state, hf_model.config.to_dict()) is not None:
-            cache.store_config(digest, hf_model.config.to_dict())
-            cache.store_tokenizer(digest, tokenizer)
-        return hf_model, tokenizer, False
+        with cache.filling(cache.path(digest, dtype).stem):
+            entry = cache.load(digest, dtype, again=True)  # filled by a process beside?
+            if entry is None:
+                hf_model, tokenizer = load_transformers_model(model, dtype)
+                tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+                state = {k: v for k, v in hf_model.state_dict().items()
+                         if not (tied and k == "lm_head.weight")}  # one tensor, stored once
+                if cache.store(digest, dtype, state, hf_model.config.to_dict()) is not None:
+                    cache.store_config(digest, hf_model.config.to_dict())
+                    cache.store_tokenizer(digest, tokenizer)
+                return hf_model, tokenizer, False
     tensors, config_dict = entry
     # PagedLlama copies every projection (fused and packed) but shares the embedding and the
     # norms: copy those out of the mapping, so that the file is unmapped once loading ends.

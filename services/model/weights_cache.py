@@ -26,11 +26,15 @@ the model loads without the cache.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import struct
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,10 @@ ENV_VAR = "DELTAKV_CACHE_DIR"
 # Bump when what an entry holds or how it is derived changes: older entries then miss.
 FORMAT = "deltakv-weights-2"
 _HASH_CHUNK = 16 << 20
+# How long a process waits for another one filling the same entry before it converts the
+# weights itself (a conversion takes well under this; the lock dies with its holder).
+FILL_WAIT_S = 600.0
+_FILL_POLL_S = 0.2
 
 
 class CacheInvalid(Exception):
@@ -119,18 +127,48 @@ class WeightsCache:
         """Where the entry of source ``digest`` in ``dtype`` lives."""
         return self.directory / f"{digest[:32]}-{str(dtype).removeprefix('torch.')}.safetensors"
 
-    def load(self, digest: str, dtype: torch.dtype
+    @contextlib.contextmanager
+    def filling(self, name: str, wait_s: float = FILL_WAIT_S) -> Iterator[None]:
+        """Hold the fill lock ``name`` (an advisory ``flock`` on a file in the cache) while
+        the block runs, so that of the processes starting together (prefill and decode, both
+        sidecars) one converts and the others then hit its entry instead of converting too.
+        Waits at most ``wait_s``, then runs the block without the lock; a location where no
+        lock file can be made runs it without one (its store will say why)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(_FILL_POLL_S)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def load(self, digest: str, dtype: torch.dtype, *, again: bool = False
              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """``(tensors, config)`` of a valid entry, tensors memory-mapped from the file (read
-        only: never write into them); None on a miss or an invalid entry (logged)."""
+        only: never write into them); None on a miss or an invalid entry (logged; ``again``:
+        a second look after :meth:`filling`: its miss was logged already)."""
         path = self.path(digest, dtype)
         if not path.is_file():
-            self._note("weights_cache_miss", path=str(path))
+            if not again:
+                self._note("weights_cache_miss", path=str(path))
             return None
         try:
             return self._load_checked(path, digest, dtype)
         except (CacheInvalid, OSError, ValueError, KeyError) as exc:
-            self._note("weights_cache_invalid", path=str(path), reason=str(exc))
+            if not again:
+                self._note("weights_cache_invalid", path=str(path), reason=str(exc))
             return None
 
     def _load_checked(self, path: Path, digest: str, dtype: torch.dtype
