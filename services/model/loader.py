@@ -23,6 +23,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,27 +202,34 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
 
 
 def _load_config(source: _Source, cache: Any = None, digest: str | None = None) -> Any:
-    """The transformers config of ``source``; from the weights cache when one is configured
-    (a GGUF file's metadata takes ~15 s to parse on 2 cores), written there on a miss."""
+    """The config of ``source`` for its KV geometry: transformers' config, or a namespace of
+    its fields from the weights cache when one is configured (a GGUF file's metadata takes
+    ~15 s to parse on 2 cores), written there on a miss."""
     if source.kind == "tiny-random":
         return tiny_random_config()
-    from transformers import AutoConfig
-
     from deltakv.services.model import weights_cache
 
     if cache is None and (directory := weights_cache.default_cache_dir()) is not None:
         cache = weights_cache.WeightsCache(directory)
     if cache is None:
-        return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+        return _parse_config(source)
     digest = digest or weights_cache.source_digest(_digest_files(source))
     with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
         if cached is not None:
-            fields = dict(cached)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
-        config = AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+            # The geometry reads plain fields (LlamaSpec.from_config, rope_parameters): a
+            # namespace of the saved config gives the same fingerprint without importing
+            # transformers (seconds of a sidecar's start).
+            return types.SimpleNamespace(**cached)
+        config = _parse_config(source)
         cache.store_config(digest, config.to_dict())
     return config
+
+
+def _parse_config(source: _Source) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
 
 
 def _digest_files(source: _Source) -> list[Path]:

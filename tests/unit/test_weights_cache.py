@@ -174,3 +174,15 @@ def test_the_location_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "deltakv"
+
+
+def test_the_sidecars_geometry_from_the_cached_config_matches_the_workers(hf_dir, tmp_path,
+                                                                          monkeypatch):
+    """A sidecar sizes its pool from the cached config (no transformers import); the
+    fingerprint must be exactly the one the worker computes from the loaded model."""
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    model, _ = load(hf_dir, tmp_path / "cache")
+    for _ in range(2):  # written on the first call, read back on the second
+        loader._config_cached.cache_clear()
+        assert loader.kv_geometry(str(hf_dir)) == model.geometry
+    assert list((tmp_path / "cache").glob("*-config.json"))
