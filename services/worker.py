@@ -10,6 +10,8 @@ exactly the pool's (a mismatch would silently corrupt attention).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,9 @@ from deltakv.layout import KVLayout
 from deltakv.rpc.server import AioServer
 from deltakv.services.attach import SidecarPairing
 from deltakv.sidecar.client import SidecarClient
+
+# The sidecars' default KV dtype (``deltakv serve sidecar --dtype``), which workers compute in.
+LIKELY_POOL_DTYPE = "float32"
 
 if TYPE_CHECKING:
     from deltakv.services.model.loader import LoadedModel
@@ -75,7 +80,8 @@ class Worker:
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
                        reattach_timeout_s: float = 60.0, cache_dir: Any = None) -> Worker:
-    """Load the model, pair with the sidecar (bounded wait for its health, ``Attach``: what a
+    """Load the model (on a thread, while waiting for the sidecar), pair with the sidecar
+    (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
     ``quarantine_ms``), map its pool, build the runner. The pairing then follows sidecar
     restarts (``reattach_timeout_s``: see :class:`SidecarPairing`) once
@@ -86,11 +92,15 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     converted weights are cached (:mod:`deltakv.services.model.weights_cache`; None: none).
     Each step logs a ``startup_phase`` line (:mod:`deltakv.services.runtime.startup`).
     """
-    from deltakv.services.model import host_memory
-    from deltakv.services.model.loader import load_model
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.startup import phase
 
+    # The weights load while the sidecar comes up (both take seconds), in the pool dtype the
+    # sidecars default to; a pool of another dtype loads them again in its own.
+    loading = _in_daemon_thread(_load_and_warm, model_name, LIKELY_POOL_DTYPE, cache_dir, log)
+    # A sidecar that never came wins over a load error: retrieve the latter so it is not
+    # reported as never retrieved.
+    loading.add_done_callback(lambda f: f.cancelled() or f.exception())
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
     sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors())
@@ -99,16 +109,10 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
             await sidecar.wait_ready(timeout_s=ready_timeout_s)
             describe = await sidecar.describe()
         layout = KVLayout.from_proto(describe.endpoint.layout)
-        # Loading weights is seconds of CPU work: keep the event loop (and health checks) alive.
-        model = await asyncio.to_thread(load_model, model_name, layout.torch_dtype,
-                                        cache_dir=cache_dir, log=log)
-        # What the loading path freed goes back to the system now, and only then does the
-        # process keep freed memory for its forwards (host_memory's docstring).
-        host_memory.release_free_memory()
-        if log is not None:
-            log.info("host_malloc", keep_freed_memory=host_memory.keep_freed_memory())
-        with phase(log, "kernels"):
-            await asyncio.to_thread(_warm_kernels, model)
+        model = await loading
+        if model.dtype != layout.torch_dtype:
+            model = await _in_daemon_thread(_load_and_warm, model_name, layout.dtype,
+                                            cache_dir, log)
         pairing = SidecarPairing(sidecar, model, quarantine_ms=quarantine_ms,
                                  reattach_timeout_s=reattach_timeout_s, log=log)
         with phase(log, "attach"):
@@ -131,6 +135,52 @@ def cache_dir_from_args(args: Any) -> Any:
     if value == "off":
         return None
     return value or default_cache_dir()  # None when $DELTAKV_CACHE_DIR is off
+
+
+def _load_and_warm(model_name: str, dtype_name: str, cache_dir: Any, log: Any) -> LoadedModel:
+    """Load the model computing in ``dtype_name`` (a KV layout dtype name), hand what loading
+    freed back to the system, then compile its kernels (phases ``weights``, ``pack``,
+    ``kernels``)."""
+    from deltakv.layout import torch_dtype
+    from deltakv.services.model import host_memory
+    from deltakv.services.model.loader import load_model
+    from deltakv.services.runtime.startup import phase
+
+    model = load_model(model_name, torch_dtype(dtype_name), cache_dir=cache_dir, log=log)
+    # Only now does the process keep freed memory for its forwards: before, every converted
+    # weight freed by the loading path would have stayed resident (host_memory's docstring).
+    host_memory.release_free_memory()
+    if log is not None:
+        log.info("host_malloc", keep_freed_memory=host_memory.keep_freed_memory())
+    with phase(log, "kernels"):
+        _warm_kernels(model)
+    return model
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread, as a future of the running loop. Unlike
+    ``asyncio.to_thread`` it does not hold the process at exit: a worker whose sidecar never
+    came exits at once instead of after a model load nobody needs."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as exc:  # delivered to the awaiting coroutine
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits it
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name=f"{getattr(fn, '__name__', 'task')}", daemon=True).start()
+    return future
 
 
 def _warm_kernels(model: LoadedModel) -> None:
