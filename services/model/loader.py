@@ -415,11 +415,10 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, *,
 
 def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
                         log: Any) -> tuple[Any, Any, bool]:
-    """``(hf_model, tokenizer, hit)`` with the weights memory-mapped from the cache entry of
-    the source files' digest (``hit``), or converted by transformers and written there first
-    (a miss)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+    """``(hf_model, tokenizer, hit)``: on a hit the weights memory-mapped from the cache
+    entry of the source files' digest, as the attribute tree of a transformers model (no
+    model object is built) with the config as a namespace; on a miss transformers' own model,
+    converted and written there first."""
     from deltakv.services.model.weights_cache import WeightsCache, source_digest
 
     if dtype not in _COMPUTE_DTYPES:
@@ -445,17 +444,18 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
     # PagedLlama copies every projection (fused and packed) but shares the embedding and the
     # norms: copy those out of the mapping, so that the file is unmapped once loading ends.
     tensors = {k: v if "_proj." in k else v.clone() for k, v in tensors.items()}
-    config_dict = dict(config_dict)
-    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = hf_model.load_state_dict(tensors, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        hf_model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise InvalidArgument(f"weights cache entry of {model!r} does not fit its config "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    config = types.SimpleNamespace(**config_dict)
+    from deltakv.services.model.llama import LlamaSpec
+
+    if LlamaSpec.from_config(config).rope_type != "default":
+        # Scaled RoPE variants are computed by transformers' initialisers from its config.
+        from transformers import AutoConfig
+
+        fields = dict(config_dict)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf_model = _checkpoint_view(config, tensors, model)
+    from transformers import AutoTokenizer
+
     saved = cache.tokenizer_dir(digest)
     if saved is not None:
         tokenizer = AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
@@ -463,4 +463,44 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory),
                                                   **source.pretrained_kwargs())
         cache.store_tokenizer(digest, tokenizer)
-    return hf_model.eval(), tokenizer, True
+    return hf_model, tokenizer, True
+
+
+def _checkpoint_view(config: Any, tensors: dict[str, torch.Tensor], model: str) -> Any:
+    """The attribute tree :meth:`PagedLlama.from_transformers` reads (``model.layers[i]
+    .self_attn.q_proj.weight``, ...) over a Llama-layout state dict, without building
+    transformers' model (importing its modeling code costs seconds of every start).
+    InvalidArgument if a tensor the config calls for is missing."""
+    def take(name: str, optional: bool = False) -> torch.Tensor | None:
+        if name in tensors:
+            return tensors[name]
+        if optional:
+            return None
+        raise InvalidArgument(f"weights cache entry of {model!r} does not fit its config "
+                              f"(no {name})")
+
+    def linear(prefix: str) -> types.SimpleNamespace:
+        weight = take(f"{prefix}.weight")
+        return types.SimpleNamespace(weight=weight, bias=take(f"{prefix}.bias", optional=True),
+                                     out_features=weight.shape[0])
+
+    def norm(prefix: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(weight=take(f"{prefix}.weight"))
+
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        p = f"model.layers.{i}"
+        layers.append(types.SimpleNamespace(
+            input_layernorm=norm(f"{p}.input_layernorm"),
+            post_attention_layernorm=norm(f"{p}.post_attention_layernorm"),
+            self_attn=types.SimpleNamespace(**{n: linear(f"{p}.self_attn.{n}") for n in (
+                "q_proj", "k_proj", "v_proj", "o_proj")}),
+            mlp=types.SimpleNamespace(**{n: linear(f"{p}.mlp.{n}") for n in (
+                "gate_proj", "up_proj", "down_proj")})))
+    embed = norm("model.embed_tokens")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = embed if tied else norm("lm_head")
+    return types.SimpleNamespace(
+        config=config, lm_head=head,
+        model=types.SimpleNamespace(embed_tokens=embed, layers=layers,
+                                    norm=norm("model.norm")))

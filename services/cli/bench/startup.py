@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
 def format_run(result: dict[str, Any]) -> str:
     """One run as a table: a row per process, seconds per phase, memory at ready in MiB."""
     lines = [f"run {result['run']}: cluster ready in {result['cluster_ready_s']:.1f} s "
-             f"(from the first spawn to every health check SERVING)",
+             f"(what `deltakv up` waits: its own set-up, then until every health check is "
+             f"SERVING); per process, seconds since it was spawned:",
              f"{'process':<17}{'ready s':>8}" + "".join(f"{p:>13}" for p in PHASES)
              + f"{'RSS MiB':>9}{'anon':>7}{'file':>7}{'shmem':>7}"]
     for name, proc in result["processes"].items():
