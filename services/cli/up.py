@@ -8,7 +8,7 @@ OpenAI-compatible API next to gRPC.
 
 Starts the processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
 runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check while
-printing each process's start-up phases on stderr, prints **one** line with the decode
+printing each process's start-up phases on stderr when that is a terminal, prints **one** line with the decode
 address on stdout and then only errors (lines logged at level error by any
 process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
 (SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
@@ -248,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        cluster.start(progress=_progress, interrupted=stop.is_set)
+        # People at a terminal see each phase; a script or a log file gets the one line.
+        progress = _progress if sys.stderr.isatty() else None
+        cluster.start(progress=progress, interrupted=stop.is_set)
     except ClusterError as exc:
         print(f"deltakv up: {exc}{_logs_line(cluster)}", file=sys.stderr, flush=True)
         return 130 if stop.is_set() else 1
