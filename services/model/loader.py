@@ -419,7 +419,11 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
     entry of the source files' digest, as the attribute tree of a transformers model (no
     model object is built) with the config as a namespace; on a miss transformers' own model,
     converted and written there first."""
-    from deltakv.services.model.weights_cache import WeightsCache, source_digest
+    from deltakv.services.model.weights_cache import (
+        WeightsCache,
+        checkpoint_view,
+        source_digest,
+    )
 
     if dtype not in _COMPUTE_DTYPES:
         raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
@@ -453,7 +457,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
 
         fields = dict(config_dict)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    hf_model = _checkpoint_view(config, tensors, model)
+    hf_model = checkpoint_view(config, tensors, model)
     from transformers import AutoTokenizer
 
     saved = cache.tokenizer_dir(digest)
@@ -465,42 +469,3 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         cache.store_tokenizer(digest, tokenizer)
     return hf_model, tokenizer, True
 
-
-def _checkpoint_view(config: Any, tensors: dict[str, torch.Tensor], model: str) -> Any:
-    """The attribute tree :meth:`PagedLlama.from_transformers` reads (``model.layers[i]
-    .self_attn.q_proj.weight``, ...) over a Llama-layout state dict, without building
-    transformers' model (importing its modeling code costs seconds of every start).
-    InvalidArgument if a tensor the config calls for is missing."""
-    def take(name: str, optional: bool = False) -> torch.Tensor | None:
-        if name in tensors:
-            return tensors[name]
-        if optional:
-            return None
-        raise InvalidArgument(f"weights cache entry of {model!r} does not fit its config "
-                              f"(no {name})")
-
-    def linear(prefix: str) -> types.SimpleNamespace:
-        weight = take(f"{prefix}.weight")
-        return types.SimpleNamespace(weight=weight, bias=take(f"{prefix}.bias", optional=True),
-                                     out_features=weight.shape[0])
-
-    def norm(prefix: str) -> types.SimpleNamespace:
-        return types.SimpleNamespace(weight=take(f"{prefix}.weight"))
-
-    layers = []
-    for i in range(int(config.num_hidden_layers)):
-        p = f"model.layers.{i}"
-        layers.append(types.SimpleNamespace(
-            input_layernorm=norm(f"{p}.input_layernorm"),
-            post_attention_layernorm=norm(f"{p}.post_attention_layernorm"),
-            self_attn=types.SimpleNamespace(**{n: linear(f"{p}.self_attn.{n}") for n in (
-                "q_proj", "k_proj", "v_proj", "o_proj")}),
-            mlp=types.SimpleNamespace(**{n: linear(f"{p}.mlp.{n}") for n in (
-                "gate_proj", "up_proj", "down_proj")})))
-    embed = norm("model.embed_tokens")
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    head = embed if tied else norm("lm_head")
-    return types.SimpleNamespace(
-        config=config, lm_head=head,
-        model=types.SimpleNamespace(embed_tokens=embed, layers=layers,
-                                    norm=norm("model.norm")))

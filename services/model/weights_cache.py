@@ -34,11 +34,14 @@ import os
 import struct
 import tempfile
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from deltakv.errors import InvalidArgument
 
 ENV_VAR = "DELTAKV_CACHE_DIR"
 # Bump when what an entry holds or how it is derived changes: older entries then miss.
@@ -292,3 +295,43 @@ class WeightsCache:
     def _note(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **fields)
+
+
+def checkpoint_view(config: Any, tensors: dict[str, torch.Tensor], model: str) -> Any:
+    """The attribute tree :meth:`PagedLlama.from_transformers` reads (``model.layers[i]
+    .self_attn.q_proj.weight``, ...) over a Llama-layout state dict, without building
+    transformers' model (importing its modeling code costs seconds of every start).
+    InvalidArgument if a tensor the config calls for is missing."""
+    def take(name: str, optional: bool = False) -> torch.Tensor | None:
+        if name in tensors:
+            return tensors[name]
+        if optional:
+            return None
+        raise InvalidArgument(f"weights cache entry of {model!r} does not fit its config "
+                              f"(no {name})")
+
+    def linear(prefix: str) -> types.SimpleNamespace:
+        weight = take(f"{prefix}.weight")
+        return types.SimpleNamespace(weight=weight, bias=take(f"{prefix}.bias", optional=True),
+                                     out_features=weight.shape[0])
+
+    def norm(prefix: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(weight=take(f"{prefix}.weight"))
+
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        p = f"model.layers.{i}"
+        layers.append(types.SimpleNamespace(
+            input_layernorm=norm(f"{p}.input_layernorm"),
+            post_attention_layernorm=norm(f"{p}.post_attention_layernorm"),
+            self_attn=types.SimpleNamespace(**{n: linear(f"{p}.self_attn.{n}") for n in (
+                "q_proj", "k_proj", "v_proj", "o_proj")}),
+            mlp=types.SimpleNamespace(**{n: linear(f"{p}.mlp.{n}") for n in (
+                "gate_proj", "up_proj", "down_proj")})))
+    embed = norm("model.embed_tokens")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = embed if tied else norm("lm_head")
+    return types.SimpleNamespace(
+        config=config, lm_head=head,
+        model=types.SimpleNamespace(embed_tokens=embed, layers=layers,
+                                    norm=norm("model.norm")))
