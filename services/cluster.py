@@ -44,9 +44,12 @@ DEFAULT_PREFILL_PORT = 50061
 # Distinct scrape ports for the four processes of `deltakv up --metrics-port P`; further
 # replicas and the router take the next ports, in start order.
 METRICS_PORT_OFFSETS = {"decode": 0, "prefill": 1, "decode-sidecar": 2, "prefill-sidecar": 3}
-# Start order by kind, one group at a time (every replica of a kind together); stop order is
-# the reverse: router, decodes, prefills, sidecars.
-START_GROUPS = (("decode-sidecar", "prefill-sidecar"), ("prefill",), ("decode",), ("router",))
+# Start order by kind, one group at a time; stop order is the reverse: router, decodes,
+# prefills, sidecars. Sidecars and workers start together: a worker waits for its sidecar
+# (bounded) and loads its weights meanwhile, and decode loads its own before it waits for the
+# prefill handshake, so the model loads overlap instead of adding up. The router needs its
+# decode replicas up.
+START_GROUPS = (("decode-sidecar", "prefill-sidecar", "prefill", "decode"), ("router",))
 
 
 def check_port_free(host: str, port: int, flag: str | None = None) -> None:
@@ -259,6 +262,10 @@ class LocalCluster:
         c = self.config
         argvs: dict[str, list[str]] = {}
         threads = ["--torch-threads", str(c.model_threads())]
+        # Started together, a worker may wait for its sidecar, and decode for prefill, as long
+        # as the cluster's whole start-up may take (the flags' own defaults are 60 s); flags
+        # given in prefill_args/decode_args come later and win.
+        patience = f"{c.start_timeout_s:g}"
         for role, count in (("decode", c.decode_replicas), ("prefill", c.prefill_replicas)):
             pages = c.num_pages if role == "decode" or not c.prefill_num_pages else c.prefill_num_pages
             for i in range(count):
@@ -279,7 +286,8 @@ class LocalCluster:
                 "serve", "prefill", "--model", c.model, "--sidecar-socket", self.sockets[name],
                 "--sidecar-channel", c.sidecar_channel,
                 "--host", self._host("prefill"), "--port", address.rpartition(":")[2],
-                "--log-level", c.log_level, "--log-format", "json", *threads, *c.prefill_args)
+                "--log-level", c.log_level, "--log-format", "json", *threads,
+                "--sidecar-timeout-s", patience, *c.prefill_args)
         for i, (grpc_address, http_address) in enumerate(self.decode_replicas):
             name = replica_name("decode", i)
             http = ["--http-port", http_address.rpartition(":")[2]] if http_address else []
@@ -288,7 +296,8 @@ class LocalCluster:
                 "--sidecar-channel", c.sidecar_channel,
                 "--prefill-target", ",".join(self.prefill_addresses), "--host", c.host,
                 "--port", grpc_address.rpartition(":")[2], *http, "--log-level", c.log_level,
-                "--log-format", "json", *threads, *c.decode_args)
+                "--log-format", "json", *threads, "--connect-timeout-s", patience,
+                *c.decode_args)
         if c.decode_replicas > 1:
             argv = self._cli("serve", "router", "--host", c.host, "--port", str(c.decode_port),
                              "--log-level", c.log_level, "--log-format", "json")
@@ -360,27 +369,33 @@ class LocalCluster:
 
     def start(self, progress: Callable[[str], None] | None = None,
               interrupted: Callable[[], bool] | None = None) -> None:
-        """Start sidecars, then prefill, then decode, each group waited for (bounded by
-        ``start_timeout_s`` in total). Raises ClusterError (and stops everything) when a
-        process fails, or as soon as ``interrupted()`` returns true (e.g. SIGTERM during
-        start-up)."""
+        """Start sidecars and workers together, then the router, each group waited for
+        (bounded by ``start_timeout_s`` in total). ``progress`` gets a line whenever a
+        process reports a new start-up phase (``prefill: weights 2.1 s``). Raises
+        ClusterError (and stops everything) when a process fails, or as soon as
+        ``interrupted()`` returns true (e.g. SIGTERM during start-up)."""
+        from deltakv.services.startup_progress import PhaseWatcher
+
         deadline = time.monotonic() + self.config.start_timeout_s
+        watcher = PhaseWatcher(self.procs, progress)
         try:
             if self.link is not None:
                 self.link.create()
+            watcher.start()
             for kinds in START_GROUPS:
                 group = [p for p in self.procs if self.kind(p.name) in kinds]
                 for proc in group:
                     proc.start()
                 for proc in group:
-                    if progress:
-                        progress(f"waiting for {proc.name}")
                     proc.wait_serving(deadline - time.monotonic(), interrupted)
+            watcher.stop()
         except (ProcessError, LinkError) as exc:
+            watcher.stop()
             self._start_failed = True
             self.stop()
             raise ClusterError(str(exc)) from None
         except BaseException:
+            watcher.stop()
             self._start_failed = True
             self.stop()
             raise

@@ -79,3 +79,11 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if says_nothing or "default" in text.lower():
             return text
         return super()._get_help_string(action)
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir``: where converted weights are cached
+    (:mod:`deltakv.services.model.weights_cache`); ``off`` loads without a cache."""
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="cache of converted weights (default $DELTAKV_CACHE_DIR, else "
+                             "$XDG_CACHE_HOME/deltakv, else ~/.cache/deltakv; off: none)")

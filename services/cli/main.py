@@ -47,6 +47,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "per-token cost of the served streams vs the in-process loop"),
     (("bench", "local-prefill"), "deltakv.services.cli.bench.local_prefill",
      "decode-local prefill: full hit vs in-process forward, later turns local vs remote"),
+    (("bench", "startup"), "deltakv.services.cli.bench.startup",
+     "time to ready per process and phase, memory per process, of a local cluster"),
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]

@@ -7,8 +7,9 @@ one decode replica (consistent hashing). ``--http-port`` (default 8000) serves t
 OpenAI-compatible API next to gRPC.
 
 Starts the processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
-runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check, prints
-**one** line with the decode address and then only errors (lines logged at level error by any
+runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check while
+printing each process's start-up phases on stderr when that is a terminal, prints **one** line with the decode
+address on stdout and then only errors (lines logged at level error by any
 process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
 (SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
 pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
@@ -132,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of each prefill/decode process (0 = each gets its "
                              "share of this machine's cores: pools that each expect every core "
                              "stall each other)")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="cache of converted weights, for every process (default "
+                             "$DELTAKV_CACHE_DIR, else $XDG_CACHE_HOME/deltakv, else "
+                             "~/.cache/deltakv; off: none)")
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"],
                         help="log level of every process")
@@ -193,12 +198,22 @@ def cluster_config(args: argparse.Namespace):
                          metrics_port=_metrics_base_port(args),
                          prefill_args=_prefill_chunk(args) + _device(args),
                          decode_args=_decode_bounds(args) + _device(args),
-                         prefill_sidecar_args=_device(args), decode_sidecar_args=_device(args))
+                         prefill_sidecar_args=_device(args), decode_sidecar_args=_device(args),
+                         env=_cache_env(args))
 
 
 def _device(args: argparse.Namespace) -> list[str]:
     device = getattr(args, "device", "cpu")
     return [] if device == "cpu" else ["--device", device]
+
+
+def _cache_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--cache-dir`` as the environment of every child (the sidecars read the config from
+    the same cache as the workers)."""
+    from deltakv.services.model.weights_cache import ENV_VAR
+
+    value = getattr(args, "cache_dir", None)
+    return {} if value is None else {ENV_VAR: value}
 
 
 def _prefill_chunk(args: argparse.Namespace) -> list[str]:
@@ -249,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        cluster.start(interrupted=stop.is_set)
+        # People at a terminal see each phase; a script or a log file gets the one line.
+        progress = _progress if sys.stderr.isatty() else None
+        cluster.start(progress=progress, interrupted=stop.is_set)
     except ClusterError as exc:
         print(f"deltakv up: {exc}{_logs_line(cluster)}", file=sys.stderr, flush=True)
         return 130 if stop.is_set() else 1
@@ -289,6 +306,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltakv up: cluster stopped after a failure{_logs_line(cluster)}",
               file=sys.stderr, flush=True)
     return code
+
+
+def _progress(line: str) -> None:
+    """A start-up phase of one process, on stderr (stdout gets only the ready line)."""
+    print(f"deltakv up: {line}", file=sys.stderr, flush=True)
 
 
 def _logs_line(cluster) -> str:

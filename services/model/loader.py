@@ -23,6 +23,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,12 +201,43 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
     return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
-def _load_config(source: _Source) -> Any:
+def _load_config(source: _Source, cache: Any = None, digest: str | None = None) -> Any:
+    """The config of ``source`` for its KV geometry: transformers' config, or a namespace of
+    its fields from the weights cache when one is configured (a GGUF file's metadata takes
+    ~15 s to parse on 2 cores), written there on a miss."""
     if source.kind == "tiny-random":
         return tiny_random_config()
+    from deltakv.services.model import weights_cache
+
+    if cache is None and (directory := weights_cache.default_cache_dir()) is not None:
+        cache = weights_cache.WeightsCache(directory)
+    if cache is None:
+        return _parse_config(source)
+    digest = digest or weights_cache.source_digest(_digest_files(source))
+    with cache.filling(f"{digest[:32]}-config"):
+        cached = cache.load_config(digest)
+        if cached is not None:
+            # The geometry reads plain fields (LlamaSpec.from_config, rope_parameters): a
+            # namespace of the saved config gives the same fingerprint without importing
+            # transformers (seconds of a sidecar's start).
+            return types.SimpleNamespace(**cached)
+        config = _parse_config(source)
+        cache.store_config(digest, config.to_dict())
+    return config
+
+
+def _parse_config(source: _Source) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+
+
+def _digest_files(source: _Source) -> list[Path]:
+    """The files whose bytes name a source in the weights cache."""
+    files = source.weight_files()
+    if source.kind == "hf":
+        files = [*files, source.directory / "config.json"]
+    return files
 
 
 def _stamp(source: _Source) -> tuple[Any, ...]:
@@ -352,13 +384,94 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", *,
+               cache_dir: str | Path | None = None, log: Any = None) -> LoadedModel:
     """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
     the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized) on
     ``device`` (the transformers model is moved there before the runner takes its weights).
 
+    ``cache_dir``: a :class:`~deltakv.services.model.weights_cache.WeightsCache` location for
+    the converted weights (None: no cache; ``tiny-random`` is never cached). ``log``: a
+    structlog logger for the start-up phases (``weights``, ``pack``) and the cache's lines.
+    Nothing of the loading path stays referenced: the transformers model object is dropped
+    once its weights are packed.
+
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    hf_model, tokenizer = load_transformers_model(model, dtype)
-    return loaded_from_transformers(model, hf_model.to(device), tokenizer)
+    import time
+
+    from deltakv.services.runtime.startup import log_phase, phase
+
+    start = time.perf_counter()
+    if cache_dir is None or _resolve(model).kind == "tiny-random":
+        hf_model, tokenizer = load_transformers_model(model, dtype)
+        cache = "off"
+    else:
+        hf_model, tokenizer, hit = _load_through_cache(model, dtype, cache_dir, log, device)
+        cache = "hit" if hit else "miss"
+    if isinstance(hf_model, torch.nn.Module):  # a cache hit's view is already on ``device``
+        hf_model = hf_model.to(device)
+    log_phase(log, "weights", time.perf_counter() - start, cache=cache)
+    with phase(log, "pack"):
+        return loaded_from_transformers(model, hf_model, tokenizer)
+
+
+def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
+                        log: Any, device: str | torch.device = "cpu") -> tuple[Any, Any, bool]:
+    """``(hf_model, tokenizer, hit)``: on a hit the weights memory-mapped from the cache
+    entry of the source files' digest, as the attribute tree of a transformers model (no
+    model object is built) with the config as a namespace; on a miss transformers' own model,
+    converted and written there first."""
+    from deltakv.services.model.weights_cache import (
+        WeightsCache,
+        checkpoint_view,
+        source_digest,
+    )
+
+    if dtype not in _COMPUTE_DTYPES:
+        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
+                              f"float16")
+    source = _resolve(model)
+    cache = WeightsCache(cache_dir, log)
+    digest = source_digest(_digest_files(source))
+    entry = cache.load(digest, dtype)
+    if entry is None:
+        with cache.filling(cache.path(digest, dtype).stem):
+            entry = cache.load(digest, dtype, again=True)  # filled by a process beside?
+            if entry is None:
+                hf_model, tokenizer = load_transformers_model(model, dtype)
+                tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+                state = {k: v for k, v in hf_model.state_dict().items()
+                         if not (tied and k == "lm_head.weight")}  # one tensor, stored once
+                if cache.store(digest, dtype, state, hf_model.config.to_dict()) is not None:
+                    cache.store_config(digest, hf_model.config.to_dict())
+                    cache.store_tokenizer(digest, tokenizer)
+                return hf_model, tokenizer, False
+    tensors, config_dict = entry
+    # PagedLlama copies every projection (fused and packed) but shares the embedding and the
+    # norms: copy those out of the mapping, so that the file is unmapped once loading ends
+    # (on another device the move is that copy).
+    tensors = {k: (v if "_proj." in k or torch.device(device).type != "cpu" else v.clone())
+               .to(device) for k, v in tensors.items()}
+    config = types.SimpleNamespace(**config_dict)
+    from deltakv.services.model.llama import LlamaSpec
+
+    if LlamaSpec.from_config(config).rope_type != "default":
+        # Scaled RoPE variants are computed by transformers' initialisers from its config.
+        from transformers import AutoConfig
+
+        fields = dict(config_dict)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf_model = checkpoint_view(config, tensors, model)
+    from transformers import AutoTokenizer
+
+    saved = cache.tokenizer_dir(digest)
+    if saved is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory),
+                                                  **source.pretrained_kwargs())
+        cache.store_tokenizer(digest, tokenizer)
+    return hf_model, tokenizer, True
+

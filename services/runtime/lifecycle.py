@@ -120,10 +120,12 @@ async def serve(args: argparse.Namespace, build: Build, *, role: str, process: s
     ``role``). Exceptions other than start-up failures (bugs) propagate after the stack
     closed everything.
     """
-    from deltakv.services.runtime import otel
+    from deltakv.services.runtime import otel, startup
     from deltakv.services.runtime.logs import configure_logging
 
     log = configure_logging(log_role or role, args.log_level, args.log_format)
+    # The interpreter's start and every import up to here (deltakv bench startup reads it).
+    startup.log_phase(log, "imports", startup.process_age_s())
     stop = asyncio.Event()
     install_stop_signals(stop, log)
     async with contextlib.AsyncExitStack() as stack:
@@ -132,7 +134,8 @@ async def serve(args: argparse.Namespace, build: Build, *, role: str, process: s
             stack.callback(tel.shutdown)  # pushed first: closed last, after the drain
             service = await _unless_stopped(build(args, stack, log), stop)
             if service is not None:
-                await service.start()
+                with startup.phase(log, "listen"):
+                    await service.start()
                 # Only a started service is drained: a sidecar that could not claim its
                 # socket must not remove the live owner's socket file on the way out.
                 stack.push_async_callback(service.drain, 0.0)

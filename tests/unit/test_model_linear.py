@@ -30,18 +30,20 @@ def test_backend_equals_f_linear(backend, rows, with_bias):
                                rtol=0)
 
 
-def test_packed_weight_computes_several_rows_and_the_plain_one_a_single_row():
-    """Zeroing the plain weight after packing shows which copy computes: several rows go
-    through the packed copy, one row through the plain weight."""
+def test_packed_weight_is_the_only_copy():
+    """Zeroing the caller's weight after packing changes nothing, for one row or several:
+    the packed copy computes, and the linear holds no reference to the plain weight."""
     weight, bias, generator = _weights()
     linear = make_linear(weight, bias)
     if isinstance(linear, TorchLinear):
         pytest.skip("no packing backend on this machine")
     rows = torch.randn(4, 40, generator=generator)
     before = linear(rows)
+    single = linear(rows[:1])
     weight.zero_()
     torch.testing.assert_close(linear(rows), before, atol=0, rtol=0)
-    torch.testing.assert_close(linear(rows[:1]), bias[None], atol=0, rtol=0)
+    torch.testing.assert_close(linear(rows[:1]), single, atol=0, rtol=0)
+    assert not any(value is weight for value in vars(linear).values())
 
 
 def test_first_fitting_backend_is_chosen():

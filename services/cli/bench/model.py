@@ -233,7 +233,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> d
                 args.repeats)
             record("prefill", 1, 0, length, ours, theirs)
     return {"model": args.model, "threads": torch.get_num_threads(), "page_size": ps,
-            "min_run_tokens": MIN_RUN_TOKENS, "linear": type(model.module.lm_head).__name__,
+            "min_run_tokens": MIN_RUN_TOKENS, "linear": type(model.module.layers[0].qkv).__name__,
             "decode_attention": runner.decode_attention,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_before": list(load_before), "load_after": list(os.getloadavg()),

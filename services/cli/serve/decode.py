@@ -88,10 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json: one JSON object a line; console: for people; auto: console "
                              "on a terminal, else json")
     from deltakv.rpc import tls
+    from deltakv.services.cli.argtypes import add_cache_argument
     from deltakv.services.runtime import otel, threads
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
+    add_cache_argument(parser)
     tls.add_server_arguments(parser, port_type=port_number)
     tls.add_prefill_channel_arguments(parser)
     otel.add_arguments(parser)
@@ -116,18 +118,14 @@ async def build(args: argparse.Namespace, stack, log):
     from deltakv.services.decode.config import DecodeConfig
     from deltakv.services.decode.prefill_pool import PrefillPool, parse_targets
     from deltakv.services.decode.servicer import DecodeServicer
-    from deltakv.services.model.host_memory import keep_freed_memory
     from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
-    from deltakv.services.worker import start_worker, worker_server
+    from deltakv.services.worker import cache_dir_from_args, start_worker, worker_server
     from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import decode_pb2, decode_pb2_grpc
 
     key = key_from_args(args.pairing_key_file)
     threads.apply(args.torch_threads, log)
-    # Extends and decode steps run on a worker thread whose freed tensors glibc would unmap and
-    # fault in again every forward (host_memory's docstring has the measurement).
-    log.info("host_malloc", keep_freed_memory=keep_freed_memory())
     config = DecodeConfig(
         max_batch_size=args.max_batch_size, default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
@@ -146,7 +144,7 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
                                 quarantine_ms=0, channel=args.sidecar_channel,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s,
-                                device=args.device)
+                                device=args.device, cache_dir=cache_dir_from_args(args))
     stack.push_async_callback(worker.close)
 
     def prefill_channel(target: str, server_name: str | None):

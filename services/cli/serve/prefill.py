@@ -56,10 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json: one JSON object a line; console: for people; auto: console "
                              "on a terminal, else json")
     from deltakv.rpc import tls
+    from deltakv.services.cli.argtypes import add_cache_argument
     from deltakv.services.runtime import otel, threads
     from deltakv.sidecar.pairing import add_key_argument
 
     add_key_argument(parser)
+    add_cache_argument(parser)
     tls.add_server_arguments(parser, port_type=port_number)
     otel.add_arguments(parser)
     threads.add_arguments(parser)
@@ -76,25 +78,22 @@ async def build(args: argparse.Namespace, stack, log):
     """Sidecar, model, servicer and server of one prefill worker; each part's close goes
     onto ``stack``. Bad TLS files fail first, before the sidecar wait and the model load."""
     from deltakv.rpc import tls
-    from deltakv.services.model.host_memory import keep_freed_memory
     from deltakv.services.prefill.servicer import PrefillServicer
     from deltakv.services.runtime import otel_grpc, threads
     from deltakv.services.runtime.lifecycle import Service
-    from deltakv.services.worker import start_worker, worker_server
+    from deltakv.services.worker import cache_dir_from_args, start_worker, worker_server
     from deltakv.sidecar.pairing import key_from_args
     from deltakv.v1 import prefill_pb2, prefill_pb2_grpc
 
     key = key_from_args(args.pairing_key_file)
     threads.apply(args.torch_threads, log)
-    # Prefill's chunk forwards run on worker threads too: the same freed-and-refaulted
-    # activations as decode's extends (host_memory's docstring).
-    log.info("host_malloc", keep_freed_memory=keep_freed_memory())
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))
     # Prefill's sidecar fences a previous worker's writes itself, so nothing is quarantined.
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s,
-                                channel=args.sidecar_channel, device=args.device)
+                                channel=args.sidecar_channel, device=args.device,
+                                cache_dir=cache_dir_from_args(args))
     stack.push_async_callback(worker.close)
     chunk = {} if args.prefill_chunk_tokens is None else {
         "chunk_tokens": args.prefill_chunk_tokens}
