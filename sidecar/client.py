@@ -50,7 +50,7 @@ class SidecarClient:
     ``incarnation``: None for an unbound client (Describe, Attach, operators); see :meth:`bind`.
 
     ``channel``: ``"channel"`` (default: :data:`DEFAULT_CHANNEL`) sends every call over the sidecar's command channel
-    (``<socket>.cmd``, :mod:`deltakv.rpc.command_client`), ``"grpc"`` over gRPC; the same
+    (``<name>.cmd`` beside ``<name>.sock``, :mod:`deltakv.rpc.command_client`), ``"grpc"`` over gRPC; the same
     handlers answer either way and every error is raised identically. Readiness
     (:meth:`wait_ready`) always asks gRPC health.
     """

@@ -83,3 +83,14 @@ def test_a_status_frame_raises_the_grpc_error_interface() -> None:
     assert err.value.trailing_metadata() == (("deltakv-incarnation", "abc"),)
     ok = status_frame(4, grpc.StatusCode.OK, response=b"xyz")
     assert raise_status(ok.status) == b"xyz"
+
+
+def test_the_command_socket_replaces_the_grpc_sockets_suffix_and_is_never_longer() -> None:
+    from deltakv.rpc.command_client import command_socket_path
+
+    # A gRPC socket path at the kernel's limit (107 bytes) must give a command socket that fits.
+    grpc_path = "/tmp/" + "d" * (107 - len("/tmp/") - len(".sock")) + ".sock"
+    assert len(grpc_path) == 107
+    assert command_socket_path(grpc_path) == grpc_path[:-len(".sock")] + ".cmd"
+    assert len(command_socket_path(grpc_path)) <= len(grpc_path)
+    assert command_socket_path("/run/deltakv/sidecar") == "/run/deltakv/sidecar.cmd"

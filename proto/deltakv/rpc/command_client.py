@@ -37,8 +37,14 @@ SOCKET_SUFFIX = ".cmd"
 
 
 def command_socket_path(grpc_socket_path: str) -> str:
-    """The command channel's socket beside a sidecar's gRPC socket (same directory)."""
-    return f"{grpc_socket_path}{SOCKET_SUFFIX}"
+    """The command channel's socket beside a sidecar's gRPC socket (same directory):
+    ``<name>.cmd`` for a gRPC socket ``<name>.sock``, else ``<socket>.cmd``. Replacing the
+    ``.sock`` suffix keeps the path no longer than the gRPC socket's, so a gRPC socket path
+    that fits the kernel's ``sun_path`` limit (107 bytes) gives a command socket that fits."""
+    stem = grpc_socket_path.removesuffix(".sock")
+    if stem == grpc_socket_path:
+        return f"{grpc_socket_path}{SOCKET_SUFFIX}"
+    return f"{stem}{SOCKET_SUFFIX}"
 
 
 class CommandRpcError(grpc.RpcError):
