@@ -77,8 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def policy_from_args(args: argparse.Namespace, start_timeout_s: float) -> RestartPolicy:
     """The :class:`RestartPolicy` of parsed ``up`` flags (defaults where a flag is absent)."""
     p = RestartPolicy()
-    return RestartPolicy(backoff_s=getattr(args, "restart_backoff_s", p.backoff_s),
-                         backoff_max_s=getattr(args, "restart_backoff_max_s", p.backoff_max_s),
+    backoff_s = getattr(args, "restart_backoff_s", p.backoff_s)
+    # A first delay above the default cap raises the cap: the user asked for that delay.
+    return RestartPolicy(backoff_s=backoff_s,
+                         backoff_max_s=max(backoff_s, getattr(args, "restart_backoff_max_s",
+                                                              p.backoff_max_s)),
                          crash_loop_failures=getattr(args, "crash_loop_failures",
                                                      p.crash_loop_failures),
                          crash_loop_window_s=getattr(args, "crash_loop_window_s",

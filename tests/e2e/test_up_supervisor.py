@@ -140,8 +140,17 @@ def test_a_member_failing_at_start_ends_in_a_crash_loop(tmp_path) -> None:
         try:
             os.kill(_child(up.pid, WORDS["prefill"]), signal.SIGKILL)
             # Another program takes the port (no SO_REUSEPORT): every restart fails to bind.
+            # The killed process's listener goes away a moment after the signal; a restart
+            # loads the model (seconds) before it binds.
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            squatter.bind(("127.0.0.1", port))
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    squatter.bind(("127.0.0.1", port))
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the killed prefill's port stayed bound"
+                    time.sleep(0.02)
             squatter.listen()
             code = up.wait(240.0)
         finally:
