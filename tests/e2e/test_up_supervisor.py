@@ -1,8 +1,10 @@
 """``deltakv up`` supervises its members like a kubelet (the process as a user starts it).
 
-* SIGKILL of the decode worker, the prefill worker and each sidecar under a running ``up``:
+* SIGKILL of the decode worker, the prefill worker and each sidecar under a running ``up``
+  (1P1D), and of a decode replica and its sidecar behind the router (two decode replicas):
   each comes back (restarted with the same command line, re-paired), the next requests'
-  greedy outputs equal the local reference, both pools end with nothing live, locked or
+  greedy outputs equal the local reference (through the public address and on every decode
+  replica), every pool ends with nothing live, locked or
   quarantined and one pool incarnation each (nothing of a killed one left), ``up`` keeps
   running, and its stderr names every member, how it ended and its restart number;
 * a member that keeps failing at start (its port taken by another program) makes ``up`` exit 1
@@ -29,16 +31,13 @@ from deltakv.rpc.channel import wait_serving
 from deltakv.services.process import ManagedProcess, free_port
 from deltakv.sidecar.pool import shm_prefix
 from tests.e2e.reference import reference_tokens
-from tests.e2e.sidecars import wait_sidecars_clean
+from tests.e2e.sidecars import pool_stats
 from tests.e2e.test_up_cli import UP, _child, _env
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MAX_NEW = 6
 PROMPTS = [[(7 * i + 13 * k) % 240 + 10 for k in range(n)] for i, n in enumerate((20, 37, 50))]
-#: What each victim's command line holds (``_child`` finds its pid under ``up``).
-WORDS = {"decode": ("serve", "decode"), "prefill": ("serve", "prefill"),
-         "decode-sidecar": ("--role", "decode"), "prefill-sidecar": ("--role", "prefill")}
 
 
 def _start_up(tmp_path: Path, name: str, *extra: str) -> tuple[ManagedProcess, str, str, Path]:
@@ -67,8 +66,9 @@ def _wait_for(up: ManagedProcess, text: str, timeout_s: float) -> None:
 
 async def _generate_all(address: str) -> list[list[int]]:
     async with DecodeClient(address, timeout_s=30) as client:
-        return [list((await client.generate(token_ids=p, max_new_tokens=MAX_NEW,
-                                            ignore_eos=True)).token_ids) for p in PROMPTS]
+        return [list((await client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True,
+                                            session=f"s{i}")).token_ids)
+                for i, p in enumerate(PROMPTS)]
 
 
 def _outputs_once_served(address: str, timeout_s: float = 90.0) -> list[list[int]]:
@@ -96,31 +96,74 @@ def _cluster_id(before: set[str]) -> str:
     return cid
 
 
-def test_killed_members_come_back_and_serve_correctly(tmp_path) -> None:
+def _words(run_dir: Path, member: str) -> tuple[str, ...]:
+    """What ``member``'s command line holds: its sidecar socket (``decode-1`` uses
+    ``decode-1-sidecar.sock``, served by ``decode-sidecar-1``)."""
+    kind, _, index = member.rpartition("-") if member[-1].isdigit() else (member, "", "")
+    if kind.endswith("-sidecar"):
+        worker = kind.removesuffix("-sidecar") + (f"-{index}" if index else "")
+        return ("--socket", str(run_dir / f"{worker}-sidecar.sock"))
+    return ("--sidecar-socket", str(run_dir / f"{member}-sidecar.sock"))
+
+
+def _decode_replicas(up: ManagedProcess, public: str) -> list[str]:
+    """Each decode replica's gRPC address (the router's --decode flags), or the public one."""
+    try:
+        router = _child(up.pid, ("serve", "router"))
+    except AssertionError:
+        return [public]
+    argv = Path(f"/proc/{router}/cmdline").read_bytes().decode().split("\0")
+    return [argv[i + 1].split("=", 1)[0] for i, word in enumerate(argv) if word == "--decode"]
+
+
+def _wait_pools_clean(run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Every sidecar with 0 live, 0 locked, 0 quarantined and free + cached == num_pages."""
+    sockets = {p.name.removesuffix("-sidecar.sock"): str(p) for p in run_dir.glob("*-sidecar.sock")}
+    cluster = SimpleNamespace(sockets=sockets)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {name: pool_stats(cluster, name) for name in sockets}
+        if all(s.live == 0 and s.locked == 0 and s.quarantined == 0
+               and s.free + s.cached == s.num_pages for s in stats.values()):
+            return
+        assert time.monotonic() < deadline, f"pools not clean after {timeout_s} s: {stats}"
+        time.sleep(0.2)
+
+
+SHAPES = {
+    "1p1d": ((), ("decode", "prefill", "decode-sidecar", "prefill-sidecar")),
+    # The router picks a restarted decode replica up again; replica 0 keeps serving meanwhile.
+    "2d1p": (("--decode-replicas", "2"), ("decode-1", "decode-sidecar-1")),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_killed_members_come_back_and_serve_correctly(tmp_path, shape: str) -> None:
+    flags, victims = SHAPES[shape]
     reference = [reference_tokens(p, MAX_NEW) for p in PROMPTS]
     before = set(os.listdir("/dev/shm"))
     up, decode, prefill, run_dir = _start_up(
         tmp_path, "up-supervise", "--local-prefill", "never", "--lease-ms", "4000",
-        "--prefill-timeout-ms", "6000", "--restart-backoff-s", "0.5")
+        "--prefill-timeout-ms", "6000", "--restart-backoff-s", "0.5", *flags)
     cluster_id = _cluster_id(before)
-    sidecars = SimpleNamespace(sockets={r: str(run_dir / f"{r}-sidecar.sock")
-                                        for r in ("decode", "prefill")})
+    sidecars = len(list(run_dir.glob("*-sidecar.sock")))
+    replicas = _decode_replicas(up, decode)
     try:
         assert _outputs_once_served(decode) == reference
-        for victim in ("decode", "prefill", "decode-sidecar", "prefill-sidecar"):
-            pid = _child(up.pid, WORDS[victim])
+        for victim in victims:
+            pid = _child(up.pid, _words(run_dir, victim))
             os.kill(pid, signal.SIGKILL)
             _wait_for(up, f"deltakv up: {victim} exited (signal SIGKILL); restart 1 in ", 30.0)
             _wait_for(up, f"deltakv up: {victim} is serving again (restart 1)", 180.0)
-            assert _child(up.pid, WORDS[victim]) != pid
-            for target in (decode, prefill):
+            assert _child(up.pid, _words(run_dir, victim)) != pid
+            for target in (*replicas, prefill):
                 wait_serving(target, timeout_s=120.0)
-            assert _outputs_once_served(decode) == reference, f"after {victim} came back"
-            stats = wait_sidecars_clean(sidecars, timeout_s=60.0)
-            assert all(s.free + s.cached == s.num_pages for s in stats.values())
+            for target in {decode, *replicas}:  # the public address and each replica
+                assert _outputs_once_served(target) == reference, f"{target} after {victim}"
+            _wait_pools_clean(run_dir)
             # One pool and its fence per sidecar: a restarted sidecar reclaimed its
             # predecessor's segments.
-            assert len(_segments(cluster_id)) == 4, _segments(cluster_id)
+            assert len(_segments(cluster_id)) == 2 * sidecars, _segments(cluster_id)
             assert up.alive(), up.log_tail(40)
     finally:
         code = up.stop(signal.SIGTERM)
@@ -138,7 +181,7 @@ def test_a_member_failing_at_start_ends_in_a_crash_loop(tmp_path) -> None:
     port = int(prefill.rsplit(":", 1)[1])
     with socket.socket() as squatter:
         try:
-            os.kill(_child(up.pid, WORDS["prefill"]), signal.SIGKILL)
+            os.kill(_child(up.pid, _words(run_dir, "prefill")), signal.SIGKILL)
             # Another program takes the port (no SO_REUSEPORT): every restart fails to bind.
             # The killed process's listener goes away a moment after the signal; a restart
             # loads the model (seconds) before it binds.
@@ -167,7 +210,7 @@ def test_a_member_failing_at_start_ends_in_a_crash_loop(tmp_path) -> None:
 def test_the_shutdown_report_names_only_what_up_had_to_kill(tmp_path) -> None:
     up, _, _, run_dir = _start_up(tmp_path, "up-report", "--restart-backoff-s", "120")
     try:
-        os.kill(_child(up.pid, WORDS["decode"]), signal.SIGKILL)
+        os.kill(_child(up.pid, _words(run_dir, "decode")), signal.SIGKILL)
         _wait_for(up, "deltakv up: decode exited (signal SIGKILL); restart 1 in 120 s", 30.0)
         assert up.alive()
     finally:
