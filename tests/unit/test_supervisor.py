@@ -98,3 +98,15 @@ def test_a_restart_not_serving_in_time_is_killed_and_counted(tmp_path) -> None:
     sup.poll()
     assert not proc.alive() and time.monotonic() - started < 5.0
     assert "member not SERVING within 5 s of restart 1 (killed); restart 2 in 2 s" in lines[-1]
+
+
+def test_a_first_delay_above_the_cap_raises_the_cap() -> None:
+    import argparse
+
+    from deltakv.services.supervisor import add_arguments, policy_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    policy = policy_from_args(parser.parse_args(["--restart-backoff-s", "120"]), 300.0)
+    assert policy.backoff(1) == 120.0 and policy.backoff_max_s == 120.0
+    assert policy.start_timeout_s == 300.0
