@@ -215,6 +215,8 @@ class LocalCluster:
         self.procs = self._plan()
         self._stopped = False
         self._start_failed = False
+        # Set by a supervisor that saw a member fail: stop() keeps the run dir and its logs.
+        self.keep_logs = False
 
     # -- process plan ---------------------------------------------------------------------------
 
@@ -431,7 +433,7 @@ class LocalCluster:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             if self.own_run_dir:
-                if self._start_failed or self.dead_with_error():
+                if self._start_failed or self.keep_logs or self.dead_with_error():
                     with contextlib.suppress(FileNotFoundError):
                         self.key_file.unlink()
                 else:
@@ -445,9 +447,9 @@ class LocalCluster:
         return self.run_dir if self.run_dir.exists() else None
 
     def killed(self) -> list[str]:
-        """Names of the processes that ended by SIGKILL (did not stop within their bound after
-        SIGTERM, or were killed from outside)."""
-        return [p.name for p in self.procs if p.returncode == -signal.SIGKILL]
+        """Names of the processes that :meth:`stop` had to SIGKILL (they did not stop within
+        their bound after SIGTERM); one that died by another hand earlier is not among them."""
+        return [p.name for p in self.procs if p.killed_on_stop]
 
     def segments(self) -> list[str]:
         """Paths under /dev/shm of this cluster's segments that exist now (pools of every

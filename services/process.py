@@ -85,6 +85,9 @@ class ManagedProcess:
         self.cwd = cwd
         self.stop_timeout_s = stop_timeout_s
         self.popen: subprocess.Popen | None = None
+        # True once stop() had to SIGKILL this incarnation (it ignored SIGTERM for its bound);
+        # a child that died by any other hand before stop() is not "killed on stop".
+        self.killed_on_stop = False
 
     @property
     def pid(self) -> int | None:
@@ -106,6 +109,7 @@ class ManagedProcess:
             raise ProcessError(f"{self.name} is already running (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        self.killed_on_stop = False
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
             argv, options = _spawn_options(self.argv)
             self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
@@ -172,6 +176,7 @@ class ManagedProcess:
                 self.popen.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+                self.killed_on_stop = True
         return self.popen.returncode
 
     def kill(self) -> None:

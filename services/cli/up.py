@@ -8,9 +8,11 @@ OpenAI-compatible API next to gRPC.
 
 Starts the processes (each a ``deltakv serve ...`` command, exactly what the Helm chart
 runs; :class:`deltakv.services.cluster.LocalCluster`), waits for every health check while
-printing each process's start-up phases on stderr when that is a terminal, prints **one** line with the decode
-address on stdout and then only errors (lines logged at level error by any
-process, or a process exiting). On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
+printing each process's start-up phases on stderr when that is a terminal, prints **one** line
+with the decode address on stdout and then only errors (lines logged at level error by any
+process, and what its supervisor does). A member that exits is restarted with exponential
+backoff and re-paired (:mod:`deltakv.services.supervisor`); one that keeps failing (a crash
+loop) stops the cluster, exit 1. On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
 (SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
 pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
 clean stop; after a failure it stays, with every process's log, and its path is printed (the
@@ -140,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=c.log_level,
                         choices=["debug", "info", "warning", "error"],
                         help="log level of every process")
+    from deltakv.services import supervisor
+
+    supervisor.add_arguments(parser)
     from deltakv.services.runtime import otel
 
     otel.add_arguments(parser, metrics_port_help=(
@@ -241,12 +246,14 @@ def start_cluster(up_args: list[str], startup_timeout_s: float,
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 after Ctrl-C/SIGTERM when every process stopped within its bound, 1 if
-    the cluster failed (start-up or later) or a process had to be SIGKILLed on the way down
+    """Exit status: 0 after Ctrl-C/SIGTERM when every process stopped within its bound (members
+    that failed and were restarted meanwhile included), 1 if start-up failed, a member kept
+    failing (crash loop) or a process had to be SIGKILLed on the way down
     (named on stderr), 2 for bad flags, 130 if interrupted during start-up. After a failure
     the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
     from deltakv.services.cluster import ClusterError, LocalCluster, check_device, check_transport
+    from deltakv.services.supervisor import CrashLoop, Supervisor, policy_from_args
 
     try:
         config = cluster_config(args)
@@ -286,15 +293,16 @@ def run(args: argparse.Namespace) -> int:
           f"transport={config.transport} page_size={config.page_size}{shape}{link} "
           f"logs={cluster.run_dir})", flush=True)
     code = 0
-    while not stop.wait(0.5):
-        dead = cluster.dead()
-        if dead:
-            for proc in dead:
-                print(f"deltakv up: {proc.name} exited with code {proc.returncode}\n"
-                      f"{proc.log_tail()}", file=sys.stderr, flush=True)
-            code = 1
-            break
+    supervisor = Supervisor(cluster.procs, policy_from_args(args, config.start_timeout_s),
+                            lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        while not stop.wait(0.5):
+            supervisor.poll()
+    except CrashLoop as exc:
+        print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
+        code = 1
     stop.set()
+    cluster.keep_logs = supervisor.failures > 0
     cluster.stop()
     killed = cluster.killed()
     if killed:
@@ -303,8 +311,11 @@ def run(args: argparse.Namespace) -> int:
               f"{_logs_line(cluster)}", file=sys.stderr, flush=True)
         return 1
     if code:
-        print(f"deltakv up: cluster stopped after a failure{_logs_line(cluster)}",
+        print(f"deltakv up: cluster stopped after a crash loop{_logs_line(cluster)}",
               file=sys.stderr, flush=True)
+    elif supervisor.failures:
+        print(f"deltakv up: stopped; {supervisor.failures} member failure(s) during the run"
+              f"{_logs_line(cluster)}", file=sys.stderr, flush=True)
     return code
 
 
