@@ -20,7 +20,9 @@ class DecodeConfig:
     ``local_prefill``: ``auto`` (the cost model decides where the uncached tail is computed,
     a full hit is local), ``never`` (always prefill), ``always`` (always decode);
     ``local_prefill_stall_weight``: how much each running request's stall during a local
-    extend counts against it (:mod:`deltakv.services.decode.cost_model`).
+    extend counts against it (:mod:`deltakv.services.decode.cost_model`). ``giveback``:
+    ``off`` (prefill recomputes what it lacks) or ``auto`` (a remote prefill is preceded by a
+    give-back of the pages decode holds beyond prefill's prefix, docs/giveback.md).
     """
 
     max_batch_size: int = 8
@@ -35,3 +37,4 @@ class DecodeConfig:
     release_retry_s: float = 30.0
     local_prefill: str = "auto"
     local_prefill_stall_weight: float = 1.0
+    giveback: str = "off"
