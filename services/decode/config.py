@@ -21,8 +21,9 @@ class DecodeConfig:
     a full hit is local), ``never`` (always prefill), ``always`` (always decode);
     ``local_prefill_stall_weight``: how much each running request's stall during a local
     extend counts against it (:mod:`deltakv.services.decode.cost_model`). ``giveback``:
-    ``off`` (prefill recomputes what it lacks) or ``auto`` (a remote prefill is preceded by a
-    give-back of the pages decode holds beyond prefill's prefix, docs/giveback.md).
+    ``off`` (prefill recomputes what it lacks), ``auto`` (a remote prefill is preceded by a
+    give-back of the pages decode holds beyond prefill's prefix where the cost model estimates
+    it cheaper) or ``always`` (whenever prefill lacks such pages; docs/giveback.md).
     """
 
     max_batch_size: int = 8

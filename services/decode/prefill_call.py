@@ -28,6 +28,7 @@ from deltakv.errors import (
 from deltakv.services.decode.config import DecodeConfig
 from deltakv.services.decode.cost_model import PrefillCostModel
 from deltakv.services.decode.giveback import give_back
+from deltakv.services.decode.handoff_choice import HandoffCostModel
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import ParsedRequest, RequestState
 from deltakv.services.decode.teardown import Teardown
@@ -82,6 +83,8 @@ class PrefillCall:
         self.config = config
         self.teardown = teardown
         self.costs = costs
+        # Give-back or recomputation, over the same measured fits (handoff_choice.py).
+        self.handoff = HandoffCostModel(costs, "auto")
 
     async def first_token(self, state: RequestState, parsed: ParsedRequest,
                           time_remaining: Callable[[], float | None], span: Any
@@ -126,13 +129,14 @@ class PrefillCall:
         backoff_s = _PREFILL_RETRY_FIRST_S
         digest = prompt_digest(parsed.prompt)
         pin, giveback = None, None
-        if self.config.giveback == "auto" and state.decode_prefix_len:
+        if self.config.giveback != "off" and state.decode_prefix_len:
             # The give-back goes to the backend the Prefill then goes to (its pages are there).
             pin = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
             try:
                 timeout_s, _ = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
-                giveback = await give_back(self.worker, pin, state, parsed,
-                                           self.config.lease_ms, timeout_s)
+                giveback = await give_back(
+                    self.worker, pin, state, parsed, self.config.lease_ms, timeout_s,
+                    self.handoff if self.config.giveback == "auto" else None)
             finally:
                 self.prefill.done(pin)
             if giveback is not None:

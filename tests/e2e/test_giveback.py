@@ -4,7 +4,7 @@ computes only the tokens beyond decode's prefix, and every turn's greedy output 
 transformers' reference.
 
 Decode runs ``--local-prefill never`` (every turn remote, so every turn exercises the handoff)
-and ``--giveback auto``; prefill and its sidecar run ``--giveback on``.
+and ``--giveback always``; prefill and its sidecar run ``--giveback on``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def hf_model():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = make_cluster(tmp_path_factory, "giveback", local_prefill="never",
-                     decode_args=["--giveback", "auto"], prefill_args=["--giveback", "on"],
+                     decode_args=["--giveback", "always"], prefill_args=["--giveback", "on"],
                      prefill_sidecar_args=["--giveback", "on"])
     try:
         yield c

@@ -67,11 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of measured decode extend, prefill and link speeds picks the "
                              "cheaper; a full prefix hit is always local), never (always "
                              "prefill), always (always this decode worker)")
-    parser.add_argument("--giveback", choices=("off", "auto"), default=d.giveback,
+    parser.add_argument("--giveback", choices=("off", "auto", "always"), default=d.giveback,
                         help="before a remote prefill, give prefill the pages this decode "
                              "holds beyond prefill's prefix instead of prefill recomputing "
-                             "them (auto; needs prefill's --giveback on) or never (off, the "
-                             "default)")
+                             "them: auto (where a cost model of measured rates says it is "
+                             "cheaper), always, or off (the default); needs prefill's "
+                             "--giveback on")
     parser.add_argument("--connect-timeout-s", type=positive_float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
