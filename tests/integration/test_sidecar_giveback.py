@@ -37,16 +37,26 @@ DECODE_PREFIX, PREFILL_PREFIX = 80, 16
 class Env:
     decode: SidecarProcess
     prefill: SidecarProcess
-    slow_decode: SidecarProcess  # its writes: 1.5 s per batch, one page per batch
+
+
+@pytest.fixture(scope="module", params=["shm", "mooncake"])
+def env(request: pytest.FixtureRequest, sidecar_transport: str) -> Iterator[Env]:
+    factory = SidecarFactory()
+    try:
+        yield Env(decode=factory.start("decode", transport=request.param),
+                  prefill=factory.start("prefill", transport=request.param,
+                                        extra_args=["--giveback", "on"]))
+    finally:
+        factory.close()
 
 
 @pytest.fixture(scope="module")
-def env(sidecar_transport: str) -> Iterator[Env]:
+def slow_env(sidecar_transport: str) -> Iterator[Env]:
+    """Decode's writes take 1.5 s per batch, one page per batch (the fault wrapper over shm)."""
     factory = SidecarFactory()
     try:
-        yield Env(decode=factory.start("decode"),
-                  prefill=factory.start("prefill", extra_args=["--giveback", "on"]),
-                  slow_decode=factory.start("decode", faults="delay_ms=1500,batch_entries=1"))
+        yield Env(decode=factory.start("decode", faults="delay_ms=1500,batch_entries=1"),
+                  prefill=factory.start("prefill", extra_args=["--giveback", "on"]))
     finally:
         factory.close()
 
@@ -143,8 +153,8 @@ def test_giveback_moves_exactly_the_missing_pages(env: Env) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_revoked_giveback_leaves_no_late_byte_in_reused_pages(env: Env) -> None:
-    dec, pre = env.slow_decode, env.prefill
+def test_revoked_giveback_leaves_no_late_byte_in_reused_pages(slow_env: Env) -> None:
+    dec, pre = slow_env.decode, slow_env.prefill
     src = allocate(dec, "src", 3)
     fill(dec, src, seed=3)
     dst = allocate(pre, "gb-revoked", 3)
