@@ -89,7 +89,7 @@ def verify_grant(info: kv_pb2.TransferInfo, key: pairing.PairingKey, digest: byt
 
     Raises Unauthenticated (UNAUTHENTICATED): no grant, or its seal does not verify with
     ``key``. PermissionDenied (PERMISSION_DENIED): the grant names another room, endpoint,
-    page list, ``decode_prefix_len``, ``prompt_len`` or prompt, or it has expired.
+    page list, ``decode_prefix_len``, ``prompt_len``, direction or prompt, or it has expired.
     """
     if not info.HasField("grant"):
         raise Unauthenticated(f"room {info.room}: no grant; decode's sidecar must grant the "
@@ -109,6 +109,8 @@ def verify_grant(info: kv_pb2.TransferInfo, key: pairing.PairingKey, digest: byt
         mismatch = f"it is for decode_prefix_len={grant.decode_prefix_len}"
     elif grant.prompt_len != info.prompt_len:
         mismatch = f"it is for prompt_len={grant.prompt_len}"
+    elif grant.direction != info.direction:
+        mismatch = f"it is for direction {kv_pb2.TransferDirection.Name(grant.direction)}"
     elif len(digest) != DIGEST_BYTES or grant.prompt_digest != digest:
         mismatch = "it is for another prompt (token digest differs)"
     if mismatch:
@@ -240,7 +242,7 @@ class GrantAuthority:
         info.grant.CopyFrom(pairing.seal(kv_pb2.TransferGrant(
             room=room, endpoint_id=endpoint.endpoint_id, dst_page_indices=pages,
             num_pages=len(pages), decode_prefix_len=info.decode_prefix_len,
-            prompt_len=info.prompt_len, prompt_digest=digest,
+            prompt_len=info.prompt_len, prompt_digest=digest, direction=info.direction,
             expires_unix_ms=int(time.time() * 1000) + info.lease_ms), self.key))
         return info
 

@@ -62,7 +62,9 @@ class SidecarConfig:
     ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof;
     ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
     checked or kept); ``device``: where the pool lives (``cpu`` = /dev/shm, ``cuda[:N]`` =
-    GPU memory exported by handle: :mod:`deltakv.sidecar.device`).
+    GPU memory exported by handle: :mod:`deltakv.sidecar.device`); ``giveback``: a prefill
+    sidecar also owns destination pages (it grants, fences and receives give-backs from
+    decode, docs/giveback.md; decode's always does).
     """
 
     role: str
@@ -82,6 +84,7 @@ class SidecarConfig:
     close_grant_timeout_s: float = 2.0
     page_digests: bool = True
     device: str = "cpu"
+    giveback: bool = False
 
 
 def default_shm_name(socket_path: str) -> str:
@@ -152,16 +155,17 @@ class SidecarServer:
                 self.log.info("reclaimed_segments", segments=reclaimed)
             self.pool = create_pool(cfg.layout, incarnation_name(base), cfg.device)
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
+            owns_destination = cfg.role == "decode" or cfg.giveback
 
             def make() -> Transport:
                 # Every incarnation gets the sidecar's engine port block (cfg.port): a
                 # replacement built while the retiring one still listens takes the block's
                 # other slot (transport/ports.py), so the declared block and the
-                # NetworkPolicies naming it cover both. Only decode's pool is a destination;
-                # prefill's never needs remote access.
+                # NetworkPolicies naming it cover both. Decode's pool is a destination, and
+                # prefill's too when it receives give-backs; otherwise it needs no remote access.
                 return create_transport(cfg.transport, TransportOptions(
                     host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra),
-                    remote_access=cfg.role == "decode"))
+                    remote_access=owns_destination))
 
             first = make()
             try:
@@ -173,7 +177,7 @@ class SidecarServer:
                 raise
             self.peers = PeerTable(first, cfg.layout, cfg.pairing_key, logger=self.log)
             authority = None
-            if cfg.role == "decode":
+            if owns_destination:
                 authority = GrantAuthority(
                     key=cfg.pairing_key, layout=cfg.layout, page_manager=page_manager,
                     fencer=None, endpoint=lambda: self.engines.endpoint,

@@ -40,6 +40,7 @@ from deltakv.errors import (
     Unavailable,
     UnknownEndpoint,
 )
+from deltakv.sidecar.giveback import DIRECTION_NAMES, GIVEBACK, check_direction, validate_giveback
 from deltakv.sidecar.grants import verify_grant
 from deltakv.sidecar.planner import WritePlan, plan_delta
 from deltakv.sidecar.rooms import RoomState, RoomTicket
@@ -205,17 +206,19 @@ class TransferRpcs:
         """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics."""
         info = request.transfer_info
         instruments = deltakv_metrics.instruments()
+        direction = DIRECTION_NAMES.get(info.direction, "unknown")
         with telemetry.span(
                 "kv.transfer", room=info.room, request_id=info.request_id or None,
                 prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
                 delta_pages=len(info.dst_page_indices),
                 pages_skipped=info.decode_prefix_len // self.layout.page_size,
-                lease_ms=info.lease_ms,
+                lease_ms=info.lease_ms, direction=direction,
                 backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
             try:
                 response = run()
             except Exception as exc:
-                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc)})
+                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc),
+                                              "direction": direction})
                 raise
             stats = response.stats
             seconds = stats.duration_us / 1e6
@@ -224,21 +227,25 @@ class TransferRpcs:
                     pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
                     batches=stats.batches, duration_ms=stats.duration_us / 1e3,
                     gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
-            instruments.transfers.add(1, {"outcome": "ok"})
-            instruments.transfer_duration.record(seconds)
-            instruments.transfer_size.record(stats.bytes)
+            instruments.transfers.add(1, {"outcome": "ok", "direction": direction})
+            instruments.transfer_duration.record(seconds, {"direction": direction})
+            instruments.transfer_size.record(stats.bytes, {"direction": direction})
         return response
 
     def _check_write(self, request: sidecar_pb2.WritePagesRequest,
                      context: grpc.ServicerContext) -> _Write:
         """Endpoint, grant and plan (every check before any byte moves); the deadline."""
         receipt = time.monotonic()
-        if self.role != "prefill":
-            raise FailedPrecondition("WritePages is served by a prefill sidecar; this one is "
-                                     f"{self.role}")
         if not request.HasField("transfer_info"):
+            if self.role != "prefill":
+                raise FailedPrecondition("WritePages is served by a prefill sidecar (or a "
+                                         f"decode one for a give-back); this one is {self.role}")
             raise InvalidArgument("WritePages: transfer_info is missing")
         info = request.transfer_info
+        # The sidecar owning the source pages writes: prefill's forward, decode's give-back.
+        check_direction(info, self.role)
+        if info.direction == GIVEBACK:
+            validate_giveback(info, self.layout, max_lease_ms=self.max_lease_ms)
         if not info.HasField("decode_endpoint"):
             raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
         endpoint = info.decode_endpoint
@@ -315,6 +322,7 @@ class TransferRpcs:
                                     prefill_cached_len=write.prefill_cached_len)
         stats.runs, stats.batches = write.runs, write.batches
         stats.page_digests.extend(write.digests)
+        stats.direction = info.direction
         # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
         # source hold, connect (cached after the first write), engine; microseconds.
         write.log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,

@@ -90,6 +90,14 @@ class Usage:
     local_estimate_ms: float = 0.0
     remote_estimate_ms: float = 0.0
     prefill_decision: str = ""
+    #: which of the three ways the tail was prepared (``local``, ``remote_giveback``,
+    #: ``remote_recompute``; empty from an older decode), the prompt tokens prefill computed,
+    #: and the pages / bytes given back decode -> prefill (the forward ones are
+    #: ``transferred_*``)
+    prefill_choice: str = ""
+    prefill_computed_tokens: int = 0
+    giveback_pages: int = 0
+    giveback_bytes: int = 0
 
     @classmethod
     def from_proto(cls, msg: decode_pb2.Usage) -> Usage:

@@ -22,7 +22,10 @@ class DecodeConfig:
     ``local_prefill_stall_weight``: how much each running request's stall during a local
     extend counts against it (:mod:`deltakv.services.decode.cost_model`).
     ``stall_timeout_s``: the longest wait of a request for its next token, the first included
-    (:mod:`deltakv.services.decode.stall`); a request may ask for less.
+    (:mod:`deltakv.services.decode.stall`); a request may ask for less. ``giveback``:
+    ``off`` (prefill recomputes what it lacks), ``auto`` (a remote prefill is preceded by a
+    give-back of the pages decode holds beyond prefill's prefix where the cost model estimates
+    it cheaper) or ``always`` (whenever prefill lacks such pages; docs/giveback.md).
     """
 
     max_batch_size: int = 8
@@ -38,3 +41,4 @@ class DecodeConfig:
     local_prefill: str = "auto"
     local_prefill_stall_weight: float = 1.0
     stall_timeout_s: float = 120.0
+    giveback: str = "off"

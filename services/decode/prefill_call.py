@@ -27,6 +27,8 @@ from deltakv.errors import (
 )
 from deltakv.services.decode.config import DecodeConfig
 from deltakv.services.decode.cost_model import PrefillCostModel
+from deltakv.services.decode.giveback import give_back
+from deltakv.services.decode.handoff_choice import HandoffCostModel
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import ParsedRequest, RequestState
 from deltakv.services.decode.teardown import Teardown
@@ -81,6 +83,8 @@ class PrefillCall:
         self.config = config
         self.teardown = teardown
         self.costs = costs
+        # Give-back or recomputation, over the same measured fits (handoff_choice.py).
+        self.handoff = HandoffCostModel(costs, "auto")
 
     async def first_token(self, state: RequestState, parsed: ParsedRequest,
                           time_remaining: Callable[[], float | None], span: Any
@@ -124,6 +128,19 @@ class PrefillCall:
         (prefill's error goes to the client; the Release fences the pages)."""
         backoff_s = _PREFILL_RETRY_FIRST_S
         digest = prompt_digest(parsed.prompt, parsed.cache_salt)
+        pin, giveback = None, None
+        if self.config.giveback != "off" and state.decode_prefix_len:
+            # The give-back goes to the backend the Prefill then goes to (its pages are there).
+            pin = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+            try:
+                timeout_s, _ = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
+                giveback = await give_back(
+                    self.worker, pin, state, parsed, self.config.lease_ms, timeout_s,
+                    self.handoff if self.config.giveback == "auto" else None)
+            finally:
+                self.prefill.done(pin)
+            if giveback is not None:
+                state.giveback = giveback.stats
         while True:
             info = await self.worker.sidecar.issue_grant(
                 state.sidecar_id, kv_pb2.TransferInfo(
@@ -135,10 +152,13 @@ class PrefillCall:
             timeout_s, bound = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
             queue_ms = int(max(state.admission_deadline - time.monotonic(), 0.0) * 1000)
             try:
-                return await self._call(state, prefill_pb2.PrefillRequest(
+                request = prefill_pb2.PrefillRequest(
                     token_ids=parsed.prompt, sampling=parsed.sampling, transfer_info=info,
-                    queue_timeout_ms=max(queue_ms, 1), cache_salt=parsed.cache_salt),
-                    timeout_s, bound)
+                    queue_timeout_ms=max(queue_ms, 1), cache_salt=parsed.cache_salt,
+                    giveback=giveback)
+                # Taken into prefill's index by the first try: a retry carries none.
+                giveback = None
+                return await self._call(state, request, timeout_s, bound, pin)
             except ResourceExhausted as exc:
                 await self.teardown.abort_transfer(state)
                 try:
@@ -155,13 +175,18 @@ class PrefillCall:
                 backoff_s = min(backoff_s * 2, _PREFILL_RETRY_MAX_S)
 
     async def _call(self, state: RequestState, request: prefill_pb2.PrefillRequest,
-                    timeout_s: float, bound: str = "") -> prefill_pb2.PrefillResponse:
+                    timeout_s: float, bound: str = "", pin: Any = None
+                    ) -> prefill_pb2.PrefillResponse:
         """The Prefill RPC on one backend of the pool (pinned in ``state.prefill``), its
         failure as a typed error: DEADLINE_EXCEEDED (:func:`deadline_error`: decode's own
         ``timeout_s``, named by ``bound``, or prefill's), UNAVAILABLE naming prefill, or
         prefill's own typed status. ``state.transfer_pending`` is True from the send until
-        prefill answered."""
-        backend = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        prefill answered. ``pin``: the backend a give-back went to (else round robin)."""
+        if pin is not None:
+            backend = self.prefill.again(pin)
+        else:
+            backend = await self.prefill.acquire(
+                self.config.prefill_connect_timeout_ms / 1000.0)
         state.prefill = backend
         state.sent_at = time.monotonic()
         state.transfer_pending = True

@@ -324,6 +324,11 @@ class PrefillPool:
         raise Unavailable(f"prefill is unreachable (no prefill backend connected within "
                           f"{timeout_s:g} s; {len(paired)} paired of {len(self.backends)})")
 
+    def again(self, backend: PrefillBackend) -> PrefillBackend:
+        """``backend`` once more for the same request (a Prefill after a give-back to it),
+        counted in flight until :meth:`done`."""
+        return self._take(backend)
+
     def _take(self, backend: PrefillBackend) -> PrefillBackend:
         backend.in_flight += 1
         backend.sent += 1

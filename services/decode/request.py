@@ -174,6 +174,7 @@ class RequestState:
     decision: Any = None  # the cost model's Decision (services/decode/cost_model.py)
     local_extend: asyncio.Future | None = None  # a local extend in flight (local_prefill.py)
     local_extend_ms: float = 0.0
+    giveback: Any = None  # TransferStats of the give-back that preceded the Prefill (giveback.py)
 
     def streamed(self, token_ids: Sequence[int], pieces: Sequence[str], text: str
                  ) -> decode_pb2.GenerateResponse:

@@ -59,6 +59,7 @@ from deltakv.services.admission import AdmissionQueue
 from deltakv.services.decode.chat_reuse import CompletionMemory
 from deltakv.services.decode.config import DecodeConfig
 from deltakv.services.decode.cost_model import PrefillCostModel
+from deltakv.services.decode.giveback import handoff_usage
 from deltakv.services.decode.local_prefill import LocalPrefill, decision_attributes
 from deltakv.services.decode.prefill_call import PrefillCall
 from deltakv.services.decode.prefill_pool import PrefillPool
@@ -459,6 +460,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             transfer_ms=response.transfer_ms,
             finish_reason=decode_request.finish_reason or "stop",
             prefill_cached_tokens=stats.prefill_cached_len, request_id=state.request_id,
-            total_ms=(time.monotonic() - state.started_at) * 1000.0)
+            total_ms=(time.monotonic() - state.started_at) * 1000.0,
+            **handoff_usage(state, local))
 
 

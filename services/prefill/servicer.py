@@ -67,6 +67,7 @@ from deltakv.services.prefill.chunks import (
     check_chunk_tokens,
     plan_chunks,
 )
+from deltakv.services.prefill.giveback import GiveBackHost
 from deltakv.services.prefill.overlap import run_overlapped
 from deltakv.services.runtime.logs import bind_request, get_logger
 from deltakv.services.worker import Worker
@@ -151,8 +152,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, worker: Worker, model_name: str, key: PairingKey,
                  admission_timeout_s: float = 30.0, max_waiting: int = 1024,
                  release_retry_s: float = 600.0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: bool = True) -> None:
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: bool = True,
+                 giveback: bool = False) -> None:
         self.worker = worker
+        # Give-backs (docs/giveback.md): served only when prefill's sidecar owns destination
+        # pages (its --giveback on).
+        self.giveback = GiveBackHost(worker, giveback)
         self.overlap = overlap
         self.chunk_tokens = check_chunk_tokens(chunk_tokens, worker.layout.page_size)
         self.model_name = model_name
@@ -257,6 +262,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillStats(pool=stats.pool, live_requests=len(self.attempts),
                                         **self.counters)
 
+    async def PrepareGiveBack(self, request: prefill_pb2.PrepareGiveBackRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> prefill_pb2.PrepareGiveBackResponse:
+        """Prefill's prefix of ``token_ids`` and, with ``grant``, a granted room for the pages
+        decode holds beyond it (:class:`~deltakv.services.prefill.giveback.GiveBackHost`)."""
+        return await self.giveback.prepare(request)
+
     def begin_drain(self) -> None:
         """Draining: attempts still queued for pages (and later ones) fail at once with
         UNAVAILABLE."""
@@ -271,6 +283,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         sidecar = self.worker.sidecar
         tokens = list(request.token_ids)
         lease_end = receipt + info.lease_ms / 1000.0
+        if request.HasField("giveback"):
+            # Decode gave the pages this prefill lacked: into the index before the admission
+            # below matches them (verified against their digests first).
+            await self.giveback.take(request.giveback, tokens, request.cache_salt)
 
         queue_s = min(self.admission_timeout_s, lease_end - time.monotonic())
         if request.queue_timeout_ms:

@@ -25,6 +25,7 @@ from deltakv.errors import (
 from deltakv.sidecar import pairing
 from deltakv.sidecar.fence import EngineSet, Fencer, IncarnationFence, WordsFence, fence_for
 from deltakv.sidecar.fence_table import FenceView
+from deltakv.sidecar.giveback import giveback_template
 from deltakv.sidecar.grants import GrantAuthority, prompt_digest, verify_grant
 from deltakv.sidecar.page_manager import PageManager
 from deltakv.sidecar.pool import SharedKVPool, incarnation_name
@@ -111,6 +112,7 @@ def test_issued_grant_covers_exactly_its_write(decode: Decode) -> None:
         "pages": ("dst_page_indices", [pages[0], pages[1], pages[3]]),
         "decode_prefix_len": ("decode_prefix_len", 0),
         "prompt_len": ("prompt_len", info.prompt_len + 1),
+        "direction": ("direction", kv_pb2.TRANSFER_DIRECTION_DECODE_TO_PREFILL),
     }
     for what, (field, value) in cases.items():
         forged = kv_pb2.TransferInfo()
@@ -142,6 +144,21 @@ def test_issued_grant_covers_exactly_its_write(decode: Decode) -> None:
     tampered.dst_page_indices[0] = pages[3]
     with pytest.raises(Unauthenticated, match="does not verify"):
         verify_grant(tampered, decode.key, DIGEST)
+
+
+def test_giveback_grant_is_sealed_with_its_direction(decode: Decode) -> None:
+    # The owner of the destination pages grants a give-back exactly like a forward write; the
+    # direction is sealed, so the grant never covers the same pages written the other way.
+    pages = decode.pm.allocate("owner", 2)
+    template = giveback_template("req", 16, 48, pages, lease_ms=30_000)
+    info = decode.authority.issue("owner", template, DIGEST)
+    assert info.grant.direction == kv_pb2.TRANSFER_DIRECTION_DECODE_TO_PREFILL
+    assert verify_grant(info, decode.key, DIGEST) == info.grant
+    forward = kv_pb2.TransferInfo()
+    forward.CopyFrom(info)
+    forward.ClearField("direction")
+    with pytest.raises(PermissionDenied, match="direction TRANSFER_DIRECTION_DECODE_TO_PREFILL"):
+        verify_grant(forward, decode.key, DIGEST)
 
 
 def test_only_the_owners_free_pages_can_be_granted(decode: Decode) -> None:

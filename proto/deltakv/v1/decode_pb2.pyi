@@ -62,7 +62,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "transferred_pages", "transferred_bytes", "page_size", "page_bytes", "ttft_ms", "prefill_ms", "transfer_ms", "finish_reason", "prefill_cached_tokens", "request_id", "total_ms", "prompt_token_ids", "prefill_location", "local_prefill_tokens", "local_estimate_ms", "remote_estimate_ms", "prefill_decision")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "transferred_pages", "transferred_bytes", "page_size", "page_bytes", "ttft_ms", "prefill_ms", "transfer_ms", "finish_reason", "prefill_cached_tokens", "request_id", "total_ms", "prompt_token_ids", "prefill_location", "local_prefill_tokens", "local_estimate_ms", "remote_estimate_ms", "prefill_decision", "prefill_choice", "prefill_computed_tokens", "giveback_pages", "giveback_bytes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,10 @@ class Usage(_message.Message):
     LOCAL_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DECISION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GIVEBACK_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GIVEBACK_BYTES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -103,7 +107,11 @@ class Usage(_message.Message):
     local_estimate_ms: float
     remote_estimate_ms: float
     prefill_decision: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., page_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., total_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prefill_location: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., local_estimate_ms: _Optional[float] = ..., remote_estimate_ms: _Optional[float] = ..., prefill_decision: _Optional[str] = ...) -> None: ...
+    prefill_choice: str
+    prefill_computed_tokens: int
+    giveback_pages: int
+    giveback_bytes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., page_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., total_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prefill_location: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., local_estimate_ms: _Optional[float] = ..., remote_estimate_ms: _Optional[float] = ..., prefill_decision: _Optional[str] = ..., prefill_choice: _Optional[str] = ..., prefill_computed_tokens: _Optional[int] = ..., giveback_pages: _Optional[int] = ..., giveback_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "usage")

@@ -18,12 +18,21 @@ class PoolLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POOL_LAYOUT_UNSPECIFIED: _ClassVar[PoolLayout]
     POOL_LAYOUT_PAGE_MAJOR: _ClassVar[PoolLayout]
+
+class TransferDirection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_DIRECTION_UNSPECIFIED: _ClassVar[TransferDirection]
+    TRANSFER_DIRECTION_PREFILL_TO_DECODE: _ClassVar[TransferDirection]
+    TRANSFER_DIRECTION_DECODE_TO_PREFILL: _ClassVar[TransferDirection]
 KV_DTYPE_UNSPECIFIED: KVDtype
 KV_DTYPE_FLOAT32: KVDtype
 KV_DTYPE_BFLOAT16: KVDtype
 KV_DTYPE_FLOAT16: KVDtype
 POOL_LAYOUT_UNSPECIFIED: PoolLayout
 POOL_LAYOUT_PAGE_MAJOR: PoolLayout
+TRANSFER_DIRECTION_UNSPECIFIED: TransferDirection
+TRANSFER_DIRECTION_PREFILL_TO_DECODE: TransferDirection
+TRANSFER_DIRECTION_DECODE_TO_PREFILL: TransferDirection
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages", "layout", "model_fingerprint")
@@ -72,7 +81,7 @@ class EndpointInfo(_message.Message):
     def __init__(self, endpoint_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., descriptor: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation: _Optional[int] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
 
 class TransferGrant(_message.Message):
-    __slots__ = ("room", "endpoint_id", "dst_page_indices", "num_pages", "decode_prefix_len", "prompt_len", "prompt_digest", "expires_unix_ms", "seal")
+    __slots__ = ("room", "endpoint_id", "dst_page_indices", "num_pages", "decode_prefix_len", "prompt_len", "prompt_digest", "expires_unix_ms", "direction", "seal")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +90,7 @@ class TransferGrant(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
     SEAL_FIELD_NUMBER: _ClassVar[int]
     room: int
     endpoint_id: str
@@ -90,11 +100,12 @@ class TransferGrant(_message.Message):
     prompt_len: int
     prompt_digest: bytes
     expires_unix_ms: int
+    direction: TransferDirection
     seal: Seal
-    def __init__(self, room: _Optional[int] = ..., endpoint_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
+    def __init__(self, room: _Optional[int] = ..., endpoint_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., direction: _Optional[_Union[TransferDirection, str]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("room", "request_id", "decode_endpoint", "dst_page_indices", "decode_prefix_len", "prompt_len", "lease_ms", "grant")
+    __slots__ = ("room", "request_id", "decode_endpoint", "dst_page_indices", "decode_prefix_len", "prompt_len", "lease_ms", "grant", "direction")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +114,7 @@ class TransferInfo(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
     room: int
     request_id: str
     decode_endpoint: EndpointInfo
@@ -111,10 +123,11 @@ class TransferInfo(_message.Message):
     prompt_len: int
     lease_ms: int
     grant: TransferGrant
-    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_endpoint: _Optional[_Union[EndpointInfo, _Mapping]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., lease_ms: _Optional[int] = ..., grant: _Optional[_Union[TransferGrant, _Mapping]] = ...) -> None: ...
+    direction: TransferDirection
+    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_endpoint: _Optional[_Union[EndpointInfo, _Mapping]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., decode_prefix_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., lease_ms: _Optional[int] = ..., grant: _Optional[_Union[TransferGrant, _Mapping]] = ..., direction: _Optional[_Union[TransferDirection, str]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("pages", "bytes", "runs", "batches", "duration_us", "decode_prefix_len", "prefill_cached_len", "backend", "page_digests")
+    __slots__ = ("pages", "bytes", "runs", "batches", "duration_us", "decode_prefix_len", "prefill_cached_len", "backend", "page_digests", "direction")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +137,7 @@ class TransferStats(_message.Message):
     PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
     pages: int
     bytes: int
     runs: int
@@ -133,7 +147,8 @@ class TransferStats(_message.Message):
     prefill_cached_len: int
     backend: str
     page_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., runs: _Optional[int] = ..., batches: _Optional[int] = ..., duration_us: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., backend: _Optional[str] = ..., page_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    direction: TransferDirection
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., runs: _Optional[int] = ..., batches: _Optional[int] = ..., duration_us: _Optional[int] = ..., decode_prefix_len: _Optional[int] = ..., prefill_cached_len: _Optional[int] = ..., backend: _Optional[str] = ..., page_digests: _Optional[_Iterable[int]] = ..., direction: _Optional[_Union[TransferDirection, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos")

@@ -25,27 +25,33 @@ _sym_db = _symbol_database.Default()
 from deltakv.v1 import kv_pb2 as deltakv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/prefill.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"E\n\x10HandshakeRequest\x12\x31\n\x0f\x64\x65\x63ode_endpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"V\n\x11HandshakeResponse\x12\x32\n\x10prefill_endpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12\r\n\x05model\x18\x02 \x01(\t\"\xb0\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.deltakv.v1.SamplingParams\x12/\n\rtransfer_info\x18\x03 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10queue_timeout_ms\x18\x04 \x01(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xaf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12!\n\x19transfer_after_compute_ms\x18\x06 \x01(\x01\"8\n\x14\x41\x62ortTransferRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"&\n\x15\x41\x62ortTransferResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xaa\x01\n\x0cPrefillStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x13\n\x0brequests_ok\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x19\n\x11transfers_aborted\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x15\n\rlive_requests\x18\x06 \x01(\r2\xb7\x02\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.deltakv.v1.HandshakeRequest\x1a\x1d.deltakv.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.deltakv.v1.PrefillRequest\x1a\x1b.deltakv.v1.PrefillResponse\x12T\n\rAbortTransfer\x12 .deltakv.v1.AbortTransferRequest\x1a!.deltakv.v1.AbortTransferResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.PrefillStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltakv/v1/prefill.proto\x12\ndeltakv.v1\x1a\x13\x64\x65ltakv/v1/kv.proto\"t\n\x16PrepareGiveBackRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\r\n\x05grant\x18\x04 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"f\n\x17PrepareGiveBackResponse\x12\x1a\n\x12prefill_cached_len\x18\x01 \x01(\r\x12/\n\rtransfer_info\x18\x02 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\"B\n\x08GiveBack\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\"E\n\x10HandshakeRequest\x12\x31\n\x0f\x64\x65\x63ode_endpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\"V\n\x11HandshakeResponse\x12\x32\n\x10prefill_endpoint\x18\x01 \x01(\x0b\x32\x18.deltakv.v1.EndpointInfo\x12\r\n\x05model\x18\x02 \x01(\t\"\xd8\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.deltakv.v1.SamplingParams\x12/\n\rtransfer_info\x18\x03 \x01(\x0b\x32\x18.deltakv.v1.TransferInfo\x12\x18\n\x10queue_timeout_ms\x18\x04 \x01(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12&\n\x08giveback\x18\x06 \x01(\x0b\x32\x14.deltakv.v1.GiveBack\"\xaf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.deltakv.v1.TransferStats\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12!\n\x19transfer_after_compute_ms\x18\x06 \x01(\x01\"8\n\x14\x41\x62ortTransferRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"&\n\x15\x41\x62ortTransferResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xaa\x01\n\x0cPrefillStats\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.deltakv.v1.PoolStats\x12\x13\n\x0brequests_ok\x18\x02 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x03 \x01(\x04\x12\x19\n\x11transfers_aborted\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x15\n\rlive_requests\x18\x06 \x01(\r2\x93\x03\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.deltakv.v1.HandshakeRequest\x1a\x1d.deltakv.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.deltakv.v1.PrefillRequest\x1a\x1b.deltakv.v1.PrefillResponse\x12T\n\rAbortTransfer\x12 .deltakv.v1.AbortTransferRequest\x1a!.deltakv.v1.AbortTransferResponse\x12\x41\n\x08GetStats\x12\x1b.deltakv.v1.GetStatsRequest\x1a\x18.deltakv.v1.PrefillStats\x12Z\n\x0fPrepareGiveBack\x12\".deltakv.v1.PrepareGiveBackRequest\x1a#.deltakv.v1.PrepareGiveBackResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deltakv.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDSHAKEREQUEST']._serialized_start=61
-  _globals['_HANDSHAKEREQUEST']._serialized_end=130
-  _globals['_HANDSHAKERESPONSE']._serialized_start=132
-  _globals['_HANDSHAKERESPONSE']._serialized_end=218
-  _globals['_PREFILLREQUEST']._serialized_start=221
-  _globals['_PREFILLREQUEST']._serialized_end=397
-  _globals['_PREFILLRESPONSE']._serialized_start=400
-  _globals['_PREFILLRESPONSE']._serialized_end=575
-  _globals['_ABORTTRANSFERREQUEST']._serialized_start=577
-  _globals['_ABORTTRANSFERREQUEST']._serialized_end=633
-  _globals['_ABORTTRANSFERRESPONSE']._serialized_start=635
-  _globals['_ABORTTRANSFERRESPONSE']._serialized_end=673
-  _globals['_PREFILLSTATS']._serialized_start=676
-  _globals['_PREFILLSTATS']._serialized_end=846
-  _globals['_PREFILLSERVICE']._serialized_start=849
-  _globals['_PREFILLSERVICE']._serialized_end=1160
+  _globals['_PREPAREGIVEBACKREQUEST']._serialized_start=61
+  _globals['_PREPAREGIVEBACKREQUEST']._serialized_end=177
+  _globals['_PREPAREGIVEBACKRESPONSE']._serialized_start=179
+  _globals['_PREPAREGIVEBACKRESPONSE']._serialized_end=281
+  _globals['_GIVEBACK']._serialized_start=283
+  _globals['_GIVEBACK']._serialized_end=349
+  _globals['_HANDSHAKEREQUEST']._serialized_start=351
+  _globals['_HANDSHAKEREQUEST']._serialized_end=420
+  _globals['_HANDSHAKERESPONSE']._serialized_start=422
+  _globals['_HANDSHAKERESPONSE']._serialized_end=508
+  _globals['_PREFILLREQUEST']._serialized_start=511
+  _globals['_PREFILLREQUEST']._serialized_end=727
+  _globals['_PREFILLRESPONSE']._serialized_start=730
+  _globals['_PREFILLRESPONSE']._serialized_end=905
+  _globals['_ABORTTRANSFERREQUEST']._serialized_start=907
+  _globals['_ABORTTRANSFERREQUEST']._serialized_end=963
+  _globals['_ABORTTRANSFERRESPONSE']._serialized_start=965
+  _globals['_ABORTTRANSFERRESPONSE']._serialized_end=1003
+  _globals['_PREFILLSTATS']._serialized_start=1006
+  _globals['_PREFILLSTATS']._serialized_end=1176
+  _globals['_PREFILLSERVICE']._serialized_start=1179
+  _globals['_PREFILLSERVICE']._serialized_end=1582
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareGiveBackRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "lease_ms", "grant", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_ms: int
+    grant: bool
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., grant: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class PrepareGiveBackResponse(_message.Message):
+    __slots__ = ("prefill_cached_len", "transfer_info")
+    PREFILL_CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
+    prefill_cached_len: int
+    transfer_info: _kv_pb2.TransferInfo
+    def __init__(self, prefill_cached_len: _Optional[int] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ...) -> None: ...
+
+class GiveBack(_message.Message):
+    __slots__ = ("room", "stats")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    stats: _kv_pb2.TransferStats
+    def __init__(self, room: _Optional[int] = ..., stats: _Optional[_Union[_kv_pb2.TransferStats, _Mapping]] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("decode_endpoint",)
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -22,18 +52,20 @@ class HandshakeResponse(_message.Message):
     def __init__(self, prefill_endpoint: _Optional[_Union[_kv_pb2.EndpointInfo, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "sampling", "transfer_info", "queue_timeout_ms", "cache_salt")
+    __slots__ = ("token_ids", "sampling", "transfer_info", "queue_timeout_ms", "cache_salt", "giveback")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    GIVEBACK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _kv_pb2.SamplingParams
     transfer_info: _kv_pb2.TransferInfo
     queue_timeout_ms: int
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., queue_timeout_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    giveback: GiveBack
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_kv_pb2.SamplingParams, _Mapping]] = ..., transfer_info: _Optional[_Union[_kv_pb2.TransferInfo, _Mapping]] = ..., queue_timeout_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., giveback: _Optional[_Union[GiveBack, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "stats", "prefill_ms", "transfer_ms", "chunks", "transfer_after_compute_ms")

@@ -55,6 +55,11 @@ class PrefillServiceStub:
                 request_serializer=deltakv_dot_v1_dot_kv__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=deltakv_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
                 _registered_method=True)
+        self.PrepareGiveBack = channel.unary_unary(
+                '/deltakv.v1.PrefillService/PrepareGiveBack',
+                request_serializer=deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackRequest.SerializeToString,
+                response_deserializer=deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -94,6 +99,19 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGiveBack(self, request, context):
+        """Give-back, first half (docs/giveback.md): how much of a prompt prefill's index holds and,
+        with `grant`, a room for the pages decode holds beyond it: prefill allocates them and its
+        sidecar grants them (a TransferInfo with direction DECODE_TO_PREFILL) that decode's
+        sidecar then writes with WritePages. INVALID_ARGUMENT for a malformed request,
+        RESOURCE_EXHAUSTED when prefill's pool cannot hold the pages (nothing is allocated),
+        FAILED_PRECONDITION on a prefill that serves no give-back (--giveback off), UNIMPLEMENTED
+        from one that predates it: decode then recomputes, as before.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +134,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=deltakv_dot_v1_dot_kv__pb2.GetStatsRequest.FromString,
                     response_serializer=deltakv_dot_v1_dot_prefill__pb2.PrefillStats.SerializeToString,
+            ),
+            'PrepareGiveBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGiveBack,
+                    request_deserializer=deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackRequest.FromString,
+                    response_serializer=deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +249,33 @@ class PrefillService:
             '/deltakv.v1.PrefillService/GetStats',
             deltakv_dot_v1_dot_kv__pb2.GetStatsRequest.SerializeToString,
             deltakv_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGiveBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltakv.v1.PrefillService/PrepareGiveBack',
+            deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackRequest.SerializeToString,
+            deltakv_dot_v1_dot_prefill__pb2.PrepareGiveBackResponse.FromString,
             options,
             channel_credentials,
             insecure,

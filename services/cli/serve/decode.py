@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of measured decode extend, prefill and link speeds picks the "
                              "cheaper; a full prefix hit is always local), never (always "
                              "prefill), always (always this decode worker)")
+    parser.add_argument("--giveback", choices=("off", "auto", "always"), default=d.giveback,
+                        help="before a remote prefill, give prefill the pages this decode "
+                             "holds beyond prefill's prefix instead of prefill recomputing "
+                             "them: auto (where a cost model of measured rates says it is "
+                             "cheaper), always, or off (the default); needs prefill's "
+                             "--giveback on")
     parser.add_argument("--connect-timeout-s", type=positive_float, default=60.0,
                         help="bound on reaching the sidecar and the prefill handshake at start")
     parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
@@ -133,7 +139,8 @@ async def build(args: argparse.Namespace, stack, log):
         abort_timeout_ms=args.abort_timeout_ms,
         prefill_connect_timeout_ms=args.prefill_connect_timeout_ms,
         admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
-        local_prefill=args.local_prefill, stall_timeout_s=args.stall_timeout_s)
+        local_prefill=args.local_prefill, stall_timeout_s=args.stall_timeout_s,
+        giveback=args.giveback)
     targets = parse_targets(args.prefill_target)
     tls.check_health_port(args.health_port, args.port)
     credentials = tls.server_credentials(tls.files_from_args(args))

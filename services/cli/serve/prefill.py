@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
                         help="compute the same chunks but write the pages only after the last "
                              "one (the baseline of the overlap: identical KV bytes)")
+    parser.add_argument("--giveback", choices=("off", "on"), default="off",
+                        help="accept give-backs: decode writes the pages it holds beyond this "
+                             "prefill's prefix instead of prefill recomputing them (needs the "
+                             "sidecar's --giveback on; default off)")
     parser.add_argument("--sidecar-reattach-timeout-s", type=positive_float, default=60.0,
                         help="after a sidecar restart: how long the sidecar may stay away and "
                              "the old pool's requests may take to end before this worker "
@@ -100,7 +104,8 @@ async def build(args: argparse.Namespace, stack, log):
     servicer = PrefillServicer(worker, args.model, key,
                                admission_timeout_s=args.admission_timeout_s,
                                max_waiting=args.max_waiting,
-                               overlap=args.prefill_overlap, **chunk)
+                               overlap=args.prefill_overlap,
+                               giveback=args.giveback == "on", **chunk)
     stack.callback(servicer.close)
     stack.push_async_callback(servicer.wait_cleanups, 10.0)  # unwound first: before close
     # A lost pool incarnation: the attempts computing in it stop at their next check.

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end-to-end page digests (xxh3_64): taken by a prefill sidecar's "
                              "writes, checked before decode commits, kept by cached pages for "
                              "AuditCache (default on)")
+    parser.add_argument("--giveback", choices=("off", "on"), default="off",
+                        help="a prefill sidecar also grants, fences and receives give-backs: "
+                             "pages decode already holds, written into this pool instead of "
+                             "recomputed (decode's sidecar always can; default off)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"),
                         help="log records below this level are dropped")
@@ -137,7 +141,7 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
         max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on",
-        device=args.device)
+        device=args.device, giveback=args.giveback == "on")
     server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
 
     async def start() -> None:

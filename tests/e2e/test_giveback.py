@@ -1,0 +1,84 @@
+"""Give-back on a real cluster (tiny-random, shm): before each remote prefill, decode gives the
+prefill the pages it holds beyond prefill's prefix (the previous turns' answers), prefill
+computes only the tokens beyond decode's prefix, and every turn's greedy output equals
+transformers' reference.
+
+Decode runs ``--local-prefill never`` (every turn remote, so every turn exercises the handoff)
+and ``--giveback always``; prefill and its sidecar run ``--giveback on``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltakv.client import DecodeClient
+from deltakv.services.model.loader import load_transformers_model
+from tests.e2e.conftest import TOY_PAGE_SIZE, make_cluster, run, wait_for_baseline
+from tests.unit.test_decode_scheduler import greedy_reference
+
+pytestmark = [pytest.mark.timeout(300)]
+
+NEW = 20  # long answers: most of each later prompt is the model's own previous output
+PS = TOY_PAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    model, _ = load_transformers_model("tiny-random")
+    return model
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = make_cluster(tmp_path_factory, "giveback", local_prefill="never",
+                     decode_args=["--giveback", "always"], prefill_args=["--giveback", "on"],
+                     prefill_sidecar_args=["--giveback", "on"])
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def test_multiturn_giveback_outputs_equal_reference_and_prefill_computes_only_new(
+        cluster, hf_model):
+    rng = random.Random(26)
+
+    async def go():
+        out = []
+        async with DecodeClient(cluster.decode_address, timeout_s=120) as client:
+            prompt = _ids(40, rng)
+            for _ in range(4):
+                served = await client.generate(token_ids=prompt, max_new_tokens=NEW,
+                                               ignore_eos=True)
+                out.append((prompt, served))
+                prompt = prompt + served.token_ids + _ids(rng.randint(5, 20), rng)
+        return out
+
+    turns = run(go())
+    prefill_held = 0  # tokens of the conversation prefill's index holds (whole pages)
+    for i, (prompt, served) in enumerate(turns):
+        u = served.usage
+        assert served.token_ids == greedy_reference(hf_model, prompt, NEW), f"turn {i}"
+        assert u.transferred_bytes == u.delta_pages() * u.page_bytes
+        if i == 0:
+            assert u.cached_tokens == 0
+            assert (u.prefill_choice, u.giveback_pages) == ("remote_recompute", 0)
+        else:
+            # Decode held the previous prompt and answer; prefill only the previous prompt.
+            assert u.cached_tokens > prefill_held
+            assert u.prefill_choice == "remote_giveback", u
+            assert u.giveback_pages == (u.cached_tokens - prefill_held) // PS
+            assert u.giveback_bytes == u.giveback_pages * u.page_bytes
+            assert u.prefill_cached_tokens == u.cached_tokens
+        assert u.prefill_computed_tokens == u.prompt_tokens - u.prefill_cached_tokens
+        if i:
+            assert u.prefill_computed_tokens == u.prompt_tokens - u.cached_tokens
+        # Prefill's index now holds the whole pages of this prompt.
+        prefill_held = len(prompt) // PS * PS
+    wait_for_baseline(cluster.decode_address)
