@@ -15,7 +15,9 @@ import pytest
 
 from deltakv.client import DecodeClient
 from deltakv.services.model.loader import load_transformers_model
+from deltakv.v1 import sidecar_pb2
 from tests.e2e.conftest import TOY_PAGE_SIZE, make_cluster, run, wait_for_baseline
+from tests.e2e.sidecars import sidecar_call
 from tests.unit.test_decode_scheduler import greedy_reference
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -81,4 +83,43 @@ def test_multiturn_giveback_outputs_equal_reference_and_prefill_computes_only_ne
             assert u.prefill_computed_tokens == u.prompt_tokens - u.cached_tokens
         # Prefill's index now holds the whole pages of this prompt.
         prefill_held = len(prompt) // PS * PS
+    wait_for_baseline(cluster.decode_address)
+
+
+def _prefill_pages(cluster, tokens: list[int], salt: str) -> list[int]:
+    """The pages prefill's radix index holds for ``tokens`` under ``salt`` (matched for a
+    throwaway request id, released at once)."""
+    rid = f"probe/giveback/{salt or 'none'}"
+    try:
+        return list(sidecar_call(cluster, "prefill", "MatchPrefix", sidecar_pb2.MatchPrefixRequest(
+            request_id=rid, token_ids=tokens, cache_salt=salt)).page_indices)
+    finally:
+        sidecar_call(cluster, "prefill", "Release", sidecar_pb2.ReleaseRequest(request_id=rid))
+
+
+def test_a_salted_giveback_is_cached_by_prefill_under_that_salt_only(cluster, hf_model):
+    rng = random.Random(2626)
+    first = _ids(40, rng)
+
+    async def go():
+        async with DecodeClient(cluster.decode_address, timeout_s=120) as client:
+            one = await client.generate(token_ids=first, max_new_tokens=NEW, ignore_eos=True,
+                                        cache_salt="alice")
+            second = first + one.token_ids + _ids(9, rng)
+            two = await client.generate(token_ids=second, max_new_tokens=NEW, ignore_eos=True,
+                                        cache_salt="alice")
+            return one, second, two
+
+    one, second, two = run(go())
+    assert one.token_ids == greedy_reference(hf_model, first, NEW)
+    assert two.token_ids == greedy_reference(hf_model, second, NEW)
+    assert two.usage.prefill_choice == "remote_giveback"
+    assert two.usage.giveback_pages > 0
+    # The given-back pages (the first answer's) entered prefill's index under alice's salt:
+    # an unsalted or other tenant's probe of the same tokens owns none of them.
+    given = second[:two.usage.cached_tokens]
+    alice = _prefill_pages(cluster, given, "alice")
+    assert len(alice) == len(given) // PS
+    assert _prefill_pages(cluster, given, "") == []
+    assert _prefill_pages(cluster, given, "bob") == []
     wait_for_baseline(cluster.decode_address)
