@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (local)")
     parser.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="KV pool dtype (local)")
+    from deltakv.services.cli.argtypes import add_cache_argument
+
+    add_cache_argument(parser)  # --local loads converted weights from the cache, as workers do
     parser.add_argument("--json", action="store_true",
                         help="print {prompt_token_ids, token_ids, text, finish_reason[, usage]} "
                              "as JSON")
@@ -89,7 +92,9 @@ def generate_local(args: argparse.Namespace,
         raise InvalidArgument(f"--page-size must be >= 1, got {args.page_size}")
     sampler = Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed)
-    model = load_model(args.model)
+    from deltakv.services.worker import cache_dir_from_args
+
+    model = load_model(args.model, cache_dir=cache_dir_from_args(args))
     prompt = prompt_ids(args, model.tokenizer)
     total = len(prompt) + args.max_new_tokens
     num_pages = -(-total // args.page_size)

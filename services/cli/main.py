@@ -52,6 +52,13 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "soak"), "deltakv.services.cli.bench.soak",
      "admission, cancels and isolation under load: nothing leaks, nothing hangs"),
 ]
+# Help of a command group (``deltakv serve``, ``deltakv bench``): what its subcommands do.
+GROUPS: dict[tuple[str, ...], str] = {
+    ("serve",): "run one process of a cluster (sidecar, prefill, decode, router), as the Helm "
+                "chart does",
+    ("bench",): "benchmarks: transfer, completion, model, multiturn, stream, local-prefill, "
+                "startup, soak",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         for depth in range(1, len(words)):
             prefix = words[:depth]
             if prefix not in parents:
-                sub = groups[words[: depth - 1]].add_parser(prefix[-1], help=f"{prefix[-1]} ...")
+                about = GROUPS[prefix]
+                sub = groups[words[: depth - 1]].add_parser(prefix[-1], help=about,
+                                                            description=about)
                 parents[prefix] = sub
                 groups[prefix] = sub.add_subparsers(dest=f"cmd_{depth}", required=True,
                                                     metavar="COMMAND")

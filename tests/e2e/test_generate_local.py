@@ -24,15 +24,24 @@ def deltakv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_smollm2_answers_the_capital_of_france():
-    result = deltakv("generate", "--local", "--model", "smollm2", "--prompt",
-                     "What is the capital of France?", "--max-new-tokens", "32", "--json")
+def test_smollm2_answers_the_capital_of_france(tmp_path):
+    # The first run converts the GGUF weights into the cache, the second maps them from it:
+    # the same answer either way.
+    cache = tmp_path / "weights-cache"
+    args = ("generate", "--local", "--model", "smollm2", "--prompt",
+            "What is the capital of France?", "--max-new-tokens", "32", "--json",
+            "--cache-dir", str(cache))
+    result = deltakv(*args)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert set(out) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
     assert "Paris" in out["text"]
     assert out["finish_reason"] == "stop" and out["token_ids"][-1] == 2
     assert 1 <= len(out["token_ids"]) <= 32
+    assert any(p.suffix == ".safetensors" for p in cache.rglob("*")), list(cache.rglob("*"))
+    again = deltakv(*args)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == out
 
 
 @pytest.mark.timeout(300)

@@ -70,3 +70,13 @@ def test_running_it_names_the_missing_module(broken_command, capsys) -> None:
                           "deltakv_test_broken_cmd: ModuleNotFoundError")
     assert "deltakv_test_dependency_not_installed" in err
     assert "deltakv_test_broken_cmd.py:1" in err  # where it failed
+
+
+def test_every_command_group_says_what_it_holds(capsys) -> None:
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    top = capsys.readouterr().out
+    assert "serve ..." not in top and "bench ..." not in top
+    for words, about in cli.GROUPS.items():
+        assert about.split(",")[0][:40] in " ".join(top.split()), words

@@ -252,6 +252,12 @@ def test_demo_verdict_passes_at_a_fifth_and_fails_above_a_third() -> None:
     bad_chat = [{"transferred_bytes": 65_537, "min_bytes": 65_536}]
     v = verdict(bad_chat, build_report(cfg, _compare_records()))
     assert v["chat_bytes_defects"] == 1 and not v["ok"]
+    # A round >= 1 whose tails decode computed itself moved nothing: no delta write shown.
+    recs = _compare_records()
+    recs[6] = _rec(INCREMENTAL, 1, 0, 160, 160, 4.0)
+    recs[7] = _rec(INCREMENTAL, 1, 1, 160, 160, 4.0)
+    v = verdict(chat, build_report(cfg, recs))
+    assert v["round_bytes_ratios"] == [0.0] and not v["ratio_ok"] and not v["ok"]
 
 
 # --------------------------------------------------------------------------- interleaving, runs
