@@ -246,8 +246,9 @@ def test_bytes_that_are_not_a_message_are_invalid_argument_everywhere(cluster) -
                             f"DecodeError: Error parsing message with type '{typ}': Wire format "
                             "was corrupt")
                 for t, ms in plan.items() for m, _, typ in ms}
-    # 17 sidecar RPCs (grants, audit, states, WritePagesStream)
-    assert len(expected) == 2 + 4 + 2 * 17 + 4
+    # 2 decode RPCs, 5 prefill RPCs (PrepareGiveBack), 17 sidecar RPCs (grants, audit,
+    # states, WritePagesStream) on each sidecar, and each server's health Check
+    assert len(expected) == 2 + 5 + 2 * 17 + 4
     assert got == expected
     baseline(cluster)
 

@@ -532,6 +532,10 @@ def test_gpu_values_fail_fast_without_cuda(fixtures) -> None:
                 case = Case(name, chart.merge_values(values), render(chart, values),
                             root / name, fixtures)
                 try:
+                    # The pairing key reaches the containers through a one-shot init container,
+                    # as in the chart's other pods: run it first, so that CUDA is what fails.
+                    init_failures = case.run_one_shot_inits()
+                    assert not init_failures, "\n".join(init_failures)
                     case.start_sidecars()
                     case.start_workers()
                     procs = case.processes("sidecar") + case.processes("worker")

@@ -38,6 +38,15 @@ class Servicer(sidecar_pb2_grpc.SidecarServiceServicer):
     def GetStats(self, request, context):  # noqa: N802
         raise ZeroDivisionError("a bug")
 
+    def WritePagesStream(self, request_iterator, context):  # noqa: N802
+        # Like the sidecar's write: answers once it has what it needs (here the first part),
+        # before the client's half-close.
+        first = next(iter(request_iterator))
+        return sidecar_pb2.WritePagesResponse(stats=kv_pb2.TransferStats(pages=first.ready_pages))
+
+    def Describe(self, request, context):  # noqa: N802
+        return sidecar_pb2.DescribeResponse()
+
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[CommandServer, Servicer, str]]:
@@ -137,3 +146,39 @@ def test_an_unknown_method_is_unimplemented(served) -> None:
             method="/x.Y/Z", timeout_us=1_000_000)))
         reply = frames.read_frame(sock)
     assert reply.call_id == 5 and CODES[reply.status.code] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _status(sock: socket.socket) -> command_pb2.CommandFrame:
+    while True:
+        frame = frames.read_frame(sock)
+        if frame.WhichOneof("kind") == "status":
+            return frame
+
+
+def test_a_stream_answered_before_its_half_close_keeps_the_connection_for_the_next_call(
+        served) -> None:
+    """The handler returns before the client's half-close, which arrives after the status:
+    the connection still serves the client's next call (closing it with the half-close unread
+    would reset the client's connection under that call)."""
+    _, _, path = served
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.settimeout(10)
+    try:
+        frames.write_frame(sock, command_pb2.CommandFrame(call_id=1, call=command_pb2.CommandCall(
+            method="/deltakv.v1.SidecarService/WritePagesStream", timeout_us=10_000_000,
+            client_streaming=True)))
+        frames.write_frame(sock, command_pb2.CommandFrame(call_id=1, part=command_pb2.CommandPart(
+            message=sidecar_pb2.WritePagesPart(ready_pages=7).SerializeToString())))
+        first = _status(sock)
+        assert first.call_id == 1 and CODES[first.status.code] == grpc.StatusCode.OK
+        assert sidecar_pb2.WritePagesResponse.FromString(first.status.response).stats.pages == 7
+        frames.write_frame(sock, command_pb2.CommandFrame(
+            call_id=1, half_close=command_pb2.CommandHalfClose()))
+        frames.write_frame(sock, command_pb2.CommandFrame(call_id=2, call=command_pb2.CommandCall(
+            method="/deltakv.v1.SidecarService/Describe", timeout_us=10_000_000,
+            request=sidecar_pb2.DescribeRequest().SerializeToString())))
+        second = _status(sock)
+        assert second.call_id == 2 and CODES[second.status.code] == grpc.StatusCode.OK
+    finally:
+        sock.close()

@@ -116,7 +116,10 @@ class _Connection:
         self.spent = False
 
     def usable(self) -> bool:
-        return not (self.spent or self.reader.at_eof() or self.writer.is_closing())
+        """Whether a next call may use this connection: not spent by its last call, and the
+        sidecar has neither closed nor reset it while it was idle."""
+        return not (self.spent or self.reader.at_eof() or self.reader.exception() is not None
+                    or self.writer.is_closing())
 
     async def send(self, frame: command_pb2.CommandFrame) -> None:
         self.writer.write(frames.encode(frame))

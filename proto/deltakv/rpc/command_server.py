@@ -46,6 +46,9 @@ from deltakv.v1 import command_pb2
 log = structlog.get_logger(__name__)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# How long a connection waits for the client's half-close of a stream its handler already
+# answered (the client sends it right after its last part, or closes on seeing the status).
+_DRAIN_S = 2.0
 #: grpc.StatusCode by its int value (the STATUS frame's ``code``).
 CODES: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -238,7 +241,35 @@ class CommandServer:
             with self._lock:
                 self._busy -= 1
                 self._idle.notify_all()
-        return context.half_closed and not context.cancelled
+        if context.cancelled:
+            return False
+        return context.half_closed or self._drain_to_half_close(sock, context)
+
+    def _drain_to_half_close(self, sock: socket.socket, context: CommandContext) -> bool:
+        """After the status of a client stream whose handler returned before the client's
+        half-close (a write returns once its last page is written: the half-close may still
+        be on its way), read the rest of that call up to its half-close, dropping parts, as
+        gRPC does: the connection then stays in step for the client's next call. False (the
+        connection closes) on anything else: CANCEL, another call's frame, end of stream, a
+        bad frame, or no half-close within ``_DRAIN_S`` / the call's deadline. Closing with
+        the half-close still unread would reset the client's connection under its next
+        call."""
+        deadline = time.monotonic() + min(_DRAIN_S, context.time_remaining())
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                frame = frames.read_frame(sock)
+                if frame.call_id != context.call_id:
+                    return False
+                kind = frame.WhichOneof("kind")
+                if kind != "part":
+                    return kind == "half_close"
+            return False
+        except (OSError, frames.FrameTruncated, frames.FrameTooLarge, frames.FrameUndecodable):
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(None)
 
     def _run(self, method: _Method, call: command_pb2.CommandCall,
              context: CommandContext) -> command_pb2.CommandFrame:
