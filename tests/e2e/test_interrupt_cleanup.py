@@ -194,7 +194,8 @@ CASES = {
     "completion-measuring-term": (COMPLETION, command_maps_a_segment, 1.0, signal.SIGTERM),
     "up-startup-term": (UP, child_maps_a_segment, 0.0, signal.SIGTERM),
     "up-serving-int": (UP, printed("deltakv ready at"), 0.5, signal.SIGINT),
-    "soak-running-term": (SOAK, printed("waiting for decode"), 5.0, signal.SIGTERM),
+    # soak: requests running (its first progress line comes after 250 of 2000 requests).
+    "soak-running-term": (SOAK, printed("/2000 requests"), 1.0, signal.SIGTERM),
     "demo-startup-int": (DEMO, child_started, 2.0, signal.SIGINT),
 }
 
