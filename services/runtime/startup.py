@@ -38,7 +38,7 @@ def process_age_s(pid: int | str = "self") -> float:
 def log_phase(log: Any, phase: str, seconds: float, **fields: Any) -> None:
     """One ``startup_phase`` line for ``phase`` that took ``seconds`` (None log: nothing)."""
     if log is not None:
-        log.info(EVENT, phase=phase, seconds=round(seconds, 3),
+        log.info("startup_phase", phase=phase, seconds=round(seconds, 3),  # == EVENT
                  since_start_s=round(process_age_s(), 3), **fields)
 
 
