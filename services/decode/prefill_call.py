@@ -83,8 +83,10 @@ class PrefillCall:
         self.config = config
         self.teardown = teardown
         self.costs = costs
-        # Give-back or recomputation, over the same measured fits (handoff_choice.py).
-        self.handoff = HandoffCostModel(costs, "auto")
+        # Give-back or recomputation, over the same measured fits (handoff_choice.py); only
+        # --giveback auto asks it.
+        self.handoff = (HandoffCostModel(costs, "auto") if config.giveback == "auto"
+                        else None)
 
     async def first_token(self, state: RequestState, parsed: ParsedRequest,
                           time_remaining: Callable[[], float | None], span: Any
@@ -136,7 +138,7 @@ class PrefillCall:
                 timeout_s, _ = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
                 giveback = await give_back(
                     self.worker, pin, state, parsed, self.config.lease_ms, timeout_s,
-                    self.handoff if self.config.giveback == "auto" else None)
+                    self.handoff)
             finally:
                 self.prefill.done(pin)
             if giveback is not None:
