@@ -306,12 +306,16 @@ def test_prometheus_endpoints_serve_the_expected_values(otel) -> None:
     # prefill-side reuse: the second prompt's first 32 tokens are in prefill's index too
     assert delta("prefill", "deltakv_prefill_tokens_total", kind="cached") == 32
     assert delta("prefill", "deltakv_prefill_tokens_total", kind="computed") == 40 + 24
-    assert delta("prefill-sidecar", "deltakv_transfers_total", outcome="ok") == 2
-    assert delta("prefill-sidecar", "deltakv_transfer_size_bytes_count") == 2
-    assert delta("prefill-sidecar", "deltakv_transfer_size_bytes_sum") == 5 * TOY_PAGE_BYTES
-    assert delta("prefill-sidecar", "deltakv_transfer_duration_seconds_count") == 2
+    # Every transfer metric carries its direction (the forward write here).
+    fwd = {"direction": "prefill_to_decode"}
+    assert delta("prefill-sidecar", "deltakv_transfers_total", outcome="ok", **fwd) == 2
+    assert delta("prefill-sidecar", "deltakv_transfer_size_bytes_count", **fwd) == 2
+    assert delta("prefill-sidecar", "deltakv_transfer_size_bytes_sum", **fwd) \
+        == 5 * TOY_PAGE_BYTES
+    assert delta("prefill-sidecar", "deltakv_transfer_duration_seconds_count", **fwd) == 2
     # The module's first request: the injected engine failure.
-    assert _value(after["prefill-sidecar"], "deltakv_transfers_total", outcome="unavailable") == 1
+    assert _value(after["prefill-sidecar"], "deltakv_transfers_total", outcome="unavailable",
+                  **fwd) == 1
     # Pool gauges: the I1 accounting identity, and nothing live after the requests.
     for proc, pool in (("decode-sidecar", "decode"), ("prefill-sidecar", "prefill")):
         pages = {state: _value(after[proc], "deltakv_pool_pages", pool=pool, state=state)
