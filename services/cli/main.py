@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
             leaf.set_defaults(_run=_unavailable(" ".join(words), reason), _accepts_any=True)
             continue
         module.add_arguments(leaf)
-        leaf.set_defaults(_run=module.run)
+        # What an interrupt before the command's own handlers means (default: exit 130).
+        leaf.set_defaults(_run=module.run, _interrupted=getattr(module, "interrupted", None))
     return parser
 
 
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        interrupted = getattr(args, "_interrupted", None)
+        return 130 if interrupted is None else int(interrupted(args))
 
 
 if __name__ == "__main__":

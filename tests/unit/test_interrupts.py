@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import subprocess
@@ -64,3 +66,50 @@ sys.exit(cli.main(["up"]))
                           timeout=60)
     assert done.returncode == 130, done.stderr[-2000:]
     assert marker.exists()
+
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "router", "sidecar"])
+def test_a_serve_command_interrupted_before_its_handlers_stops_during_start_up(
+        command: str, capsys: pytest.CaptureFixture) -> None:
+    """A SIGTERM that lands before the lifecycle's handlers (imports, parsing) is a stop during
+    start-up, exit 0, as Kubernetes expects; the entry point asks the command what it means."""
+    import importlib
+
+    from deltakv.services.cli import main as cli
+
+    module = importlib.import_module(f"deltakv.services.cli.serve.{command}")
+    args = argparse.Namespace(role="decode", log_level="info", log_format="json",
+                              _run=_interrupted_run, _interrupted=module.interrupted)
+    assert _main_with(cli, args) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "stopped" in line]
+    assert [json.loads(line)["event"] for line in lines] == ["stopped_during_start_up", "stopped"]
+
+
+def test_other_commands_interrupted_exit_130() -> None:
+    from deltakv.services.cli import main as cli
+
+    args = argparse.Namespace(_run=_interrupted_run, _interrupted=None)
+    assert _main_with(cli, args) == 130
+
+
+def _interrupted_run(args: object) -> int:
+    raise KeyboardInterrupt
+
+
+def _main_with(cli: object, args: argparse.Namespace) -> int:
+    """cli.main() on prepared args (its parser answers them), SIGTERM's handler restored."""
+
+    class Parser:
+        def parse_known_args(self, argv: object) -> tuple[argparse.Namespace, list[str]]:
+            return args, []
+
+    previous = signal.getsignal(signal.SIGTERM)
+    real = cli.build_parser
+    cli.build_parser = Parser
+    try:
+        return cli.main([])
+    finally:
+        cli.build_parser = real
+        signal.signal(signal.SIGTERM, previous)

@@ -243,3 +243,11 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     return Service(start, drain, {"address": server.address, "http_address": http.address,
                                   "http_scheme": http.scheme,
                                   "health_address": server.health_address, **fields})
+
+
+def interrupted(args: argparse.Namespace) -> int:
+    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
+    exit 0."""
+    from deltakv.services.runtime.lifecycle import stopped_during_start_up
+
+    return stopped_during_start_up(args, "decode")

@@ -118,3 +118,11 @@ async def build(args: argparse.Namespace, stack, log):
         Service.of_server(server, on_drain=servicer.begin_drain, tls=credentials is not None,
                           client_certs=bool(args.tls_ca)),
         server)
+
+
+def interrupted(args: argparse.Namespace) -> int:
+    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
+    exit 0."""
+    from deltakv.services.runtime.lifecycle import stopped_during_start_up
+
+    return stopped_during_start_up(args, "prefill")

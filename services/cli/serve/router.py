@@ -144,3 +144,11 @@ def _http_check(address: str):
         async with httpx.AsyncClient(timeout=1.0) as client:
             return (await client.get(f"http://{address}/health")).status_code == 200
     return check
+
+
+def interrupted(args: argparse.Namespace) -> int:
+    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
+    exit 0."""
+    from deltakv.services.runtime.lifecycle import stopped_during_start_up
+
+    return stopped_during_start_up(args, "router")

@@ -166,3 +166,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def interrupted(args: argparse.Namespace) -> int:
+    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
+    exit 0."""
+    from deltakv.services.runtime.lifecycle import stopped_during_start_up
+
+    return stopped_during_start_up(args, f"{args.role}-sidecar")
