@@ -11,10 +11,13 @@ code through a labelled fake (``tests/support/fake_device.py``), never shipped a
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from deltakv.errors import InvalidArgument
 
 
 class CopyRun(NamedTuple):
@@ -130,16 +133,13 @@ class DeviceOps(abc.ABC):
     def for_pool_kind(cls, pool_kind: str) -> type[DeviceOps]:
         """The DeviceOps class of this device for ``pool_kind`` (:attr:`variants`, else this
         class for its own kind). InvalidArgument for a kind this device does not offer."""
-        from deltakv.errors import InvalidArgument
-
         if pool_kind == cls.pool_kind:
             return cls
         target = cls.variants.get(pool_kind)
         if target is None:
+            offered = sorted({cls.pool_kind, *cls.variants})
             raise InvalidArgument(f"pool kind {pool_kind!r} is not offered by device "
-                                  f"{cls.__name__} (it offers {sorted({cls.pool_kind, *cls.variants})})")
-        import importlib
-
+                                  f"{cls.__name__} (it offers {offered})")
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)
 

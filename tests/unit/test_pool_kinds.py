@@ -39,3 +39,28 @@ def test_a_gpu_pool_and_a_cpu_worker_is_a_clear_error() -> None:
     d.pool_bytes += 1
     with pytest.raises(InvalidArgument, match="pool_bytes"):
         attach_pool(MapRequest(d, TOY_LAYOUT, "cpu", "/nonexistent.sock", None))
+
+
+def test_vmm_structs_have_cuda_h_layout() -> None:
+    """The ctypes mirrors of cuda.h's CUmemAllocationProp / CUmemAccessDesc (x86_64 / aarch64
+    LP64): sizes and field offsets as the C compiler lays them out."""
+    import ctypes
+
+    from deltakv.sidecar.device import cuda_vmm
+
+    prop = cuda_vmm._CUmemAllocationProp
+    assert ctypes.sizeof(prop) == 32
+    assert (prop.location.offset, prop.win32HandleMetaData.offset, prop.allocFlags.offset) == \
+        (8, 16, 24)
+    assert ctypes.sizeof(cuda_vmm._CUmemAccessDesc) == 12
+
+
+def test_without_cuda_a_vmm_pool_fails_with_one_line() -> None:
+    from deltakv.sidecar.device import DeviceUnavailable, device_ops
+    from deltakv.sidecar.device.cuda import CudaDevice
+
+    if CudaDevice.probe(0) is None:
+        pytest.skip("CUDA present: tests/gpu covers the real pool")
+    with pytest.raises(DeviceUnavailable) as exc:
+        device_ops("cuda", "cuda_vmm")
+    assert "\n" not in str(exc.value)
