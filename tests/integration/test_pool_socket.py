@@ -24,8 +24,9 @@ from deltakv.sidecar.pool_socket import (
     fetch_pool_fd,
     pool_socket_path,
 )
-from deltakv.v1 import sidecar_pb2
+from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, short_tmp_dir
+from tests.support.grants import grant, write_request
 from tests.support.keys import other_key, session_key
 from tests.support.layouts import TOY_LAYOUT
 
@@ -94,6 +95,35 @@ def test_a_worker_maps_the_pool_through_the_passed_fd_and_keeps_it_past_a_sigkil
         del view
     finally:
         pool.close()
+
+
+def test_cuda_ipc_writes_into_a_vmm_pool_it_imported_through_the_peer_pool_socket(
+        factory: SidecarFactory) -> None:
+    """The writing sidecar imports decode's ``cuda_vmm`` pool as an fd from decode's pool
+    socket (proving itself with the pairing key) and copies pages into it, bytes exact."""
+    decode = factory.start("decode", name="vmm-d", extra_args=KINDS["cuda_vmm"])
+    prefill = factory.start("prefill", name="vmm-p", extra_args=KINDS["cuda_vmm"])
+    n = 3
+    src = list(prefill.stub().Allocate(sidecar_pb2.AllocateRequest(request_id="v-src",
+                                                                   num_pages=n),
+                                       timeout=10).page_indices)
+    dst = list(decode.stub().Allocate(sidecar_pb2.AllocateRequest(request_id="v-dst",
+                                                                  num_pages=n),
+                                      timeout=10).page_indices)
+    pool = prefill.map_pool()
+    try:
+        gen = torch.Generator().manual_seed(77)
+        for p in src:
+            pool.as_bytes()[p].copy_(torch.randint(0, 256, (TOY_LAYOUT.page_bytes,),
+                                                   dtype=torch.uint8, generator=gen))
+    finally:
+        pool.close()
+    info = grant(decode, "v-dst", kv_pb2.TransferInfo(
+        request_id="v-write", dst_page_indices=dst, decode_prefix_len=0,
+        prompt_len=n * TOY_LAYOUT.page_size, lease_ms=60_000))
+    resp = prefill.stub().WritePages(write_request(info, src), timeout=60)
+    assert resp.stats.pages == n
+    assert crc_rpc(decode, dst) == crc_rpc(prefill, src)
 
 
 def test_a_peer_without_the_pairing_key_is_refused(factory: SidecarFactory) -> None:
