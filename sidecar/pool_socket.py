@@ -142,9 +142,9 @@ class PoolSocketServer:
             with conn:
                 try:
                     self._answer(conn)
-                except (OSError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - a bad peer never stops the server
                     self.refused += 1
-                    log.warning("pool_socket_error", error=str(exc))
+                    log.warning("pool_socket_error", error=f"{type(exc).__name__}: {exc}")
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(self.timeout_s)
@@ -157,6 +157,8 @@ class PoolSocketServer:
         challenge = secrets.token_bytes(32)
         _send(conn, {"v": _PROTOCOL, "challenge": challenge.hex()})
         req = json.loads(_recv_line(conn))
+        if not isinstance(req, dict):
+            raise ValueError("malformed pool request")
         incarnation, mac = req.get("incarnation"), req.get("mac")
         if not isinstance(incarnation, str) or not isinstance(mac, str):
             raise ValueError("malformed pool request")
@@ -216,7 +218,12 @@ def fetch_pool_fd(path: str, incarnation: str, key: PairingKey | None,
     except (OSError, ValueError, KeyError) as exc:
         raise Unavailable(f"pool socket {path}: {exc}") from None
     try:
-        header = json.loads(data)
+        try:
+            header = json.loads(data)
+        except ValueError:
+            raise Unavailable(f"pool socket {path} answered out of protocol") from None
+        if not isinstance(header, dict):
+            raise Unavailable(f"pool socket {path} answered out of protocol")
         if "error" in header:
             raise PoolSocketRefused(f"sidecar refused its pool: {header['error']}")
         if len(fds) != 1 or header.get("incarnation") != incarnation:
