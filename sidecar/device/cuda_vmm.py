@@ -105,6 +105,9 @@ class CudaVmmDevice(CudaDevice):
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(index)
+        # cudaFree(NULL) creates the runtime's primary context now (older runtimes defer it to
+        # the first real call): the driver calls below run in that current context.
+        self._check("cudaFree", self._rt.cudaFree(ctypes.c_void_p(0)))
         self._cu = _driver()
         self._call("cuInit", self._cu.cuInit(0))
         dev = ctypes.c_int(0)
