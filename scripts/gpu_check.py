@@ -1,20 +1,27 @@
-"""One prepared device check of deltakv's GPU path (<= 6 minutes on one GPU).
+"""One prepared device check of deltakv's GPU path (< 5 minutes on one H200).
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out DIR [--only a,b] [--quick]
 
-Every section is wrapped: a failure records FAIL with its error and the next section runs; a
-section that needs what is absent (CUDA, the Mooncake wheel) records SKIP with the reason.
-Writes ``DIR/gpu_check.json`` (date, load, every section's status, figures and notes) and
-prints a table last. It installs nothing and never touches torch: what it needs beyond the
-deltakv checkout is ``pip install -e .`` (or the wheel) in an image that has torch with CUDA.
+Without a usable CUDA device it prints one line, ``gpu_check: no CUDA device: <why>``, and
+exits 1 (``--allow-no-cuda`` runs anyway, every CUDA section then SKIPs: how CPU CI keeps the
+script from rotting). Every section is wrapped: a failure records FAIL with its error and the
+next section runs; a section that needs what is absent (the Mooncake wheel) records SKIP with
+the reason. Writes ``DIR/gpu_check.json`` (date, load, every section's status, figures and
+notes) after each section and prints one table last, a row per section and per variant. It
+installs nothing and never touches torch: what it needs beyond the deltakv checkout is
+``pip install -e .`` (or the wheel) in an image that has torch with CUDA.
 
-Sections: env, d2d_ceiling, pool_ipc (export/import across processes, bytes exact; then what a
-SIGKILLed owner does to the importer's mapping), delta_write (thousands of random runs through
-the cuda_ipc transport into another process's pool: bytes exact, neighbours untouched, GB/s
-against the ceiling), sigkill_fence (a writer SIGKILLed with copies queued under its fence lock:
-does any byte land after decode took the lock?), mooncake (GPU memory over TCP if the wheel
-loads), model (greedy tokens equal transformers on CUDA; prefill/decode-step latency), digests
-(page digest cost against a 64-page write).
+Sections (the cross-process ones run for both GPU pool kinds, ``cuda_ipc``: legacy IPC handle,
+and ``cuda_vmm``: cuMemCreate memory passed as an fd over the pool socket):
+env; d2d_ceiling; pool_share (export/import across processes, bytes exact both ways, import
+time; then what a SIGKILLed owner does to the importer's mapping); delta_write (random runs
+into another process's 4 GiB pool, for run lengths 1, 1-64 and 64 pages and three copy
+variants: the cuda_ipc transport, all runs on one stream with one sync, torch index_copy_;
+bytes exact, neighbours untouched, GB/s against the ceiling); sigkill_fence (a writer SIGKILLed
+with copies queued under its fence lock: does any byte land after decode took the lock?);
+mooncake (GPU memory over TCP if the wheel loads); model (greedy tokens equal transformers on
+CUDA; prefill/decode-step latency); digests (a 64-page write's page digests: on the host after
+one device-to-host copy, as shipped, against a candidate on-device fingerprint).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS: list[str] = ["env", "d2d_ceiling", "pool_ipc", "delta_write", "sigkill_fence",
+SECTIONS: list[str] = ["env", "d2d_ceiling", "pool_share", "delta_write", "sigkill_fence",
                        "mooncake", "model", "digests"]
 
 
@@ -93,13 +100,29 @@ def write_report(out_dir: Path, results: list[dict]) -> Path:
     return path
 
 
+def _flat(figures: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in figures.items() if not isinstance(v, dict))
+
+
+def _subrows(label: str, figures: dict) -> list[tuple[str, str, str, str]]:
+    """One row per nested figure dict (a pool kind, a size/variant), depth first."""
+    rows = []
+    for key, value in figures.items():
+        if isinstance(value, dict) and key != "packages":
+            rows.append((f"{label} {key}", "", "", _flat(value)[:160]))
+            rows += _subrows(f"{label} {key}", value)
+    return rows
+
+
 def table(results: list[dict]) -> str:
-    """The results as a fixed-width text table (one row per section, figures inline)."""
+    """The results as a fixed-width text table: one row per section (figures inline), then
+    one per nested figure dict (pool kind, run size / copy variant)."""
     rows = [("section", "status", "s", "figures / reason")]
     for r in results:
-        figs = ", ".join(f"{k}={v}" for k, v in r["figures"].items() if not isinstance(v, dict))
+        figs = _flat(r["figures"])
         rows.append((r["section"], r["status"], f"{r['seconds']:.1f}",
                      (figs + (" | " if figs and r["error"] else "") + r["error"])[:160]))
+        rows += _subrows(" ", r["figures"])
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}"
                      for a, b, c, d in rows)
@@ -159,42 +182,58 @@ def s_d2d_ceiling(fig: dict, nbytes: int = 4 << 30, reps: int = 20) -> None:
     torch.cuda.empty_cache()
 
 
-def s_pool_ipc(fig: dict, quick: bool = False) -> None:
-    need_cuda()
-    from gpu_check_procs import importer, in_child
+def _by_kind(fig: dict, target, args: tuple, check) -> None:
+    """Run ``target`` in a child for each GPU pool kind; figures under the kind; every kind's
+    failure is collected and raised once all kinds ran."""
+    from gpu_check_procs import KINDS, in_child
 
-    res = in_child(importer, (64 if quick else 2048,))
-    fig.update(res)
-    if "error" in res or not (res.get("import_bytes_exact") and res.get("owner_sees_write")):
-        raise AssertionError(res.get("error") or "bytes differ across processes")
+    failures = []
+    for kind in KINDS:
+        res = in_child(target, (kind, *args))
+        fig[kind] = res
+        problem = res.get("error") or check(res)
+        if problem:
+            failures.append(f"{kind}: {problem}")
+    if failures:
+        raise AssertionError("; ".join(failures))
+
+
+def s_pool_share(fig: dict, quick: bool = False) -> None:
+    need_cuda()
+    from gpu_check_procs import importer
+
+    _by_kind(fig, importer, (64 if quick else 2048,),
+             lambda r: None if r.get("import_bytes_exact") and r.get("owner_sees_write")
+             else "bytes differ across processes")
 
 
 def s_delta_write(fig: dict, quick: bool = False) -> None:
     need_cuda()
-    from gpu_check_procs import delta_write, in_child
+    from gpu_check_procs import delta_write
+
+    ceiling = CONTEXT.get("copy_GBps")
+
+    def check(res: dict) -> str | None:
+        for value in res.values():
+            if isinstance(value, dict) and ceiling:
+                value["of_ceiling"] = round(value["GBps"] / ceiling, 3)
+        return None if res.get("bytes_exact") else "destination bytes wrong"
 
     # 4 GiB pools of SmolLM2 bf16 pages (368,640 B): 11,650 pages; --quick: 1/16 of that.
-    res = in_child(delta_write, (728 if quick else 11650, 200 if quick else 2000))
-    fig.update(res)
-    ceiling = CONTEXT.get("copy_GBps")
-    if ceiling and "payload_GBps" in res:
-        fig["of_ceiling"] = round(res["payload_GBps"] / ceiling, 3)
-    if "error" in res or not (res.get("bytes_exact") and res.get("neighbours_untouched")):
-        raise AssertionError(res.get("error") or "destination bytes wrong")
+    _by_kind(fig, delta_write, (728 if quick else 11650, 200 if quick else 2000), check)
 
 
 def s_sigkill_fence(fig: dict, quick: bool = False) -> None:
     need_cuda()
-    from gpu_check_procs import in_child, sigkill_fence
+    from gpu_check_procs import sigkill_fence
 
-    res = in_child(sigkill_fence, (256, 2000 if quick else 20000))
-    fig.update(res)
-    if "error" in res:
-        raise AssertionError(res["error"])
-    if res.get("bytes_changed_after_lock"):
-        raise AssertionError(f"{res['bytes_changed_after_lock']} bytes changed after decode "
-                             f"held the fence lock: the proof must also wait for the writer "
-                             f"to be reaped")
+    def check(res: dict) -> str | None:
+        if res.get("bytes_changed_after_lock"):
+            return (f"{res['bytes_changed_after_lock']} bytes changed after decode held the "
+                    f"fence lock: the proof must also wait for the writer to be reaped")
+        return None
+
+    _by_kind(fig, sigkill_fence, (256, 2000 if quick else 20000), check)
 
 
 def s_mooncake(fig: dict, nbytes: int = 256 << 20) -> None:
@@ -334,19 +373,32 @@ def s_digests(fig: dict) -> None:
     pool = DevicePool.create(layout(256), device_ops("cuda:0"), incarnation_name("deltakv-dg"))
     pool.as_bytes().random_(0, 256)
     digester, view = PageDigester(pool), pool.as_bytes()
-    copy, digest = [], []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        view[128:192].copy_(view[0:64])
-        torch.cuda.synchronize()
-        copy.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        digester.digest(list(range(64)))
-        digest.append(time.perf_counter() - start)
-    fig["write64_ms"] = round(median(copy) * 1e3, 3)
-    fig["digest64_ms"] = round(median(digest) * 1e3, 3)
-    fig["digest_over_device_copy"] = round(median(digest) / median(copy), 1)
+    pages = list(range(64))
+    # A candidate on-device fingerprint (not xxh3: what hashing on the device would cost):
+    # per page, the int64 words times fixed odd weights, summed (wrapping).
+    words = view.view(torch.int64)
+    weights = torch.randint(1, 1 << 62, (words.shape[1],), device="cuda") | 1
+
+    def timed(fn) -> float:
+        out = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - start)
+        return median(out)
+
+    copy = timed(lambda: view[128:192].copy_(view[0:64]))
+    host = timed(lambda: digester.digest(pages))
+    d2h = timed(lambda: pool.host_pages(pages))
+    device = timed(lambda: (words[0:64] * weights).sum(dim=1).cpu())
+    fig["write64_ms"] = round(copy * 1e3, 3)
+    fig["host_digest64_ms"] = round(host * 1e3, 3)
+    fig["of_which_d2h_ms"] = round(d2h * 1e3, 3)
+    fig["device_fingerprint64_ms"] = round(device * 1e3, 3)
+    fig["host_digest_over_copy"] = round(host / copy, 1)
+    fig["device_fingerprint_over_copy"] = round(device / copy, 1)
     pool.close()
 
 
@@ -358,14 +410,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json")
     parser.add_argument("--only", default="", help="comma-separated sections to run")
     parser.add_argument("--quick", action="store_true", help="smaller pools and fewer runs")
+    parser.add_argument("--allow-no-cuda", action="store_true",
+                        help="run without CUDA (every CUDA section SKIPs; for CI)")
     args = parser.parse_args(argv)
     wanted = [s for s in args.only.split(",") if s] or SECTIONS
     unknown = sorted(set(wanted) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    reason = cuda_reason()
+    if reason is not None and not args.allow_no_cuda:
+        print(f"gpu_check: no CUDA device: {reason}", file=sys.stderr, flush=True)
+        return 1
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     funcs = {"env": s_env, "d2d_ceiling": s_d2d_ceiling,
-             "pool_ipc": lambda f: s_pool_ipc(f, args.quick),
+             "pool_share": lambda f: s_pool_share(f, args.quick),
              "delta_write": lambda f: s_delta_write(f, args.quick),
              "sigkill_fence": lambda f: s_sigkill_fence(f, args.quick),
              "mooncake": s_mooncake, "model": lambda f: s_model(f, args.quick),

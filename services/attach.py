@@ -34,10 +34,12 @@ refused as stale; every call the worker makes is bound to its incarnation
 
 Why re-attach instead of always exiting: a sidecar restart costs the requests in flight (they
 fail UNAVAILABLE and are retried), not the worker's model load and warm-up; exiting remains
-the answer whenever re-attaching cannot be proven safe (the ``FAILED`` cases) — and always
-for a pool in GPU memory mapped by a legacy CUDA IPC handle (``cuda_ipc``): what such a mapping
-does once its exporter died is undefined, so the worker goes to ``FAILED`` and is restarted
-with a fresh CUDA context (:data:`deltakv.sidecar.device.pool.REATTACH_SAFE`, docs/gpu.md).
+the answer whenever re-attaching cannot be proven safe (the ``FAILED`` cases). What is safe
+depends on the pool kind (:data:`deltakv.sidecar.pool_kinds.POOL_KINDS`, docs/gpu.md): a
+``/dev/shm`` segment (``shm``, ``shm_fd``) and VMM GPU memory passed as an fd (``cuda_vmm``)
+are reference-counted, so the old mapping stays valid memory until this worker unmaps it, and
+the worker re-attaches; a legacy CUDA IPC mapping (``cuda_ipc``) is undefined once its exporter
+died, so the worker goes to ``FAILED`` at once and is restarted with a fresh CUDA context.
 """
 
 from __future__ import annotations
@@ -321,11 +323,11 @@ class SidecarPairing:
         """Fail and drain the old incarnation's requests (once), pair with the new one, swap.
         Raises PairingFailed if they do not end in time, FailedPrecondition if the new pool
         does not fit, Unavailable if the sidecar went away meanwhile."""
-        from deltakv.sidecar.device.pool import REATTACH_SAFE
+        from deltakv.sidecar.pool_kinds import pool_kind
 
         old = self.current
         kind = old.describe.pool_kind or "shm"
-        if not REATTACH_SAFE.get(kind, False):
+        if not pool_kind(kind).reattach_safe:
             # A legacy CUDA IPC mapping of a dead exporter is undefined: the process exits and
             # is restarted with a clean CUDA context rather than serving next to it.
             raise PairingFailed(f"this worker's sidecar restarted and its {kind} pool cannot "

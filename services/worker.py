@@ -80,7 +80,8 @@ class Worker:
 async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: float = 60.0,
                        log=None, *, quarantine_ms: int = 0,
                        reattach_timeout_s: float = 60.0, channel: str = "channel",
-                       device: str = "cpu", cache_dir: Any = None) -> Worker:
+                       device: str = "cpu", cache_dir: Any = None,
+                       pairing_key: Any = None) -> Worker:
     """Load the model (on a thread, while waiting for the sidecar), pair with the sidecar
     (bounded wait for its health, ``Attach``: what a
     previous worker left there is released, its live pages quarantined for
@@ -90,6 +91,8 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     (:data:`deltakv.sidecar.client.CHANNELS`).
 
     ``device``: where the model computes and the pool is mapped (``cpu``, ``cuda[:N]``).
+    ``pairing_key``: the cluster's key, which pool kinds passed as an fd ask for
+    (:mod:`deltakv.sidecar.pool_socket`).
 
     Raises Unavailable if the sidecar is not healthy within ``ready_timeout_s``;
     FailedPrecondition if the model does not fit the pool's layout or ``device`` cannot be
@@ -113,7 +116,7 @@ async def start_worker(sidecar_socket: str, model_name: str, ready_timeout_s: fl
     # Traced like every other hop (no-op list when tracing is off): the sidecar's spans join
     # the request's trace.
     sidecar = SidecarClient(sidecar_socket, interceptors=otel_grpc.aio_client_interceptors(),
-                            channel=channel)
+                            channel=channel, pairing_key=pairing_key)
     try:
         with phase(log, "sidecar_wait"):
             await sidecar.wait_ready(timeout_s=ready_timeout_s)

@@ -56,17 +56,22 @@ class SidecarClient:
     """
 
     incarnation: str | None = None
+    #: The cluster's pairing key (:class:`deltakv.sidecar.pairing.PairingKey`): proves this
+    #: worker's pairing to the pool socket of fd-shared pool kinds; None: not loaded.
+    pairing_key: Any = None
     #: Called with the sidecar's incarnation when a bound call is refused as stale.
     on_stale: Callable[[str], None] | None = None
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0,
-                 interceptors: Sequence[Any] | None = None, channel: str | None = None) -> None:
+                 interceptors: Sequence[Any] | None = None, channel: str | None = None,
+                 pairing_key: Any = None) -> None:
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         channel = DEFAULT_CHANNEL if channel is None else channel
         if channel not in CHANNELS:
             raise InvalidArgument(f"sidecar channel must be one of {CHANNELS}, got {channel!r}")
         self.channel = channel
+        self.pairing_key = pairing_key
         self._commands = (CommandClient(command_socket_path(socket_path))
                           if channel == "channel" else None)
         self.socket_path = socket_path
@@ -330,30 +335,19 @@ class SidecarClient:
 
     def map_pool(self, describe: sidecar_pb2.DescribeResponse,
                  device: str = "cpu") -> SharedKVPool:
-        """Attach the sidecar's pool zero-copy (non-owner: never unlinks it). The caller
-        closes the returned pool. A ``cuda_ipc`` pool is imported on ``device`` (this
-        worker's ``--device``, e.g. ``cuda:0``) as a DevicePool. UnknownEndpoint
-        (FAILED_PRECONDITION) if the segment is gone or the GPU pool lives on another GPU,
-        InvalidArgument if its size disagrees with the layout or a GPU pool meets a CPU
-        worker."""
+        """Attach the sidecar's pool zero-copy (non-owner: never unlinks or frees it) as its
+        ``pool_kind`` says (:mod:`deltakv.sidecar.pool_kinds`): by name, by handle, or by the
+        fd its pool socket passes (this client's ``pairing_key`` proves the pairing). A GPU
+        pool is imported on ``device`` (this worker's ``--device``, e.g. ``cuda:0``). The
+        caller closes the returned pool. UnknownEndpoint (FAILED_PRECONDITION) if the pool is
+        gone or lives on another GPU, InvalidArgument if its size disagrees with the layout or
+        a GPU pool meets a CPU worker, PermissionDenied if the pool socket refuses."""
         from deltakv.layout import KVLayout
-        from deltakv.sidecar.pool import SharedKVPool
+        from deltakv.sidecar.pool_kinds import MapRequest, attach_pool
 
-        layout = KVLayout.from_proto(describe.endpoint.layout)
-        if describe.pool_bytes and describe.pool_bytes != layout.pool_bytes:
-            raise InvalidArgument(f"sidecar reports pool_bytes={describe.pool_bytes}, its "
-                                  f"layout implies {layout.pool_bytes}")
-        if describe.pool_kind not in ("", "shm"):
-            from deltakv.sidecar.device import device_ops, parse_device
-            from deltakv.sidecar.device.pool import DevicePool
-
-            if parse_device(device)[0] == "cpu":
-                raise InvalidArgument(f"the sidecar's pool is in GPU memory "
-                                      f"({describe.pool_kind}); start the worker with "
-                                      f"--device cuda[:N]")
-            return DevicePool.attach(describe.pool_shm_name, layout, device_ops(device),
-                                     describe.pool_handle, describe.device_uuid)
-        return SharedKVPool.attach(describe.pool_shm_name, layout)
+        return attach_pool(MapRequest(describe, KVLayout.from_proto(describe.endpoint.layout),
+                                      device, self.socket_path, self.pairing_key,
+                                      self.timeout_s))
 
     async def close(self) -> None:
         """Close the channels (idempotent; a bound client leaves them to its parent)."""

@@ -124,6 +124,10 @@ class SharedKVPool:
     for concurrent ``close``; reads and writes through the tensor are plain memory accesses.
     """
 
+    #: How workers map it (:data:`deltakv.sidecar.pool_kinds.POOL_KINDS`): by name (``shm``) or
+    #: by the fd the sidecar's pool socket passes (``shm_fd``); the sidecar sets it.
+    pool_kind = "shm"
+
     def __init__(self, name: str, layout: KVLayout, mm: mmap.mmap, owner: bool,
                  inode: tuple[int, int], fd: int) -> None:
         # Use create()/attach(); this only wires an already-sized mapping. ``fd`` (the open
@@ -214,6 +218,25 @@ class SharedKVPool:
             raise UnknownEndpoint(f"shared-memory KV pool {name!r} does not exist "
                                   f"(sidecar not started, or restarted under a new name)",
                                   name=name) from None
+        return cls._map_attached(name, layout, fd, identity)
+
+    @classmethod
+    def from_fd(cls, name: str, layout: KVLayout, fd: int) -> SharedKVPool:
+        """Map the segment open as ``fd`` (handed over by the sidecar's pool socket,
+        :mod:`deltakv.sidecar.pool_socket`; this pool takes ownership of ``fd``). The file must
+        be a regular file of this user, closed to others, of ``layout.pool_bytes`` bytes:
+        otherwise UnknownEndpoint (and ``fd`` is closed). Unlike :meth:`attach`, the name is
+        never opened: the mapping is of the very memory the sidecar handed over, even after
+        the sidecar died and a successor reclaimed the name."""
+        if not isinstance(layout, KVLayout):
+            os.close(fd)
+            raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+        st = os.fstat(fd)
+        return cls._map_attached(name, layout, fd, (st.st_dev, st.st_ino))
+
+    @classmethod
+    def _map_attached(cls, name: str, layout: KVLayout, fd: int,
+                      identity: tuple[int, int] | None) -> SharedKVPool:
         try:
             st = os.fstat(fd)
             if identity is not None and (
@@ -239,6 +262,16 @@ class SharedKVPool:
     def inode(self) -> tuple[int, int]:
         """``(st_dev, st_ino)`` of the segment: its identity (a name can be reused)."""
         return self._inode
+
+    def share_fd(self) -> int:
+        """A new fd of the segment (close-on-exec) for the pool socket to pass to a worker;
+        the caller closes it. InvalidArgument once closed."""
+        self._check_open()
+        return os.dup(self._fd)
+
+    def describe_fields(self) -> dict:
+        """What ``Describe`` adds so a worker can map this pool: its ``pool_kind``."""
+        return {"pool_kind": self.pool_kind}
 
     @property
     def closed(self) -> bool:

@@ -62,9 +62,11 @@ class SidecarConfig:
     ``close_grant_timeout_s``: how long ``CloseGrant`` waits for its fence proof;
     ``page_digests``: end-to-end page digests (``deltakv.sidecar.digests``; off = none taken,
     checked or kept); ``device``: where the pool lives (``cpu`` = /dev/shm, ``cuda[:N]`` =
-    GPU memory exported by handle: :mod:`deltakv.sidecar.device`); ``giveback``: a prefill
-    sidecar also owns destination pages (it grants, fences and receives give-backs from
-    decode, docs/giveback.md; decode's always does).
+    GPU memory: :mod:`deltakv.sidecar.device`); ``pool_kind``: how the worker maps the pool
+    (:mod:`deltakv.sidecar.pool_kinds`; None: the device's default; a kind passed as an fd is
+    served on the pool socket ``<name>.pool``, :mod:`deltakv.sidecar.pool_socket`);
+    ``giveback``: a prefill sidecar also owns destination pages (it grants, fences and
+    receives give-backs from decode, docs/giveback.md; decode's always does).
     """
 
     role: str
@@ -84,6 +86,7 @@ class SidecarConfig:
     close_grant_timeout_s: float = 2.0
     page_digests: bool = True
     device: str = "cpu"
+    pool_kind: str | None = None
     giveback: bool = False
 
 
@@ -131,6 +134,7 @@ class SidecarServer:
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._unobserve_pool: Any = None
+        self.pool_socket: Any = None
 
     @property
     def address(self) -> str:
@@ -139,9 +143,10 @@ class SidecarServer:
 
     def start(self) -> None:
         """Build and serve (see class docstring)."""
-        from deltakv.sidecar.device.pool import create_pool
         from deltakv.sidecar.page_manager import PageManager
         from deltakv.sidecar.pool import incarnation_name, reclaim_incarnations
+        from deltakv.sidecar.pool_kinds import create_pool
+        from deltakv.sidecar.pool_socket import pool_socket_path
         from deltakv.sidecar.transport.base import Transport, TransportOptions
         from deltakv.sidecar.transport.registry import create_transport
 
@@ -153,7 +158,9 @@ class SidecarServer:
             reclaimed = reclaim_incarnations(base)
             if reclaimed:
                 self.log.info("reclaimed_segments", segments=reclaimed)
-            self.pool = create_pool(cfg.layout, incarnation_name(base), cfg.device)
+            self.pool = create_pool(cfg.layout, incarnation_name(base), cfg.device,
+                                    cfg.pool_kind)
+            self._serve_pool_socket()
             page_manager = PageManager(cfg.layout.num_pages, cfg.layout.page_size)
             owns_destination = cfg.role == "decode" or cfg.giveback
 
@@ -165,7 +172,9 @@ class SidecarServer:
                 # prefill's too when it receives give-backs; otherwise it needs no remote access.
                 return create_transport(cfg.transport, TransportOptions(
                     host=cfg.host, port=cfg.port, extra=dict(cfg.transport_extra),
-                    remote_access=owns_destination))
+                    remote_access=owns_destination,
+                    pool_socket=pool_socket_path(cfg.socket_path),
+                    pool_incarnation=self.endpoint_id, pairing_key=cfg.pairing_key))
 
             first = make()
             try:
@@ -225,6 +234,19 @@ class SidecarServer:
                       num_pages=cfg.layout.num_pages, page_bytes=cfg.layout.page_bytes,
                       health_address=self.server.health_address)
 
+    def _serve_pool_socket(self) -> None:
+        """Serve the pool's fd on ``<name>.pool`` when its kind is passed as an fd."""
+        from deltakv.sidecar.pool_kinds import pool_kind
+        from deltakv.sidecar.pool_socket import PoolSocketServer, pool_socket_path
+
+        if not pool_kind(self.pool.pool_kind).shares_fd:
+            return
+        header = {"pool": self.pool.name, "kind": self.pool.pool_kind,
+                  "nbytes": self.pool.nbytes, "uuid": getattr(self.pool, "uuid", "")}
+        self.pool_socket = PoolSocketServer(
+            pool_socket_path(self.config.socket_path), self.pool.share_fd, header,
+            self.endpoint_id, self.config.pairing_key)
+
     def _log_stale_call(self, method: str, claimed: str) -> None:
         self.log.warning("stale_incarnation_refused", method=method, claimed=claimed,
                          endpoint_id=self.endpoint_id)
@@ -278,6 +300,9 @@ class SidecarServer:
         if self.engines is not None:
             self.engines.close()
             self.engines = None
+        if self.pool_socket is not None:
+            self.pool_socket.close()
+            self.pool_socket = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -88,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from deltakv.services.cli.argtypes import add_device_argument
 
     add_device_argument(parser, "every pool and model")
+    from deltakv.sidecar.pool_kinds import POOL_KINDS
+
+    parser.add_argument("--pool-kind", choices=sorted(POOL_KINDS), default=None,
+                        help="how workers map their sidecar's pool: shm or shm_fd on cpu, "
+                             "cuda_ipc or cuda_vmm on a GPU (default: shm / cuda_ipc); "
+                             "docs/gpu.md")
     parser.add_argument("--page-size", type=positive_int, default=c.page_size, help="tokens per page")
     parser.add_argument("--num-pages", type=positive_int, default=c.num_pages,
                         help="pages per KV pool (each sidecar)")
@@ -203,13 +209,25 @@ def cluster_config(args: argparse.Namespace):
                          metrics_port=_metrics_base_port(args),
                          prefill_args=_prefill_chunk(args) + _device(args),
                          decode_args=_decode_bounds(args) + _device(args),
-                         prefill_sidecar_args=_device(args), decode_sidecar_args=_device(args),
+                         prefill_sidecar_args=_device(args) + _pool_kind(args),
+                         decode_sidecar_args=_device(args) + _pool_kind(args),
                          env=_cache_env(args))
 
 
 def _device(args: argparse.Namespace) -> list[str]:
     device = getattr(args, "device", "cpu")
     return [] if device == "cpu" else ["--device", device]
+
+
+def _pool_kind(args: argparse.Namespace) -> list[str]:
+    """``--pool-kind`` for both sidecars; InvalidArgument if it does not fit ``--device``."""
+    kind = getattr(args, "pool_kind", None)
+    if kind is None:
+        return []
+    from deltakv.sidecar.pool_kinds import resolve_pool_kind
+
+    resolve_pool_kind(getattr(args, "device", "cpu"), kind)  # a named kind opens no device
+    return ["--pool-kind", kind]
 
 
 def _cache_env(args: argparse.Namespace) -> dict[str, str]:

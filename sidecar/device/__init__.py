@@ -44,9 +44,10 @@ def parse_device(spec: str) -> tuple[str, int]:
     raise InvalidArgument(f"unknown device {spec!r}: use cpu, cuda or cuda:N")
 
 
-def device_ops(spec: str):
+def device_ops(spec: str, pool_kind: str | None = None):
     """The :class:`~deltakv.sidecar.device.base.DeviceOps` of device ``spec`` (not ``cpu``),
-    opened on its ordinal. Raises InvalidArgument for a bad name or ``cpu`` (no device ops: the
+    opened on its ordinal, for ``pool_kind`` (None: the device's default kind, e.g.
+    ``cuda_ipc``; ``cuda_vmm``: :mod:`deltakv.sidecar.device.cuda_vmm`). Raises InvalidArgument for a bad name or ``cpu`` (no device ops: the
     CPU pool is shared memory), DeviceUnavailable (FAILED_PRECONDITION) when the device cannot be
     used here, with one line saying why."""
     from deltakv.sidecar.device.base import DeviceOps
@@ -62,6 +63,8 @@ def device_ops(spec: str):
         raise InvalidArgument(f"device {spec!r}: cannot import {target}: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, DeviceOps)):
         raise InvalidArgument(f"device {spec!r}: {target} is not a DeviceOps subclass")
+    if pool_kind is not None:
+        cls = cls.for_pool_kind(pool_kind)
     reason = cls.probe(index)
     if reason is not None:
         raise DeviceUnavailable(f"device {spec!r} is unavailable: {reason}")

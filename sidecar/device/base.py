@@ -11,10 +11,13 @@ code through a labelled fake (``tests/support/fake_device.py``), never shipped a
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from deltakv.errors import InvalidArgument
 
 
 class CopyRun(NamedTuple):
@@ -39,8 +42,14 @@ class DeviceOps(abc.ABC):
     kind: str = "cuda"
     #: What ``Describe`` publishes as the pool kind (how a worker maps it).
     pool_kind: str = "cuda_ipc"
-    #: Size of an exported handle in bytes (``cudaIpcMemHandle_t``: 64).
+    #: Size of an exported handle in bytes (``cudaIpcMemHandle_t``: 64; 0 for fd kinds).
     handle_bytes: int = 64
+    #: True if the pool travels as a file descriptor (:meth:`export_fd` / :meth:`import_fd`,
+    #: over the sidecar's pool socket) rather than as handle bytes in ``Describe``.
+    shares_fd: bool = False
+    #: Pool kind -> "module:Class" of the DeviceOps that allocates and maps that kind on this
+    #: device (:meth:`for_pool_kind`); a class that offers one kind leaves it empty.
+    variants: dict[str, str] = {}
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -109,6 +118,30 @@ class DeviceOps(abc.ABC):
         """Zero-copy ``uint8 [nbytes]`` tensor over device memory at ``ptr``; the tensor holds
         a reference to ``keepalive`` (whose finalizer releases the memory) as long as it or a
         view of it lives."""
+
+    def export_fd(self, ptr: int) -> int:
+        """A new file descriptor (the caller closes it) another process imports with
+        :meth:`import_fd` to map ``ptr``'s allocation. Only kinds with :attr:`shares_fd`."""
+        raise DeviceError("export_fd", 1, f"pool kind {self.pool_kind} is not shared as an fd")
+
+    def import_fd(self, fd: int, nbytes: int) -> int:
+        """Map the ``nbytes``-byte allocation a peer exported as ``fd`` (the caller still
+        closes ``fd``); returns its pointer here, released by :meth:`close_import`."""
+        raise DeviceError("import_fd", 1, f"pool kind {self.pool_kind} is not shared as an fd")
+
+    @classmethod
+    def for_pool_kind(cls, pool_kind: str) -> type[DeviceOps]:
+        """The DeviceOps class of this device for ``pool_kind`` (:attr:`variants`, else this
+        class for its own kind). InvalidArgument for a kind this device does not offer."""
+        if pool_kind == cls.pool_kind:
+            return cls
+        target = cls.variants.get(pool_kind)
+        if target is None:
+            offered = sorted({cls.pool_kind, *cls.variants})
+            raise InvalidArgument(f"pool kind {pool_kind!r} is not offered by device "
+                                  f"{cls.__name__} (it offers {offered})")
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-process resources of this object (not memory it handed out)."""

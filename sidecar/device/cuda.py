@@ -127,6 +127,7 @@ class CudaDevice(DeviceOps):
     kind = "cuda"
     pool_kind = "cuda_ipc"
     handle_bytes = 64
+    variants = {"cuda_vmm": "deltakv.sidecar.device.cuda_vmm:CudaVmmDevice"}
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(index)

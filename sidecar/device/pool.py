@@ -6,13 +6,12 @@ the sidecar :meth:`create`\\ s it (``alloc`` outside torch's caching allocator, 
 publishes :attr:`handle` with :attr:`uuid`; the worker and same-host ``cuda_ipc`` writers
 :meth:`attach` the handle and see the very same device memory.
 
-What happens when the owner dies (legacy CUDA IPC; docs/gpu.md): CUDA documents freeing
-exported memory before the importer closes it as undefined, and says nothing of the owner
-process dying. A worker therefore never trusts its mapping after its sidecar's incarnation
-changed: :mod:`deltakv.services.attach` exits for a restart instead of re-attaching
-(:data:`REATTACH_SAFE`). The VMM path (``cuMemCreate`` exported as a POSIX fd over the
-sidecar's Unix socket) keeps the memory alive while any importer maps it, like ``/dev/shm``,
-and would make re-attaching safe; it is the planned next kind.
+What happens when the owner dies depends on the pool kind (docs/gpu.md; the registry
+:data:`deltakv.sidecar.pool_kinds.POOL_KINDS` says which kinds a worker may re-attach):
+``cuda_ipc`` (legacy CUDA IPC handle) is undefined after the exporter died, so the worker exits
+for a restart; ``cuda_vmm`` (``cuMemCreate`` memory passed as a POSIX fd over the sidecar's pool
+socket) is reference-counted by every mapping, so the worker's mapping stays valid and it
+re-attaches to the restarted sidecar's new pool.
 """
 
 from __future__ import annotations
@@ -26,22 +25,6 @@ import torch
 from deltakv.errors import InvalidArgument, UnknownEndpoint
 from deltakv.layout import KVLayout
 from deltakv.sidecar.device.base import DeviceError, DeviceOps
-
-#: Pool kind -> whether a worker may re-attach to a restarted sidecar in the same process
-#: (its old mapping cannot poison it). ``shm``: the segment outlives its owner (refcounted by
-#: the kernel). ``cuda_ipc``: undefined after the owner dies, so the worker exits for a restart.
-REATTACH_SAFE: dict[str, bool] = {"shm": True, "cuda_ipc": False}
-
-
-def create_pool(layout: KVLayout, name: str, device: str = "cpu"):
-    """The sidecar's pool ``name`` on ``device``: a SharedKVPool for ``cpu``, else a
-    DevicePool on that device (DeviceUnavailable, one line, when it cannot be used here)."""
-    from deltakv.sidecar.device import device_ops, parse_device
-    from deltakv.sidecar.pool import SharedKVPool
-
-    if parse_device(device)[0] == "cpu":
-        return SharedKVPool.create(layout, name=name)
-    return DevicePool.create(layout, device_ops(device), name)
 
 
 class _Memory:
@@ -107,16 +90,39 @@ class DevicePool:
         InvalidArgument for a handle of the wrong size."""
         if not isinstance(handle, bytes) or len(handle) != ops.handle_bytes:
             raise InvalidArgument(f"device pool handle must be {ops.handle_bytes} bytes")
-        local = ops.uuid()
-        if uuid != local:
-            raise UnknownEndpoint(f"device pool {name!r} lives on GPU {uuid}, this process "
-                                  f"uses {local}: both sides must use the same GPU", name=name)
+        cls._check_uuid(name, ops, uuid)
         try:
             ptr = ops.import_handle(handle)
         except DeviceError as exc:
             raise UnknownEndpoint(f"device pool {name!r} cannot be mapped: {exc}",
                                   name=name) from None
         return cls(name, layout, ops, _Memory(ops, ptr, owner=False), handle, uuid)
+
+    @classmethod
+    def attach_fd(cls, name: str, layout: KVLayout, ops: DeviceOps, fd: int,
+                  uuid: str) -> DevicePool:
+        """Map a pool its owner exported as ``fd`` (``ops.shares_fd`` kinds; the caller still
+        closes ``fd``). Raises as :meth:`attach`."""
+        cls._check_uuid(name, ops, uuid)
+        try:
+            ptr = ops.import_fd(fd, layout.pool_bytes)
+        except DeviceError as exc:
+            raise UnknownEndpoint(f"device pool {name!r} cannot be mapped: {exc}",
+                                  name=name) from None
+        return cls(name, layout, ops, _Memory(ops, ptr, owner=False), b"", uuid)
+
+    @staticmethod
+    def _check_uuid(name: str, ops: DeviceOps, uuid: str) -> None:
+        local = ops.uuid()
+        if uuid != local:
+            raise UnknownEndpoint(f"device pool {name!r} lives on GPU {uuid}, this process "
+                                  f"uses {local}: both sides must use the same GPU", name=name)
+
+    def share_fd(self) -> int:
+        """A new fd of the pool's memory for the pool socket (``ops.shares_fd`` kinds); the
+        caller closes it. DeviceError for a kind shared by handle bytes."""
+        self._check_open()
+        return self.ops.export_fd(self._ptr)
 
     def describe_fields(self) -> dict:
         """What ``Describe`` adds so a worker can map this pool (``DescribeResponse`` fields)."""

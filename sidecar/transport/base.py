@@ -92,12 +92,19 @@ class TransportOptions:
     False for a pool that is only ever the source of this sidecar's own writes (prefill's),
     which a backend then leaves unregistered for remote access where its engine allows it
     (docs/security.md).
+    ``pool_socket``, ``pool_incarnation``, ``pairing_key``: for a same-host backend over a pool
+    kind passed as a file descriptor (``cuda_vmm``): this sidecar's pool socket and
+    incarnation, which its descriptor publishes, and the cluster's pairing key, which proves
+    this sidecar to a peer's pool socket (:mod:`deltakv.sidecar.pool_socket`).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     remote_access: bool = True
+    pool_socket: str = ""
+    pool_incarnation: str = ""
+    pairing_key: Any = None
 
 
 class PeerHandle:

@@ -2,8 +2,11 @@
 
 The GPU twin of :mod:`.shm` (DESIGN §7, §12). Both sidecars own a
 :class:`~deltakv.sidecar.device.pool.DevicePool` (``--device cuda[:N]``); the writer imports the
-peer's pool from its sealed descriptor — the exported handle, the GPU's UUID and the pool's
-*host* fence segment — and copies each run with ``cudaMemcpyAsync`` on its own stream.
+peer's pool from its sealed descriptor and copies each run with ``cudaMemcpyAsync`` on its own
+stream. How the pool is imported follows its kind (:mod:`deltakv.sidecar.pool_kinds`):
+``cuda_ipc`` by the 64-byte legacy IPC handle in the descriptor; ``cuda_vmm`` by the POSIX fd
+the peer's pool socket passes (:mod:`deltakv.sidecar.pool_socket`; this sidecar proves itself
+with the cluster's pairing key and names the incarnation the descriptor published).
 
 Fencing is the shm one (``fence_kind = "words"``, :class:`~deltakv.sidecar.fence_table.FenceView`),
 with one addition that makes it hold for asynchronous copies: the writer **synchronizes its
@@ -13,42 +16,33 @@ byte of a revoked room can land afterwards. (What a SIGKILLed writer's queued co
 one thing that must be measured on a GPU: ``scripts/gpu_check.py``, section "sigkill fence".)
 
 Descriptor (JSON, version 1): ``pool`` (incarnation name), ``nbytes``, ``handle`` (hex of the
-64-byte IPC handle), ``uuid`` (the GPU), ``kind`` (pool kind), ``fence``/``fence_inode`` (host
-fence segment), and the owner's ``host``/``node``/``pidns``/``pid``/``start_time`` as for shm.
-The peer table verifies the endpoint's seal before :meth:`CudaIpcTransport.connect` sees it,
-so a writer imports only handles a paired sidecar published; a handle on another GPU (UUID
-differs from this process's device) or one that cannot be mapped is refused.
+64-byte IPC handle; empty for ``cuda_vmm``), ``uuid`` (the GPU), ``kind`` (pool kind),
+``pool_socket``/``incarnation`` (``cuda_vmm``: where and under which incarnation to ask for the
+fd), ``fence``/``fence_inode`` (host fence segment), and the owner's
+``host``/``node``/``pidns``/``pid``/``start_time`` as for shm. The peer table verifies the
+endpoint's seal before :meth:`CudaIpcTransport.connect` sees it, so a writer imports only pools a
+paired sidecar published; a pool on another GPU (UUID differs from this process's device) or one
+that cannot be mapped is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 import threading
 from typing import TYPE_CHECKING
 
-from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
+from deltakv.errors import FailedPrecondition, InvalidArgument
 from deltakv.layout import KVLayout
 from deltakv.sidecar.device.base import CopyRun
 from deltakv.sidecar.device.pool import DevicePool
 from deltakv.sidecar.fence_table import FenceTable, FenceView
-from deltakv.sidecar.pool import TOKEN_RE
-from deltakv.sidecar.transport.base import (
-    BatchLimits,
-    PageRun,
-    PeerHandle,
-    Transport,
-    TransportOptions,
-)
-from deltakv.sidecar.transport.shm import check_same_host, owner_identity, peer_view
+from deltakv.sidecar.transport.base import PageRun, PeerHandle, TransportOptions
+from deltakv.sidecar.transport.same_host import SameHostTransport, check_same_host, peer_view
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from deltakv.sidecar.rooms import RoomTicket
-
-_DESCRIPTOR_VERSION = 1
-_FIELDS = {"pool": str, "nbytes": int, "handle": str, "uuid": str, "kind": str, "fence": str,
-           "fence_inode": list, "host": str, "pidns": str, "pid": int}
 
 
 class CudaIpcPeer(PeerHandle):
@@ -62,7 +56,30 @@ class CudaIpcPeer(PeerHandle):
         self.pid, self.start_time = pid, start_time
 
 
-class CudaIpcTransport(Transport):
+def _import_by_handle(desc: dict, remote: KVLayout, local: DevicePool, key: object) -> DevicePool:
+    try:
+        handle = bytes.fromhex(desc["handle"])
+    except ValueError:
+        raise InvalidArgument("malformed cuda_ipc handle") from None
+    return DevicePool.attach(desc["pool"], remote, local.ops, handle, desc["uuid"])
+
+
+def _import_by_fd(desc: dict, remote: KVLayout, local: DevicePool, key: object) -> DevicePool:
+    from deltakv.sidecar.pool_socket import fetch_pool_fd
+
+    if not desc.get("pool_socket") or not desc.get("incarnation"):
+        raise InvalidArgument(f"cuda_ipc descriptor of a {desc['kind']} pool names no pool socket")
+    fd, header = fetch_pool_fd(desc["pool_socket"], desc["incarnation"], key)
+    try:
+        if header.get("pool") != desc["pool"]:
+            raise FailedPrecondition(f"pool socket {desc['pool_socket']} serves "
+                                     f"{header.get('pool')!r}, not {desc['pool']!r}")
+        return DevicePool.attach_fd(desc["pool"], remote, local.ops, fd, desc["uuid"])
+    finally:
+        os.close(fd)
+
+
+class CudaIpcTransport(SameHostTransport):
     """Copies pages into a peer's device pool on the same machine (module docstring).
 
     ``options.extra["max_entries"]``: runs per batch (default 65,536). Thread-safe: each
@@ -71,19 +88,16 @@ class CudaIpcTransport(Transport):
     """
 
     name = "cuda_ipc"
-    fence_kind = "words"
+    peer_class = CudaIpcPeer
+    descriptor_version = 1
+    descriptor_fields = {"pool": str, "nbytes": int, "handle": str, "uuid": str, "kind": str,
+                         "fence": str, "fence_inode": list, "host": str, "pidns": str,
+                         "pid": int}
 
     def __init__(self, options: TransportOptions | None = None) -> None:
-        options = options or TransportOptions()
-        max_entries = int(options.extra.get("max_entries", 1 << 16))
-        if max_entries <= 0:
-            raise InvalidArgument(f"cuda_ipc max_entries must be > 0, got {max_entries}")
-        self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
-        self._pool: DevicePool | None = None
-        self.fence_table: FenceTable | None = None
+        super().__init__(options)
         self._stream: int | None = None
         self._copy_lock = threading.Lock()
-        self._closed = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -111,31 +125,25 @@ class CudaIpcTransport(Transport):
     def describe(self, endpoint_id: str, layout: KVLayout) -> kv_pb2.EndpointInfo:
         """EndpointInfo with ``address`` = ``host/<pool name without its token>`` and the JSON
         descriptor (module docstring). The caller seals it."""
-        pool = self._require_pool()
-        if layout.pool_bytes != pool.nbytes:
-            raise InvalidArgument(f"describe: layout has {layout.pool_bytes} bytes, the "
-                                  f"registered pool {pool.nbytes}")
-        descriptor = {
-            "v": _DESCRIPTOR_VERSION, "pool": pool.name, "nbytes": pool.nbytes,
-            "handle": pool.handle.hex(), "uuid": pool.uuid, "kind": pool.pool_kind,
-            "fence": self.fence_table.name, "fence_inode": list(self.fence_table.inode),
-            **owner_identity(),
-        }
-        return kv_pb2.EndpointInfo(
-            endpoint_id=endpoint_id, backend=self.name,
-            address=f"{descriptor['host']}/{TOKEN_RE.sub('', pool.name)}",
-            descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
-            layout=layout.to_proto())
+        pool = self._check_layout(layout)
+        via_fd = pool.ops.shares_fd
+        return self._endpoint(endpoint_id, layout, {
+            "pool": pool.name, "nbytes": pool.nbytes, "handle": pool.handle.hex(),
+            "uuid": pool.uuid, "kind": pool.pool_kind,
+            "pool_socket": self.options.pool_socket if via_fd else "",
+            "incarnation": self.options.pool_incarnation if via_fd else "",
+            "fence": self.fence_table.name, "fence_inode": list(self.fence_table.inode)})
 
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: kv_pb2.EndpointInfo) -> CudaIpcPeer:
         """Import the peer's device pool and map its fence words.
 
-        Raises FailedPrecondition for a peer on another machine, InvalidArgument for a
-        malformed descriptor or one whose size disagrees with the peer's layout,
-        UnknownEndpoint (FAILED_PRECONDITION) for a pool on another GPU or a handle that
-        cannot be mapped, Unavailable if its owner is gone or this transport is closed."""
+        Raises FailedPrecondition for a peer on another machine or of another pool kind,
+        InvalidArgument for a malformed descriptor or one whose size disagrees with the
+        peer's layout, UnknownEndpoint (FAILED_PRECONDITION) for a pool on another GPU or
+        one that cannot be mapped, PermissionDenied if the peer's pool socket refuses this
+        sidecar, Unavailable if its owner is gone or this transport is closed."""
         local = self._require_pool()
         desc = self._parse(peer)
         remote = KVLayout.from_proto(peer.layout)
@@ -146,26 +154,14 @@ class CudaIpcTransport(Transport):
         if desc["kind"] != local.pool_kind:
             raise FailedPrecondition(f"cuda_ipc peer pool kind {desc['kind']!r} != local "
                                      f"{local.pool_kind!r}")
-        try:
-            handle = bytes.fromhex(desc["handle"])
-        except ValueError:
-            raise InvalidArgument(f"malformed cuda_ipc handle for {peer.endpoint_id!r}") from None
-        mapped = DevicePool.attach(desc["pool"], remote, local.ops, handle, desc["uuid"])
+        importer = _import_by_fd if local.ops.shares_fd else _import_by_handle
+        mapped = importer(desc, remote, local, self.options.pairing_key)
         try:
             fence = FenceView.open(desc["fence"], remote.num_pages, tuple(desc["fence_inode"]))
         except BaseException:
             mapped.close()
             raise
         return CudaIpcPeer(peer, mapped, fence, desc["pid"], start_time)
-
-    def disconnect(self, peer: PeerHandle) -> None:
-        """Drop the imported pool and the fence view (deferred while a write uses them);
-        later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
-        handle = self._check_handle(peer)
-        handle.closed = True
-        with contextlib.suppress(Exception):
-            handle.pool.close()
-        handle.fence.close()
 
     # ------------------------------------------------------------------ writes
 
@@ -196,44 +192,10 @@ class CudaIpcTransport(Transport):
                         run.num_pages * page_bytes)], self._stream)
                     ops.sync(self._stream)  # before the lock goes: nothing left in flight
 
-    def close(self) -> bool:
-        """Refuse further connects, release the stream and remove the fence segment.
-        Idempotent; returns True."""
-        self._closed = True
+    def _release(self) -> None:
+        """The copy stream goes with the transport."""
         with self._copy_lock:
             stream, self._stream = self._stream, None
             if stream is not None and self._pool is not None:
                 with contextlib.suppress(Exception):
                     self._pool.ops.destroy_stream(stream)
-        if self.fence_table is not None:
-            self.fence_table.close()
-        return True
-
-    # ------------------------------------------------------------------ helpers
-
-    def _require_pool(self) -> DevicePool:
-        if self._closed:
-            raise Unavailable("cuda_ipc transport is closed")
-        if self._pool is None:
-            raise FailedPrecondition("cuda_ipc transport has no registered pool")
-        return self._pool
-
-    def _parse(self, peer: kv_pb2.EndpointInfo) -> dict:
-        try:
-            desc = json.loads(peer.descriptor)
-            ok = isinstance(desc, dict) and desc.get("v") == _DESCRIPTOR_VERSION and all(
-                isinstance(desc[k], t) for k, t in _FIELDS.items())
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok or len(desc["fence_inode"]) != 2 or not TOKEN_RE.search(desc["pool"]) or (
-                desc["fence"] != f"{desc['pool']}.fence"):
-            raise InvalidArgument(f"malformed cuda_ipc descriptor for endpoint "
-                                  f"{peer.endpoint_id!r}")
-        return desc
-
-    @staticmethod
-    def _check_handle(peer: PeerHandle) -> CudaIpcPeer:
-        if not isinstance(peer, CudaIpcPeer):
-            raise InvalidArgument(f"not a cuda_ipc peer handle: {type(peer).__name__}")
-        return peer
-

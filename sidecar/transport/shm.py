@@ -28,110 +28,30 @@ process is alive.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import json
 import os
-import socket
 from typing import TYPE_CHECKING
 
-from deltakv.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    Unavailable,
-    UnknownEndpoint,
-)
+from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
 from deltakv.layout import KVLayout
 from deltakv.sidecar.fence_table import FenceTable, FenceView
-from deltakv.sidecar.pool import SHM_DIR, TOKEN_RE, SharedKVPool
-from deltakv.sidecar.transport.base import (
-    BatchLimits,
-    PageRun,
-    PeerHandle,
-    Transport,
-    TransportOptions,
+from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.transport.base import PageRun, PeerHandle
+from deltakv.sidecar.transport.same_host import (
+    SameHostTransport,
+    check_same_host,
+    owner_identity,
+    peer_view,
 )
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from deltakv.sidecar.rooms import RoomTicket
 
+# Re-exported: the same-host helpers lived here first.
+__all__ = ["ShmPeer", "ShmTransport", "check_same_host", "owner_identity", "peer_view"]
+
 _DESCRIPTOR_VERSION = 2
-
-
-def _node_id() -> str:
-    """Identity of the running kernel (``/proc/sys/kernel/random/boot_id``): equal for every
-    container on one machine, different across machines; falls back to the host name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live process, None if it is gone or a zombie.
-    Together with the PID it identifies one process (PIDs are reused, start times are not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces and parentheses: parse after its closing ')'.
-    fields = stat[stat.rfind(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X", "x"):
-        return None
-    return int(fields[19])
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def owner_identity() -> dict:
-    """This process as a same-host descriptor names it: host, kernel (``node``), PID
-    namespace, PID and start time (so a writer can tell its peer's owner died)."""
-    return {"host": socket.gethostname(), "node": _node_id(), "pidns": _pid_namespace(),
-            "pid": os.getpid(), "start_time": _proc_start_time(os.getpid())}
-
-
-def check_same_host(desc: dict, endpoint_id: str, backend: str) -> int | None:
-    """Check a same-host peer's :func:`owner_identity` fields: FailedPrecondition if it runs
-    on another machine (kernel), Unavailable if its owner process is gone. Returns the
-    owner's start time to re-check later, None when its PID namespace is not ours (liveness
-    not checkable)."""
-    # Same kernel, not same hostname: pods on one node have their own hostnames but can
-    # share the node's /dev/shm (the Helm chart's shm mode mounts it).
-    peer_node = desc.get("node") or desc["host"]
-    local_node = _node_id() if desc.get("node") else socket.gethostname()
-    if peer_node != local_node:
-        raise FailedPrecondition(
-            f"{backend} backend needs both sidecars on one machine: peer is on "
-            f"{desc['host']!r}, this one on {socket.gethostname()!r}; use mooncake or mori "
-            f"across hosts")
-    same_ns = bool(desc["pidns"]) and desc["pidns"] == _pid_namespace()
-    start_time = desc.get("start_time") if same_ns else None
-    if start_time is not None and _proc_start_time(desc["pid"]) != start_time:
-        raise Unavailable(f"{backend} peer {endpoint_id!r} (pid {desc['pid']}) is gone")
-    return start_time
-
-
-def peer_view(handle, backend: str):
-    """``handle.pool.as_bytes()`` of a same-host peer whose owner is still alive (when its
-    ``start_time`` is checkable). UnknownEndpoint if the handle was disconnected,
-    Unavailable if the owner process exited."""
-    try:
-        view = handle.pool.as_bytes()
-    except InvalidArgument:
-        raise UnknownEndpoint(
-            f"{backend} peer {handle.endpoint_id!r} was disconnected; reconnect") from None
-    if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
-        raise Unavailable(f"{backend} peer {handle.endpoint_id!r} is gone: its process "
-                          f"(pid {handle.pid}) exited")
-    return view
 
 
 def _segment_inode(name: str) -> tuple[int, int] | None:
@@ -157,7 +77,7 @@ class ShmPeer(PeerHandle):
         self.start_time = start_time  # None: other PID namespace, liveness not checkable
 
 
-class ShmTransport(Transport):
+class ShmTransport(SameHostTransport):
     """Copies pages into a peer's shared-memory pool on the same host.
 
     ``options`` is unused except ``extra["max_entries"]`` (runs per batch, default 65,536:
@@ -166,18 +86,11 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
-    fence_kind = "words"
-
-    def __init__(self, options: TransportOptions | None = None) -> None:
-        options = options or TransportOptions()
-        max_entries = int(options.extra.get("max_entries", 1 << 16))
-        if max_entries <= 0:
-            raise InvalidArgument(f"shm max_entries must be > 0, got {max_entries}")
-        self.limits = BatchLimits(max_entries=max_entries, max_message_bytes=0)
-        self._pool: SharedKVPool | None = None
-        #: The fence words of the registered pool (created by :meth:`register_pool`).
-        self.fence_table: FenceTable | None = None
-        self._closed = False
+    peer_class = ShmPeer
+    descriptor_version = _DESCRIPTOR_VERSION
+    descriptor_fields = {"segment": str, "nbytes": int, "host": str, "pidns": str, "pid": int,
+                         "fence": str, "inode": list, "fence_inode": list}
+    pool_field = "segment"
 
     # ------------------------------------------------------------------ local side
 
@@ -199,32 +112,15 @@ class ShmTransport(Transport):
         """EndpointInfo with ``address`` = ``host/<pool name without its token>`` (stable
         across restarts of one sidecar) and the JSON descriptor (module docstring). The
         caller seals it."""
-        pool = self._require_pool()
-        if layout.pool_bytes != pool.nbytes:
-            raise InvalidArgument(
-                f"describe: layout has {layout.pool_bytes} bytes, the registered pool "
-                f"{pool.nbytes}")
+        pool = self._check_layout(layout)
         fence = self.fence_table
         if fence is None:
             raise FailedPrecondition(
                 f"shm transport over pool {pool.name!r} attached, not owned: only the pool's "
                 f"owner publishes it (with its fence words)")
-        host = socket.gethostname()
-        descriptor = {
-            "v": _DESCRIPTOR_VERSION,
-            "segment": pool.name,
-            "nbytes": pool.nbytes,
-            "inode": list(pool.inode),
-            "fence": fence.name,
-            "fence_inode": list(fence.inode),
-            **owner_identity(),
-        }
-        host = descriptor["host"]
-        slot = TOKEN_RE.sub("", pool.name)
-        return kv_pb2.EndpointInfo(
-            endpoint_id=endpoint_id, backend=self.name, address=f"{host}/{slot}",
-            descriptor=json.dumps(descriptor, separators=(",", ":")).encode(),
-            layout=layout.to_proto())
+        return self._endpoint(endpoint_id, layout, {
+            "segment": pool.name, "nbytes": pool.nbytes, "inode": list(pool.inode),
+            "fence": fence.name, "fence_inode": list(fence.inode)})
 
     # ------------------------------------------------------------------ peers
 
@@ -253,15 +149,6 @@ class ShmTransport(Transport):
             mapped.close()
             raise
         return ShmPeer(peer, mapped, fence, inode, desc["pid"], start_time)
-
-    def disconnect(self, peer: PeerHandle) -> None:
-        """Unmap the peer's pool and fence words (both deferred while a write still uses
-        them); later writes through ``peer`` raise UnknownEndpoint. Idempotent."""
-        handle = self._check_handle(peer)
-        handle.closed = True
-        with contextlib.suppress(Exception):
-            handle.pool.close()
-        handle.fence.close()
 
     # ------------------------------------------------------------------ writes
 
@@ -292,50 +179,7 @@ class ShmTransport(Transport):
                                src_base + run.src_page * page_bytes,
                                run.num_pages * page_bytes)
 
-    def close(self) -> bool:
-        """Refuse further connects and remove the local pool's fence segment (writers that
-        still map it keep their mapping; the pool is gone with it). Peer mappings belong to
-        their handles (PeerTable disconnects them); the local pool belongs to the sidecar.
-        Idempotent; returns True (nothing of this backend can move bytes any more)."""
-        self._closed = True
-        if self.fence_table is not None:
-            self.fence_table.close()
-        return True
-
     # ------------------------------------------------------------------ helpers
-
-    def _require_pool(self) -> SharedKVPool:
-        if self._closed:
-            raise Unavailable("shm transport is closed")
-        if self._pool is None:
-            raise FailedPrecondition("shm transport has no registered pool; call register_pool")
-        return self._pool
-
-    def _parse(self, peer: kv_pb2.EndpointInfo) -> dict:
-        try:
-            desc = json.loads(peer.descriptor)
-            fields = (desc["segment"], desc["nbytes"], desc["host"], desc["pidns"], desc["pid"],
-                      desc["fence"], desc["inode"], desc["fence_inode"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidArgument(
-                f"malformed shm descriptor for endpoint {peer.endpoint_id!r}: {exc}") from None
-        types = (str, int, str, str, int, str, list, list)
-        if not all(isinstance(f, t) for f, t in zip(fields, types, strict=True)) or not all(
-                len(pair) == 2 and all(isinstance(x, int) for x in pair)
-                for pair in (desc["inode"], desc["fence_inode"])):
-            raise InvalidArgument(f"malformed shm descriptor for endpoint {peer.endpoint_id!r}")
-        if not TOKEN_RE.search(desc["segment"]) or desc["fence"] != f"{desc['segment']}.fence":
-            raise InvalidArgument(
-                f"shm descriptor of endpoint {peer.endpoint_id!r} does not name a deltakv "
-                f"pool incarnation (<base>-<token> and its .fence)")
-        desc.setdefault("start_time", None)
-        return desc
-
-    @staticmethod
-    def _check_handle(peer: PeerHandle) -> ShmPeer:
-        if not isinstance(peer, ShmPeer):
-            raise InvalidArgument(f"not an shm peer handle: {type(peer).__name__}")
-        return peer
 
     @staticmethod
     def _live_view(handle: ShmPeer):

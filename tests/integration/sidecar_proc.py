@@ -78,6 +78,7 @@ class SidecarProcess:
         self.proc = proc
         self.layout = layout
         self.transport = transport
+        self.device = "cpu"  # its --device (start_sidecar sets it)
         self._channel: grpc.Channel | None = None
         self._commands: CommandStub | None = None
 
@@ -124,12 +125,16 @@ class SidecarProcess:
     def describe(self, timeout_s: float = 10.0) -> sidecar_pb2.DescribeResponse:
         return self.stub().Describe(sidecar_pb2.DescribeRequest(), timeout=timeout_s)
 
-    def map_pool(self):  # -> deltakv.sidecar.pool.SharedKVPool (imported lazily: torch)
-        """Attach this sidecar's pool (zero-copy, non-owner); the caller closes it."""
-        from deltakv.sidecar.pool import SharedKVPool
+    def map_pool(self, device: str | None = None):  # -> SharedKVPool | DevicePool (lazy: torch)
+        """Attach this sidecar's pool (zero-copy, non-owner) as its pool kind says, as a
+        worker on ``device`` would (default: the ``--device`` it was started with), with the
+        session's pairing key; the caller closes it."""
+        from deltakv.sidecar.pool_kinds import MapRequest, attach_pool
+        from tests.support.keys import session_key
 
         d = self.describe()
-        return SharedKVPool.attach(d.pool_shm_name, KVLayout.from_proto(d.endpoint.layout))
+        return attach_pool(MapRequest(d, KVLayout.from_proto(d.endpoint.layout),
+                                      device or self.device, self.socket_path, session_key()))
 
     def close_channel(self) -> None:
         if self._commands is not None:
@@ -202,6 +207,7 @@ def start_sidecar(role: str, socket_path: str, *, transport: str = "shm",
     base = cmd[cmd.index("--shm-name") + 1] if "--shm-name" in cmd else \
         default_shm_name(socket_path)
     sc = SidecarProcess(role, socket_path, proc, layout, transport, shm_base=base)
+    sc.device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "cpu"
     if wait:
         sc.wait_ready(ready_timeout_s)
     return sc

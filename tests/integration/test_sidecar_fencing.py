@@ -1,7 +1,10 @@
-"""Fencing, bounded waits and shutdown of real sidecar processes (shm backend, fault injection).
+"""Fencing, bounded waits and shutdown of real sidecar processes (fault injection), over both
+same-host backends: ``shm`` (/dev/shm pools) and ``cuda_ipc`` (device pools on the labelled
+fake device, tests/support/fake_device.py, whose copies land only at the stream sync, so a
+backend that released a fence lock before synchronizing would fail here).
 
 Prefill sidecars run the test-only fault wrapper (tests/support/faults.py, loaded as
-``--transport tests.support.faults:FaultyTransport``) around the real shm backend:
+``--transport tests.support.faults:FaultyTransport``) around the real backend:
 ``delay_ms`` makes each batch slow (interruptible by abort and deadline), ``fail_batch`` makes
 the engine fail on one batch, ``hang`` makes a write that never completes by itself;
 ``batch_entries=1`` makes every run its own batch so "no batch after X" is observable page by
@@ -27,6 +30,7 @@ from deltakv.v1 import kv_pb2, sidecar_pb2
 from tests.integration.sidecar_proc import SidecarFactory, SidecarProcess
 from tests.support.grants import grant, write_request
 from tests.support.layouts import TOY_LAYOUT
+from tests.support.transports import stub_transport
 
 PAGE = TOY_LAYOUT.page_size
 PAGE_BYTES = TOY_LAYOUT.page_bytes
@@ -36,29 +40,50 @@ def new_room() -> int:
     return secrets.randbits(63) + 1
 
 
+FAKE_DEVICE = "tests.support.fake_device:FakeDevice"
+#: Backend -> the sidecar flags of its pools, and the /dev/shm file a pool incarnation leaves
+#: (a device pool's name names no file: its host fence segment does).
+BACKENDS = {
+    "shm": ((), "{}"),
+    "cuda_ipc": (("--device", FAKE_DEVICE), "{}.fence"),
+}
+#: (stub transport, backend): both stub transports over shm, the command channel over cuda_ipc.
+SETUPS = [("grpc", "shm"), ("channel", "shm"), ("channel", "cuda_ipc")]
+
+
 @dataclass
 class Env:
     factory: SidecarFactory
+    backend: str
     decode: SidecarProcess
     slow: SidecarProcess  # delay_ms=1500 per batch, one run per batch
     failing: SidecarProcess  # batch 2 fails, for the first room only
     hanging: SidecarProcess  # no write ever completes
 
+    def start(self, role: str, **kwargs: object) -> SidecarProcess:
+        """A sidecar of this run's backend (kwargs as SidecarFactory.start)."""
+        return self.factory.start(role, transport=self.backend,
+                                  extra_args=list(BACKENDS[self.backend][0]), **kwargs)
 
-@pytest.fixture(scope="module")
-def env(sidecar_transport: str) -> Iterator[Env]:
+    def leftover(self, pool_name: str) -> str:
+        """The /dev/shm path a pool incarnation ``pool_name`` leaves while it exists."""
+        return f"/dev/shm/{BACKENDS[self.backend][1].format(pool_name)}"
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{s}-{b}" for s, b in SETUPS])
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    stub, backend = request.param
     factory = SidecarFactory()
-    try:
-        yield Env(
-            factory=factory,
-            decode=factory.start("decode"),
-            slow=factory.start("prefill", faults="delay_ms=1500,batch_entries=1"),
-            failing=factory.start("prefill",
-                                  faults="fail_batch=2,batch_entries=1,rooms=1"),
-            hanging=factory.start("prefill", faults="hang=1"),
-        )
-    finally:
-        factory.close()
+    with stub_transport(stub):
+        try:
+            e = Env(factory, backend, None, None, None, None)  # type: ignore[arg-type]
+            e.decode = e.start("decode")
+            e.slow = e.start("prefill", faults="delay_ms=1500,batch_entries=1")
+            e.failing = e.start("prefill", faults="fail_batch=2,batch_entries=1,rooms=1")
+            e.hanging = e.start("prefill", faults="hang=1")
+            yield e
+        finally:
+            factory.close()
 
 
 class Call:
@@ -258,7 +283,7 @@ def test_engine_failure_fails_room_at_once_and_retry_succeeds(env: Env) -> None:
 @pytest.mark.timeout(180)
 def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
     prefill = env.failing  # one-page writes never reach its faulty batch 2
-    peer = env.factory.start("decode", name="restartable")
+    peer = env.start("decode", name="restartable")
     old = peer.describe()
     src = pages(prefill, "r-src", 1)
     fill(prefill, src, seed=21)
@@ -271,12 +296,12 @@ def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
     # socket reclaims both (a new, unguessable segment name).
     peer.kill()
     assert os.path.exists(peer.socket_path)
-    assert os.path.exists(f"/dev/shm/{old.pool_shm_name}")
-    peer = env.factory.start("decode", name="restartable")
+    assert os.path.exists(env.leftover(old.pool_shm_name))
+    peer = env.start("decode", name="restartable")
     new = peer.describe()
     assert new.endpoint.endpoint_id != old.endpoint.endpoint_id
     assert new.pool_shm_name != old.pool_shm_name
-    assert not os.path.exists(f"/dev/shm/{old.pool_shm_name}")
+    assert not os.path.exists(env.leftover(old.pool_shm_name))
     assert new.endpoint.address == old.endpoint.address  # the same sidecar slot
     fresh = crcs(peer, list(range(TOY_LAYOUT.num_pages)))
 
@@ -304,7 +329,7 @@ def test_restarted_peer_old_endpoint_rejected_new_one_works(env: Env) -> None:
 
 @pytest.mark.timeout(120)
 def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
-    sc = env.factory.start("prefill", name="term", faults="delay_ms=3000")
+    sc = env.start("prefill", name="term", faults="delay_ms=3000")
     d = sc.describe()
     src, dst = pages(sc, "t-src", 1), pages(env.decode, "t-dst", 1)
     fill(sc, src, seed=8)
@@ -332,5 +357,5 @@ def test_sigterm_drains_in_flight_write_then_cleans_up(env: Env) -> None:
     assert crcs(env.decode, dst) == src_crc
     assert sc.proc.wait(30) == 0
     assert not os.path.exists(sc.socket_path)
-    assert not os.path.exists(f"/dev/shm/{d.pool_shm_name}")
+    assert not os.path.exists(env.leftover(d.pool_shm_name))
     release(env.decode, "t-dst")

@@ -69,36 +69,62 @@ def test_a_worker_whose_sidecar_stays_away_reports_not_serving_and_exits_1() -> 
 
 
 FAKE_DEVICE = "tests.support.fake_device:FakeDevice"
+#: Pool kind -> (sidecar flags, worker device, whether the worker re-attaches in place).
+POOL_KINDS = {
+    "cuda_ipc": (["--transport", "cuda_ipc", "--device", FAKE_DEVICE], FAKE_DEVICE, False),
+    "cuda_vmm": (["--transport", "cuda_ipc", "--device", FAKE_DEVICE, "--pool-kind",
+                  "cuda_vmm"], FAKE_DEVICE, True),
+    "shm_fd": (["--pool-kind", "shm_fd"], "cpu", True),
+}
 
 
-def test_a_worker_on_a_gpu_pool_exits_for_a_restart_instead_of_reattaching() -> None:
-    """A legacy CUDA IPC mapping of a dead exporter is undefined: when the sidecar of a GPU
-    pool restarts, its worker must not re-attach in the same process but fail (NOT_SERVING,
-    exit 1) so it is restarted with a fresh context. Real processes on the labelled fake
-    device (tests/support/fake_device.py) standing in for the GPU."""
+@pytest.mark.parametrize("kind", sorted(POOL_KINDS))
+def test_a_worker_does_what_is_safe_for_its_pool_kind_when_the_sidecar_restarts(
+        kind: str) -> None:
+    """A legacy CUDA IPC mapping of a dead exporter is undefined: when the sidecar of a
+    ``cuda_ipc`` pool restarts, its worker must not re-attach in the same process but fail
+    (NOT_SERVING, exit 1) so it is restarted with a fresh context. A pool passed as an fd
+    (``cuda_vmm``, ``shm_fd``) is reference-counted memory: the worker re-attaches to the new
+    sidecar (through its pool socket) and serves again. Real processes; the GPU is the
+    labelled fake device (tests/support/fake_device.py)."""
+    flags, device, reattaches = POOL_KINDS[kind]
     base = short_tmp_dir("dkv-pairgpu-")
     socket = os.path.join(base, "prefill.sock")
     port = free_port()
     argv = [sys.executable, "-m", "deltakv.services.cli.serve.sidecar", "--role", "prefill",
-            "--socket", socket, "--model", "tiny-random", "--num-pages", "32",
-            "--transport", "cuda_ipc", "--device", FAKE_DEVICE]
+            "--socket", socket, "--model", "tiny-random", "--num-pages", "32", *flags]
     sidecar = start_sidecar("prefill", socket, argv=argv)
     worker = ManagedProcess("prefill", [
         sys.executable, "-m", "deltakv.services.cli.main", "serve", "prefill",
         "--model", "tiny-random", "--sidecar-socket", socket, "--port", str(port),
-        "--device", FAKE_DEVICE, "--sidecar-reattach-timeout-s", "30", "--log-format", "json"],
+        # A sidecar restart on a loaded CI machine can take most of a minute.
+        "--device", device, "--sidecar-reattach-timeout-s", "150", "--log-format", "json"],
         os.path.join(base, "prefill.log"), health_target=f"127.0.0.1:{port}", cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     restarted = None
     try:
         worker.start().wait_serving(120)
         sidecar.kill()
-        restarted = start_sidecar("prefill", socket, argv=argv)
-        assert worker.wait(60) == 1, worker.log_tail()
-        log = events(worker.log_text())
-        failed = [e for e in log if e.get("event") == "service_failed"]
-        assert failed and "cannot be re-attached safely" in failed[0]["reason"], failed
-        assert not [e for e in log if e.get("event") == "sidecar_attached"][1:]
+        restarted = start_sidecar("prefill", socket, argv=argv, ready_timeout_s=120)
+        if not reattaches:
+            assert worker.wait(60) == 1, worker.log_tail()
+            log = events(worker.log_text())
+            failed = [e for e in log if e.get("event") == "service_failed"]
+            assert failed and "cannot be re-attached safely" in failed[0]["reason"], failed
+            assert not [e for e in log if e.get("event") == "sidecar_attached"][1:]
+            return
+        new = restarted.describe().incarnation
+        deadline = time.monotonic() + 120
+        attached: list[dict] = []
+        while time.monotonic() < deadline and worker.alive():
+            attached = [e for e in events(worker.log_text())
+                        if e.get("event") == "sidecar_attached"]
+            if len(attached) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(attached) == 2 and attached[1]["endpoint_id"] == new, worker.log_tail()
+        worker.wait_serving(60)  # SERVING again, over the new pool
+        assert worker.alive()
     finally:
         worker.stop()
         sidecar.stop()

@@ -35,10 +35,10 @@ from deltakv.errors import (
     UnknownEndpoint,
 )
 from deltakv.layout import KVLayout
-from deltakv.sidecar.device.pool import create_pool
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.planner import plan_delta
 from deltakv.sidecar.pool import SharedKVPool, incarnation_name, shm_prefix
+from deltakv.sidecar.pool_kinds import create_pool
 from deltakv.sidecar.transport import (
     BatchLimits,
     PageRun,

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from deltakv.layout import KVLayout
     from deltakv.sidecar import pairing
-    from deltakv.sidecar.device.pool import create_pool
     from deltakv.sidecar.pool import incarnation_name, shm_prefix
+    from deltakv.sidecar.pool_kinds import create_pool
     from deltakv.sidecar.transport import PageRun, TransportOptions, create_transport
     from deltakv.v1 import kv_pb2
     from tests.support.tickets import ticket

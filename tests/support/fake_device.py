@@ -153,3 +153,32 @@ class FakeDevice(DeviceOps):
 
     def tensor(self, ptr: int, nbytes: int, keepalive: object) -> torch.Tensor:
         return torch.from_numpy(np.asarray(_HostArray(ptr, nbytes, keepalive)))
+
+
+class FakeVmmDevice(FakeDevice):
+    """The labelled fake of the ``cuda_vmm`` kind: the allocation is shared as a file
+    descriptor (:meth:`export_fd` duplicates the memory file's fd; :meth:`import_fd` maps the
+    fd it is handed), like ``cuMemExportToShareableHandle`` / ``cuMemImportFromShareableHandle``
+    with POSIX fds; and like VMM memory, a mapping stays valid after the exporter died."""
+
+    pool_kind = "cuda_vmm"
+    handle_bytes = 0
+    shares_fd = True
+
+    def export_handle(self, ptr: int) -> bytes:
+        return b""
+
+    def import_handle(self, handle: bytes) -> int:
+        raise DeviceError("fakeImportFromShareableHandle", 1, "imported from an fd only")
+
+    def export_fd(self, ptr: int) -> int:
+        with FakeDevice._lock:
+            return os.dup(FakeDevice._maps[ptr][1])
+
+    def import_fd(self, fd: int, nbytes: int) -> int:
+        if os.fstat(fd).st_size < nbytes:
+            raise DeviceError("fakeImportFromShareableHandle", 1, "allocation too small")
+        return self._map(os.dup(fd), b"")
+
+
+FakeDevice.variants = {"cuda_vmm": "tests.support.fake_device:FakeVmmDevice"}

@@ -9,6 +9,7 @@ fresh sidecars (request ids and rooms of one run never meet the other's), and im
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -19,10 +20,17 @@ from tests.integration import sidecar_proc
 TRANSPORTS = ["grpc", "channel"]
 
 
+@contextlib.contextmanager
+def stub_transport(name: str) -> Iterator[str]:
+    """Within the block, tests' stubs and default sidecar clients use ``name``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sidecar_proc.STUB_TRANSPORT, "name", name)
+        patch.setattr(client, "DEFAULT_CHANNEL", name)
+        yield name
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def sidecar_transport(request: pytest.FixtureRequest) -> Iterator[str]:
     """The transport of this run: ``"grpc"`` or ``"channel"``."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sidecar_proc.STUB_TRANSPORT, "name", request.param)
-        patch.setattr(client, "DEFAULT_CHANNEL", request.param)
-        yield request.param
+    with stub_transport(request.param) as name:
+        yield name

@@ -36,6 +36,7 @@ from tests.support.helm import (
     RELEASE,
     REPO,
     StrictValidationError,
+    deep_merge,
     deployment,
     env_of,
     flag_value,
@@ -707,3 +708,13 @@ def test_values_reference_documents_every_value(chart):
             continue
         missing.append(key)
     assert not missing, f"docs/helm.md does not document: {missing}"
+
+
+def test_a_vmm_gpu_pool_is_passed_to_the_sidecars_and_shares_no_process_namespace(chart):
+    base = values_of("gpu-cuda")
+    for kind, shared in (("", True), ("cuda_ipc", True), ("cuda_vmm", False)):
+        values = deep_merge(base, {"accelerator": {"kvPoolKind": kind}})
+        spec = deployment(render(chart, values), "decode")["spec"]["template"]["spec"]
+        assert spec.get("shareProcessNamespace", False) is shared, kind
+        for sidecar in native_sidecars(spec):
+            assert flag_values(sidecar["args"], "--pool-kind") == ([kind] if kind else [])

@@ -24,6 +24,7 @@ never runs without its sidecar and in-flight transfers can drain.
 {{- $workerHealthPort := int64 (include "deltakv.workerHealthPort" $ctx) }}
 {{- $onGpu := ne $v.accelerator.type "cpu" }}
 {{- $poolOnGpu := eq (default "cpu" $v.accelerator.kvPoolDevice) "cuda" }}
+{{- $poolKind := default "" $v.accelerator.kvPoolKind }}
 {{- $metrics := $v.telemetry.metrics }}
 apiVersion: apps/v1
 kind: Deployment
@@ -65,8 +66,9 @@ spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ include "deltakv.gracePeriodSeconds" $ctx }}
-      {{- if $poolOnGpu }}
-      {{- /* Legacy CUDA IPC handles may check the exporter's PID: share the pod's namespace. */}}
+      {{- if and $poolOnGpu (ne $poolKind "cuda_vmm") }}
+      {{- /* Legacy CUDA IPC handles may check the exporter's PID: share the pod's namespace.
+             A cuda_vmm pool travels as an fd over the pool socket and needs no such thing. */}}
       shareProcessNamespace: true
       {{- end }}
       {{- if $v.rdma.hostNetwork }}
@@ -134,6 +136,9 @@ spec:
         {{- end }}
         {{- if $poolOnGpu }}
         {{- $args = concat $args (list "--device" "cuda") }}
+        {{- end }}
+        {{- if $poolKind }}
+        {{- $args = concat $args (list "--pool-kind" $poolKind) }}
         {{- end }}
         {{- range $key := keys $v.transport.options | sortAlpha }}
         {{- $args = concat $args (list "--transport-option" (printf "%s=%v" $key (get $v.transport.options $key))) }}

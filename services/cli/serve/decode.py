@@ -151,7 +151,8 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.connect_timeout_s, log,
                                 quarantine_ms=0, channel=args.sidecar_channel,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s,
-                                device=args.device, cache_dir=cache_dir_from_args(args))
+                                device=args.device, cache_dir=cache_dir_from_args(args),
+                                pairing_key=key)
     stack.push_async_callback(worker.close)
 
     def prefill_channel(target: str, server_name: str | None):

@@ -97,7 +97,7 @@ async def build(args: argparse.Namespace, stack, log):
     worker = await start_worker(args.sidecar_socket, args.model, args.sidecar_timeout_s, log,
                                 reattach_timeout_s=args.sidecar_reattach_timeout_s,
                                 channel=args.sidecar_channel, device=args.device,
-                                cache_dir=cache_dir_from_args(args))
+                                cache_dir=cache_dir_from_args(args), pairing_key=key)
     stack.push_async_callback(worker.close)
     chunk = {} if args.prefill_chunk_tokens is None else {
         "chunk_tokens": args.prefill_chunk_tokens}

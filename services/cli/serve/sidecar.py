@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from deltakv.services.cli.argtypes import add_device_argument
 
     add_device_argument(parser, "the KV pool")
+    from deltakv.sidecar.pool_kinds import POOL_KINDS
+
+    parser.add_argument("--pool-kind", choices=sorted(POOL_KINDS), default=None,
+                        help="how the worker maps the pool: shm (by name) or shm_fd (fd over "
+                             "the pool socket) on cpu; cuda_ipc (legacy IPC handle) or "
+                             "cuda_vmm (cuMemCreate memory passed as an fd) on a GPU "
+                             "(default: shm on cpu, cuda_ipc on a GPU); docs/gpu.md")
     parser.add_argument("--shm-name", default=None,
                         help="pool segment name (default: derived from --socket, so a restart "
                              "reclaims a leftover segment)")
@@ -141,7 +148,7 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
         max_lease_ms=args.max_lease_ms, page_digests=args.page_digests == "on",
-        device=args.device, giveback=args.giveback == "on")
+        device=args.device, pool_kind=args.pool_kind, giveback=args.giveback == "on")
     server = SidecarServer(config, interceptors=otel_grpc.server_interceptors())
 
     async def start() -> None:
