@@ -4,7 +4,9 @@ computes only the tokens beyond decode's prefix, and every turn's greedy output 
 transformers' reference.
 
 Decode runs ``--local-prefill never`` (every turn remote, so every turn exercises the handoff)
-and ``--giveback always``; prefill and its sidecar run ``--giveback on``.
+and ``--giveback always``; prefill and its sidecar run ``--giveback on``. A second cluster runs
+``--giveback auto``: prefill's real prefix is asked, the cheaper remote estimate is taken, and
+``Usage`` reports that choice with its bytes each way.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ def hf_model():
     return model
 
 
+def _giveback_cluster(tmp_path_factory, mode: str):
+    """A started cluster whose decode runs ``--giveback mode`` (stopped by the caller)."""
+    return make_cluster(tmp_path_factory, f"giveback-{mode}", local_prefill="never",
+                        decode_args=["--giveback", mode], prefill_args=["--giveback", "on"],
+                        prefill_sidecar_args=["--giveback", "on"])
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory, "giveback", local_prefill="never",
-                     decode_args=["--giveback", "always"], prefill_args=["--giveback", "on"],
-                     prefill_sidecar_args=["--giveback", "on"])
+    c = _giveback_cluster(tmp_path_factory, "always")
     try:
         yield c
     finally:
@@ -129,9 +136,7 @@ def test_a_salted_giveback_is_cached_by_prefill_under_that_salt_only(cluster, hf
 @pytest.fixture(scope="module")
 def auto_cluster(tmp_path_factory):
     """``--giveback auto``: decode gives back only where its cost model says so."""
-    c = make_cluster(tmp_path_factory, "giveback-auto", local_prefill="never",
-                     decode_args=["--giveback", "auto"], prefill_args=["--giveback", "on"],
-                     prefill_sidecar_args=["--giveback", "on"])
+    c = _giveback_cluster(tmp_path_factory, "auto")
     try:
         yield c
     finally:

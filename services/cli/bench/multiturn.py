@@ -30,6 +30,11 @@ router in front of several decode replicas spreads the turns (``incremental`` se
 network namespace, Mooncake over a veth pair shaped by ``tc tbf``) and stops it afterwards,
 namespace included, whatever happens (errors, Ctrl-C, SIGTERM).
 
+``--profile agentic`` is the agent loop (per turn a tool output of several hundred tokens after
+an answer of a few hundred); ``--giveback-compare`` runs the same conversations on two clusters
+of its own, with give-back and without, every turn checked against the aggregated reference
+(:mod:`deltakv.services.cli.bench.multiturn_giveback`).
+
 ``--api openai`` runs the same conversations as OpenAI **text chat** against the HTTP API
 (``--target`` is then ``HOST:PORT`` of it; :mod:`deltakv.services.cli.bench.multiturn_openai`):
 prompts are random words, answers come back as text, and the table shows how much of what was
