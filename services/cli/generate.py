@@ -82,8 +82,7 @@ def generate_local(args: argparse.Namespace,
     """
     from deltakv.errors import InvalidArgument
     from deltakv.services.model.loader import load_model
-    from deltakv.services.model.runner import DecodeSeq, ModelRunner
-    from deltakv.services.model.sampling import Sampler, should_stop
+    from deltakv.services.model.sampling import Sampler
     from deltakv.services.model.tokenizer import IncrementalDetokenizer
 
     if args.max_new_tokens < 1:
@@ -96,36 +95,56 @@ def generate_local(args: argparse.Namespace,
 
     model = load_model(args.model, cache_dir=cache_dir_from_args(args))
     prompt = prompt_ids(args, model.tokenizer)
-    total = len(prompt) + args.max_new_tokens
-    num_pages = -(-total // args.page_size)
-    runner = ModelRunner(model, model.new_pool(args.page_size, num_pages, args.kv_dtype))
-    page_table = list(range(num_pages))
     detok = IncrementalDetokenizer(model.tokenizer, prompt_ids=prompt)
     emit = on_text or (lambda _piece: None)
-
-    tokens: list[int] = []
     pieces: list[str] = []
-    logits = runner.prefill(prompt, page_table, 0)
-    while True:
-        token = sampler.sample(logits)
-        tokens.append(token)
-        reason = should_stop(token, len(tokens), args.max_new_tokens, model.eos_token_ids,
-                             args.ignore_eos)
+
+    def on_token(token: int) -> None:
         piece = detok.push(token)
         if piece:
             pieces.append(piece)
             emit(piece)
-        if reason:
-            break
-        seq = DecodeSeq(token_id=token, seq_len=len(prompt) + len(tokens) - 1,
-                        page_table=page_table)
-        logits = runner.decode_step([seq])[0]
+
+    tokens, reason = generate_ids(model, prompt, args.max_new_tokens, sampler,
+                                  page_size=args.page_size, kv_dtype=args.kv_dtype,
+                                  ignore_eos=args.ignore_eos, on_token=on_token)
     tail = detok.flush()
     if tail:
         pieces.append(tail)
         emit(tail)
     return {"prompt_token_ids": prompt, "token_ids": tokens, "text": "".join(pieces),
             "finish_reason": reason}
+
+
+def generate_ids(model: Any, prompt: list[int], max_new_tokens: int, sampler: Any, *,
+                 page_size: int = 16, kv_dtype: str = "float32", ignore_eos: bool = False,
+                 on_token: Callable[[int], None] | None = None) -> tuple[list[int], str]:
+    """The aggregated reference over token ids: ``model`` (a loaded
+    :class:`~deltakv.services.model.loader` model) prefills ``prompt`` with the paged runner on
+    a private pool of ``ceil((len(prompt) + max_new_tokens) / page_size)`` pages (owned and
+    freed here) and decodes until a stop. Returns ``(generated token ids, finish reason)``;
+    ``on_token`` sees each token as it is sampled. ``deltakv generate --local`` and the
+    benchmarks' output checks both run it."""
+    from deltakv.services.model.runner import DecodeSeq, ModelRunner
+    from deltakv.services.model.sampling import should_stop
+
+    num_pages = -(-(len(prompt) + max_new_tokens) // page_size)
+    runner = ModelRunner(model, model.new_pool(page_size, num_pages, kv_dtype))
+    page_table = list(range(num_pages))
+    tokens: list[int] = []
+    logits = runner.prefill(prompt, page_table, 0)
+    while True:
+        token = sampler.sample(logits)
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        reason = should_stop(token, len(tokens), max_new_tokens, model.eos_token_ids,
+                             ignore_eos)
+        if reason:
+            return tokens, reason
+        seq = DecodeSeq(token_id=token, seq_len=len(prompt) + len(tokens) - 1,
+                        page_table=page_table)
+        logits = runner.decode_step([seq])[0]
 
 
 def generate_remote(args: argparse.Namespace,

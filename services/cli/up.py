@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode's --local-prefill: where a prompt's uncached tail is "
                              "computed (default auto: the cheaper by decode's cost model; a "
                              "full prefix hit is local)")
+    parser.add_argument("--giveback", choices=("off", "auto", "always"), default=None,
+                        help="decode's --giveback (prefill and its sidecar then serve "
+                             "give-backs): decode gives prefill the pages it holds beyond "
+                             "prefill's prefix instead of letting prefill recompute them "
+                             "(auto: where the cost model estimates it cheaper; "
+                             "docs/giveback.md)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
@@ -207,9 +213,12 @@ def cluster_config(args: argparse.Namespace):
                          link=getattr(args, "link", None),
                          torch_threads=getattr(args, "torch_threads", 0),
                          metrics_port=_metrics_base_port(args),
-                         prefill_args=_prefill_chunk(args) + _device(args),
-                         decode_args=_decode_bounds(args) + _device(args),
-                         prefill_sidecar_args=_device(args) + _pool_kind(args),
+                         prefill_args=_prefill_chunk(args) + _giveback(args, "prefill")
+                         + _device(args),
+                         decode_args=_decode_bounds(args) + _giveback(args, "decode")
+                         + _device(args),
+                         prefill_sidecar_args=_giveback(args, "prefill") + _device(args)
+                         + _pool_kind(args),
                          decode_sidecar_args=_device(args) + _pool_kind(args),
                          env=_cache_env(args))
 
@@ -228,6 +237,17 @@ def _pool_kind(args: argparse.Namespace) -> list[str]:
 
     resolve_pool_kind(getattr(args, "device", "cpu"), kind)  # a named kind opens no device
     return ["--pool-kind", kind]
+
+
+def _giveback(args: argparse.Namespace, role: str) -> list[str]:
+    """``--giveback``: decode's mode as given; prefill and its sidecar serve give-backs
+    whenever decode may send one."""
+    mode = getattr(args, "giveback", None)
+    if mode is None:
+        return []
+    if role == "decode":
+        return ["--giveback", mode]
+    return ["--giveback", "off" if mode == "off" else "on"]
 
 
 def _cache_env(args: argparse.Namespace) -> dict[str, str]:

@@ -8,9 +8,11 @@ One give-back is two calls on the backend the ``Prefill`` then goes to: ``Prepar
 against their recorded digests, whose digests travel back in the stats). The ``Prefill`` call
 then carries ``giveback`` and prefill takes the pages into its index after verifying them.
 
-``--giveback auto`` asks prefill's prefix first and gives back only where the three-way cost
-model (:mod:`deltakv.services.decode.handoff_choice`) estimates it cheaper than recomputing;
-``always`` gives back whenever prefill lacks pages decode holds (tests, benchmarks).
+Prefill's prefix is asked first (:func:`prefill_prefix`, ``PrepareGiveBack`` without grant)
+wherever decode's choice depends on it: the three-way cost model
+(:mod:`deltakv.services.decode.handoff_choice`) then picks decode-local prefill, a give-back
+(``--giveback auto``, where cheaper) or recomputation; ``always`` gives back whenever prefill
+lacks pages decode holds (tests, benchmarks).
 
 A prefill that predates give-back (UNIMPLEMENTED) or serves none (FAILED_PRECONDITION), and a
 give-back write that fails, fall back to recomputation: the request still succeeds, prefill's
@@ -38,39 +40,52 @@ log = get_logger()
 _NOT_SERVED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
+async def _prepare(backend, state: RequestState, tokens: list[int],  # noqa: ANN001
+                   parsed: ParsedRequest, lease_ms: int, timeout_s: float, grant: bool
+                   ) -> prefill_pb2.PrepareGiveBackResponse | None:
+    """``PrepareGiveBack`` on ``backend``; None from a prefill that serves none."""
+    try:
+        return await backend.stub.PrepareGiveBack(prefill_pb2.PrepareGiveBackRequest(
+            request_id=state.request_id, token_ids=tokens, lease_ms=lease_ms,
+            grant=grant, cache_salt=parsed.cache_salt), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() in _NOT_SERVED:
+            log.info("giveback_not_served", code=exc.code().name, reason=exc.details())
+            return None
+        raise from_rpc_error(exc) from None
+
+
+async def prefill_prefix(worker: Worker, backend, state: RequestState,  # noqa: ANN001
+                         parsed: ParsedRequest, timeout_s: float) -> int | None:
+    """What ``backend``'s radix index holds of the first ``end`` prompt tokens
+    (:func:`~deltakv.handoff.giveback_range`: the part decode holds and prefill could use),
+    asked with ``PrepareGiveBack`` without grant (a match, nothing allocated: served by any
+    prefill that knows the call); None when there is nothing to ask or the backend predates
+    the call. Other errors: the typed error of its status."""
+    _, end = giveback_range(state.prompt_len, state.decode_prefix_len, 0, worker.page_size)
+    if end == 0:
+        return None
+    query = await _prepare(backend, state, list(parsed.prompt[:end]), parsed, 0, timeout_s,
+                           grant=False)
+    return None if query is None else query.prefill_cached_len
+
+
 async def give_back(worker: Worker, backend, state: RequestState,  # noqa: ANN001
                     parsed: ParsedRequest, lease_ms: int, timeout_s: float,
                     costs: HandoffCostModel | None = None) -> prefill_pb2.GiveBack | None:
     """Give ``backend`` (a :class:`~deltakv.services.decode.prefill_pool.PrefillBackend`)
     the pages it lacks of ``parsed.prompt``'s first ``state.decode_prefix_len`` tokens; the
     completed give-back for the ``Prefill`` request, or None when there is nothing to give, the
-    backend takes none, the write failed (logged) or — with ``costs`` — recomputation is
-    estimated cheaper (prefill's prefix is asked first: ``PrepareGiveBack`` without grant).
-    ``costs`` None: always give back. Errors of ``PrepareGiveBack`` other than those: the
-    typed error of its status."""
+    backend takes none or the write failed (logged). ``costs``: the give-back's measured cost
+    feeds it. Errors of ``PrepareGiveBack`` other than those: the typed error of its
+    status."""
     page_size = worker.page_size
     _, end = giveback_range(state.prompt_len, state.decode_prefix_len, 0, page_size)
     if end == 0:
         return None
     tokens = list(parsed.prompt[:end])
     t0 = time.monotonic()
-
-    async def prepare(grant: bool) -> prefill_pb2.PrepareGiveBackResponse | None:
-        try:
-            return await backend.stub.PrepareGiveBack(prefill_pb2.PrepareGiveBackRequest(
-                request_id=state.request_id, token_ids=tokens, lease_ms=lease_ms,
-                grant=grant, cache_salt=parsed.cache_salt), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            if exc.code() in _NOT_SERVED:
-                log.info("giveback_not_served", code=exc.code().name, reason=exc.details())
-                return None
-            raise from_rpc_error(exc) from None
-
-    if costs is not None:
-        query = await prepare(grant=False)
-        if query is None or not _cheaper(costs, worker, state, query.prefill_cached_len):
-            return None
-    prepared = await prepare(grant=True)
+    prepared = await _prepare(backend, state, tokens, parsed, lease_ms, timeout_s, grant=True)
     if prepared is None or not prepared.HasField("transfer_info"):
         return None  # not served, or prefill already holds as much as decode
     info = prepared.transfer_info
@@ -87,21 +102,6 @@ async def give_back(worker: Worker, backend, state: RequestState,  # noqa: ANN00
     log.info("giveback_done", room=info.room, pages=stats.pages, bytes=stats.bytes,
              prefill_cached_len=prepared.prefill_cached_len, duration_us=stats.duration_us)
     return prefill_pb2.GiveBack(room=info.room, stats=stats)
-
-
-def _cheaper(costs: HandoffCostModel, worker: Worker, state: RequestState,
-             prefill_prefix_len: int) -> bool:
-    """Whether giving back beats recomputing for prefill's reported prefix (logged)."""
-    cap = max(state.prompt_len - 1, 0) // worker.page_size * worker.page_size
-    plans, ms = costs.estimates(state.prompt_len, state.decode_prefix_len,
-                                min(prefill_prefix_len, cap), worker.page_size,
-                                worker.page_bytes, running=0)
-    cheaper = plans["remote_giveback"].giveback_pages > 0 and \
-        ms["remote_giveback"] < ms["remote_recompute"]
-    log.info("giveback_choice", giveback=cheaper, prefill_cached_len=prefill_prefix_len,
-             giveback_ms=round(ms["remote_giveback"], 2),
-             recompute_ms=round(ms["remote_recompute"], 2))
-    return cheaper
 
 
 def handoff_usage(state: RequestState, local: bool) -> dict[str, object]:

@@ -40,12 +40,15 @@ class HandoffDecision:
     ``cheaper`` between the two remote choices, ``off`` (give-back disabled), ``nothing_to_give``
     (prefill holds as much as decode) or ``prefix_unknown`` (no prefill prefix to plan with);
     ``estimates_ms``: each choice's estimate; ``handoff``: the chosen choice's exact pages and
-    tokens."""
+    tokens; ``remote``: the remote choice (the chosen one, or the one local was compared
+    with); ``location_reason``: the local/remote reason alone (``Usage.prefill_decision``)."""
 
     choice: str
     reason: str
     estimates_ms: dict[str, float]
     handoff: Handoff
+    remote: str = "remote_recompute"
+    location_reason: str = "cheaper"
 
 
 class HandoffCostModel:
@@ -123,7 +126,7 @@ class HandoffCostModel:
         else:
             # Forced or cold remote: which remote choice is still the cost model's.
             choice, reason = remote, why
-        return HandoffDecision(choice, reason, ms, plans[choice])
+        return HandoffDecision(choice, reason, ms, plans[choice], remote, base.reason)
 
     def record_giveback(self, giveback_bytes: int, write_ms: float, call_ms: float) -> None:
         """A give-back moved ``giveback_bytes`` in ``write_ms`` (decode's WritePages);

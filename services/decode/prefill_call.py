@@ -26,8 +26,8 @@ from deltakv.errors import (
     from_rpc_error,
 )
 from deltakv.services.decode.config import DecodeConfig
-from deltakv.services.decode.cost_model import PrefillCostModel
-from deltakv.services.decode.giveback import give_back
+from deltakv.services.decode.cost_model import Decision, PrefillCostModel
+from deltakv.services.decode.giveback import give_back, prefill_prefix
 from deltakv.services.decode.handoff_choice import HandoffCostModel
 from deltakv.services.decode.prefill_pool import PrefillPool
 from deltakv.services.decode.request import ParsedRequest, RequestState
@@ -83,10 +83,50 @@ class PrefillCall:
         self.config = config
         self.teardown = teardown
         self.costs = costs
-        # Give-back or recomputation, over the same measured fits (handoff_choice.py); only
-        # --giveback auto asks it.
-        self.handoff = (HandoffCostModel(costs, "auto") if config.giveback == "auto"
-                        else None)
+        # Local, give-back or recomputation, over the same measured fits (handoff_choice.py);
+        # --giveback always gives back whatever it says. None without ``costs`` (a PrefillCall
+        # that only calls: tests of the call itself).
+        self.handoff = (HandoffCostModel(costs, "auto" if config.giveback == "auto" else "off")
+                        if costs is not None else None)
+
+    async def decide(self, state: RequestState, parsed: ParsedRequest, running: int
+                     ) -> Decision:
+        """Step 3's choice for ``state`` (``running``: decode's batch): decode-local, remote
+        with give-back or remote with recomputation (``state.handoff_choice``), estimated
+        with what prefill really holds of the prompt where the choice depends on it: prefill's
+        prefix is then asked first (:func:`~deltakv.services.decode.giveback.prefill_prefix`)
+        of one backend, which the give-back and the Prefill then go to. A prefix that cannot be
+        asked (no backend ready, an older prefill, an error: logged) is unknown: the remote
+        estimate then assumes prefill holds what decode holds, as before, and nothing is
+        given back by ``auto``. Returns the local/remote :class:`Decision` of the choice."""
+        assert self.handoff is not None, "PrefillCall.decide needs the cost model"
+        auto_local = self.costs.mode == "auto" and state.prompt_len > state.decode_prefix_len
+        if state.decode_prefix_len and parsed.reuse_prefix and (
+                self.config.giveback == "auto" or auto_local):
+            try:
+                pin = await self.prefill.acquire(
+                    self.config.prefill_connect_timeout_ms / 1000.0)
+                try:
+                    timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
+                    state.prefill_prefix_len = await prefill_prefix(
+                        self.worker, pin, state, parsed, timeout_s)
+                finally:
+                    self.prefill.done(pin)
+                state.prefill_pin = pin
+            except DeltaKVError as exc:
+                log.info("prefill_prefix_unknown", code=exc.code.name, reason=str(exc))
+        d = self.handoff.decide(state.prompt_len, state.decode_prefix_len,
+                                state.prefill_prefix_len, self.worker.page_size,
+                                self.worker.page_bytes, running,
+                                reuse_prefix=parsed.reuse_prefix)
+        state.handoff_choice = d.choice
+        log.info("handoff_choice", choice=d.choice, reason=d.reason,
+                 prefill_cached_len=state.prefill_prefix_len,
+                 **{f"{k}_ms": round(v, 2) for k, v in d.estimates_ms.items()})
+        local = d.choice == "local"
+        return Decision("local" if local else "remote", d.location_reason,
+                        d.estimates_ms["local"], d.estimates_ms[d.remote],
+                        state.prompt_len - state.decode_prefix_len, running)
 
     async def first_token(self, state: RequestState, parsed: ParsedRequest,
                           time_remaining: Callable[[], float | None], span: Any
@@ -130,10 +170,15 @@ class PrefillCall:
         (prefill's error goes to the client; the Release fences the pages)."""
         backoff_s = _PREFILL_RETRY_FIRST_S
         digest = prompt_digest(parsed.prompt, parsed.cache_salt)
-        pin, giveback = None, None
-        if self.config.giveback != "off" and state.decode_prefix_len:
-            # The give-back goes to the backend the Prefill then goes to (its pages are there).
-            pin = await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+        # The backend whose prefix was asked: the give-back and the Prefill go there.
+        pin, giveback = state.prefill_pin, None
+        if state.decode_prefix_len and (self.config.giveback == "always"
+                                        or state.handoff_choice == "remote_giveback"):
+            if pin is None:
+                pin = await self.prefill.acquire(
+                    self.config.prefill_connect_timeout_ms / 1000.0)
+            else:
+                pin = self.prefill.again(pin)
             try:
                 timeout_s, _ = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
                 giveback = await give_back(

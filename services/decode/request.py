@@ -175,6 +175,11 @@ class RequestState:
     local_extend: asyncio.Future | None = None  # a local extend in flight (local_prefill.py)
     local_extend_ms: float = 0.0
     giveback: Any = None  # TransferStats of the give-back that preceded the Prefill (giveback.py)
+    # What prefill's index holds of the prompt (its prefix query), None when not asked or not
+    # answered; and the three-way choice made with it (handoff_choice.py).
+    prefill_prefix_len: int | None = None
+    prefill_pin: Any = None  # the backend asked (the give-back and the Prefill go there)
+    handoff_choice: str = ""
 
     def streamed(self, token_ids: Sequence[int], pieces: Sequence[str], text: str
                  ) -> decode_pb2.GenerateResponse:

@@ -279,10 +279,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         full); the grant is closed (its fence proven) and the delta pages must match
         prefill's page digests (DATA_LOSS otherwise). Either way the prompt's full pages then
         enter decode's radix index. Returns the request, ready to decode."""
-        decision = self.costs.decide(
-            state.prompt_len - state.decode_prefix_len,
-            len(state.delta_pages) * self.worker.page_bytes, self.scheduler.num_running,
-            reuse_prefix=parsed.reuse_prefix, held_prefix=state.decode_prefix_len > 0)
+        decision = await self.prefill_call.decide(state, parsed, self.scheduler.num_running)
         state.decision = decision
         # Prefill (remote: compute + delta transfer, or local: decode's own extend) and the
         # commit: the time to the first token.

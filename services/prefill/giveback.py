@@ -39,7 +39,9 @@ class _Pending:
 
 class GiveBackHost:
     """The give-backs prefill granted and not yet took in. ``enabled`` False: every
-    ``PrepareGiveBack`` is FAILED_PRECONDITION (the sidecar owns no destination pages)."""
+    ``PrepareGiveBack`` with ``grant`` is FAILED_PRECONDITION (the sidecar owns no destination
+    pages); a prefix query (without grant) is served either way: decode's cost model asks it
+    to estimate a remote prefill with what prefill really holds."""
 
     def __init__(self, worker: Worker, enabled: bool, max_lease_ms: int = 600_000) -> None:
         self.worker = worker
@@ -52,7 +54,7 @@ class GiveBackHost:
                       ) -> prefill_pb2.PrepareGiveBackResponse:
         """See ``PrefillService.PrepareGiveBack``. INVALID_ARGUMENT: no request id, a token
         count that is not whole pages, ``lease_ms`` 0 or above the bound, with ``grant``."""
-        if not self.enabled:
+        if request.grant and not self.enabled:
             raise FailedPrecondition("this prefill serves no give-back (--giveback off)")
         if not request.request_id:
             raise InvalidArgument("PrepareGiveBack: request_id is empty")

@@ -4,11 +4,14 @@ computes only the tokens beyond decode's prefix, and every turn's greedy output 
 transformers' reference.
 
 Decode runs ``--local-prefill never`` (every turn remote, so every turn exercises the handoff)
-and ``--giveback always``; prefill and its sidecar run ``--giveback on``.
+and ``--giveback always``; prefill and its sidecar run ``--giveback on``. A second cluster runs
+``--giveback auto``: prefill's real prefix is asked, the cheaper remote estimate is taken, and
+``Usage`` reports that choice with its bytes each way.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -32,11 +35,16 @@ def hf_model():
     return model
 
 
+def _giveback_cluster(tmp_path_factory, mode: str):
+    """A started cluster whose decode runs ``--giveback mode`` (stopped by the caller)."""
+    return make_cluster(tmp_path_factory, f"giveback-{mode}", local_prefill="never",
+                        decode_args=["--giveback", mode], prefill_args=["--giveback", "on"],
+                        prefill_sidecar_args=["--giveback", "on"])
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory, "giveback", local_prefill="never",
-                     decode_args=["--giveback", "always"], prefill_args=["--giveback", "on"],
-                     prefill_sidecar_args=["--giveback", "on"])
+    c = _giveback_cluster(tmp_path_factory, "always")
     try:
         yield c
     finally:
@@ -123,3 +131,68 @@ def test_a_salted_giveback_is_cached_by_prefill_under_that_salt_only(cluster, hf
     assert _prefill_pages(cluster, given, "") == []
     assert _prefill_pages(cluster, given, "bob") == []
     wait_for_baseline(cluster.decode_address)
+
+
+@pytest.fixture(scope="module")
+def auto_cluster(tmp_path_factory):
+    """``--giveback auto``: decode gives back only where its cost model says so."""
+    c = _giveback_cluster(tmp_path_factory, "auto")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _handoff_choices(cluster) -> dict[str, dict]:
+    """Decode's ``handoff_choice`` log events by request id."""
+    out = {}
+    for line in (cluster.run_dir / "decode.log").read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "handoff_choice":
+            out[event.get("request_id")] = event
+    return out
+
+
+def test_giveback_auto_output_equals_reference_and_usage_reports_the_choice(auto_cluster,
+                                                                             hf_model):
+    rng = random.Random(2627)
+
+    async def go():
+        out = []
+        async with DecodeClient(auto_cluster.decode_address, timeout_s=120) as client:
+            prompt = _ids(40, rng)
+            for i in range(4):
+                served = await client.generate(token_ids=prompt, max_new_tokens=NEW,
+                                               ignore_eos=True, request_id=f"gb-auto-{i}")
+                out.append((prompt, served))
+                prompt = prompt + served.token_ids + _ids(rng.randint(5, 20), rng)
+        return out
+
+    turns = run(go())
+    choices = _handoff_choices(auto_cluster)
+    for i, (prompt, served) in enumerate(turns):
+        u = served.usage
+        assert served.token_ids == greedy_reference(hf_model, prompt, NEW), f"turn {i}"
+        assert u.transferred_bytes == u.delta_pages() * u.page_bytes
+        assert u.prefill_computed_tokens == u.prompt_tokens - u.prefill_cached_tokens
+        if i == 0:  # nothing held anywhere: no question to ask, nothing to give
+            assert (u.prefill_choice, u.giveback_bytes) == ("remote_recompute", 0)
+            continue
+        event = choices[f"gb-auto-{i}"]
+        # Prefill's real prefix was asked (whole pages of the previous prompt) and the
+        # cheaper remote estimate was taken; Usage reports that choice and its bytes.
+        assert event["prefill_cached_len"] == len(turns[i - 1][0]) // PS * PS
+        assert event["choice"] == u.prefill_choice
+        other = ({"remote_giveback", "remote_recompute"} - {u.prefill_choice}).pop()
+        assert event[f"{u.prefill_choice}_ms"] <= event[f"{other}_ms"]
+        if u.prefill_choice == "remote_giveback":
+            assert u.giveback_pages == (u.cached_tokens - event["prefill_cached_len"]) // PS
+            assert u.giveback_bytes == u.giveback_pages * u.page_bytes > 0
+            assert u.prefill_cached_tokens == u.cached_tokens
+        else:
+            assert (u.giveback_pages, u.giveback_bytes) == (0, 0)
+            assert u.prefill_cached_tokens == event["prefill_cached_len"]
+    wait_for_baseline(auto_cluster.decode_address)

@@ -121,3 +121,29 @@ def test_record_giveback_moves_the_fit():
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="give-back mode"):
         HandoffCostModel(PrefillCostModel(), "always")  # type: ignore[arg-type]
+
+
+def test_local_wins_where_only_prefill_real_prefix_shows_remote_is_dearer():
+    # A 160-token tail behind 480 tokens decode holds, with give-back off: the old estimate
+    # (prefill computes only the tail) says remote; prefill really holds 16 tokens, so
+    # remote recomputes 624 and decode's own extend of the tail is cheaper.
+    prompt, decode_prefix = 640, 480
+    model = HandoffCostModel(measured(TEN_GBIT), "off")
+    optimistic = model.costs.decide(prompt - decode_prefix, 10 * PAGE_BYTES, running=1)
+    assert (optimistic.location, optimistic.reason) == ("remote", "cheaper")
+    d = model.decide(prompt, decode_prefix, PREFILL_PREFIX, PS, PAGE_BYTES, running=1)
+    assert (d.choice, d.location_reason, d.remote) == ("local", "cheaper", "remote_recompute")
+    assert d.estimates_ms["local"] < d.estimates_ms["remote_recompute"]
+    # Prefill's prefix unknown: the old, optimistic answer.
+    unknown = model.decide(prompt, decode_prefix, None, PS, PAGE_BYTES, running=1)
+    assert (unknown.choice, unknown.reason) == ("remote_recompute", "off")
+
+
+def test_forced_location_keeps_its_reason_beside_the_remote_choice():
+    costs = measured(TEN_GBIT)
+    costs.mode = "never"
+    model = HandoffCostModel(costs, "auto")
+    giveback_measured(model, TEN_GBIT)
+    d = model.decide(480, 80, PREFILL_PREFIX, PS, PAGE_BYTES, running=0)
+    assert (d.choice, d.remote, d.location_reason) == ("remote_giveback", "remote_giveback",
+                                                       "mode")

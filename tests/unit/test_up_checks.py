@@ -134,3 +134,15 @@ def test_up_single_replica_has_no_router_and_http_on_decode(tmp_path) -> None:
     decode = cluster.proc("decode").argv
     assert cluster.http_address.endswith(":" + _flag(decode, "--http-port")[0])
     assert "--http-port" not in _up_cluster(tmp_path, "--no-http").proc("decode").argv
+
+
+@pytest.mark.parametrize("mode, served", [("auto", "on"), ("always", "on"), ("off", "off")])
+def test_up_giveback_reaches_decode_prefill_and_prefill_sidecar(tmp_path, mode, served):
+    config = _up_cluster(tmp_path, "--giveback", mode).config
+    assert _flag(config.decode_args, "--giveback") == [mode]
+    assert _flag(config.prefill_args, "--giveback") == [served]
+    assert _flag(config.prefill_sidecar_args, "--giveback") == [served]
+    assert "--giveback" not in config.decode_sidecar_args
+    # Unset: no process gets the flag (each keeps its own default).
+    plain = _up_cluster(tmp_path).config
+    assert "--giveback" not in plain.decode_args + plain.prefill_args

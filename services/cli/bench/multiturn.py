@@ -30,6 +30,11 @@ router in front of several decode replicas spreads the turns (``incremental`` se
 network namespace, Mooncake over a veth pair shaped by ``tc tbf``) and stops it afterwards,
 namespace included, whatever happens (errors, Ctrl-C, SIGTERM).
 
+``--profile agentic`` is the agent loop (per turn a tool output of several hundred tokens after
+an answer of a few hundred); ``--giveback-compare`` runs the same conversations on two clusters
+of its own, with give-back and without, every turn checked against the aggregated reference
+(:mod:`deltakv.services.cli.bench.multiturn_giveback`).
+
 ``--api openai`` runs the same conversations as OpenAI **text chat** against the HTTP API
 (``--target`` is then ``HOST:PORT`` of it; :mod:`deltakv.services.cli.bench.multiturn_openai`):
 prompts are random words, answers come back as text, and the table shows how much of what was
@@ -213,10 +218,20 @@ def add_workload_arguments(parser: argparse.ArgumentParser, defaults: MultiturnC
 
 
 def config_from_args(args: argparse.Namespace, compare: bool) -> MultiturnConfig:
-    """A :class:`MultiturnConfig` from parsed workload flags (raises InvalidArgument)."""
+    """A :class:`MultiturnConfig` from parsed workload flags (raises InvalidArgument); the
+    lengths left unset come from ``--profile``."""
+    from deltakv.services.cli.bench.multiturn_giveback import PROFILES
+
+    profile = PROFILES[getattr(args, "profile", None) or "chat"]
+
+    def length(name: str) -> int:
+        value = getattr(args, name)
+        return getattr(profile, name) if value is None else value
+
     return MultiturnConfig(
-        clients=args.clients, rounds=args.rounds, request_length=args.request_length,
-        sub_question_length=args.sub_question_length, output_length=args.output_length,
+        clients=args.clients, rounds=args.rounds, request_length=length("request_length"),
+        sub_question_length=length("sub_question_length"),
+        output_length=length("output_length"),
         max_parallel=args.max_parallel, compare=compare, runs=getattr(args, "runs", 1),
         seed=args.seed,
         vocab_low=args.vocab_low, vocab_high=args.vocab_high, timeout_s=args.timeout,
@@ -230,6 +245,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help="decode service HOST:PORT (ignored with --link)")
     add_workload_arguments(parser, MultiturnConfig())
+    from deltakv.services.cli.bench.multiturn_giveback import GIVEBACK_MODES, PROFILES
+
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="chat",
+                        help="workload shape: chat (a short question, a short answer) or "
+                             "agentic (per turn a tool output of several hundred tokens after "
+                             "an answer of a few hundred); explicit length flags win")
+    # Unset: the profile's value.
+    parser.set_defaults(request_length=None, sub_question_length=None, output_length=None)
     parser.add_argument("--compare", action="store_true",
                         help="full transfer and incremental transfer, interleaved per round")
     parser.add_argument("--overlap-compare", action="store_true",
@@ -237,6 +260,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pass then the write: two clusters side by side, requests "
                              "interleaved (with --link: each on its own link; "
                              "bench/multiturn_overlap.py)")
+    parser.add_argument("--giveback-compare", action="store_true",
+                        help="the same conversations with give-back and without: two "
+                             "clusters side by side (with --link: each on its own link; else "
+                             "on --transport), every turn's output checked against the "
+                             "aggregated reference (bench/multiturn_giveback.py)")
+    parser.add_argument("--giveback-mode", choices=GIVEBACK_MODES, default="auto",
+                        help="with --giveback-compare: decode's --giveback in the give-back "
+                             "cluster (auto: the cost model's choice)")
     parser.add_argument("--affinity-compare", action="store_true",
                         help="also run without the x-deltakv-session key (no router affinity)")
     parser.add_argument("--api", choices=APIS, default="grpc",
@@ -292,19 +323,27 @@ def _run_with_link(args: argparse.Namespace, config: MultiturnConfig,
             cluster.stop()
 
 
-def _overlap_compare(args: argparse.Namespace, config: MultiturnConfig,
-                     progress: Callable[[str], None], env: dict) -> int:
-    from deltakv.services.cli.bench.multiturn_overlap import format_overlap, run_overlap_compare
+def _own_clusters_compare(kind: str, args: argparse.Namespace, config: MultiturnConfig,
+                          progress: Callable[[str], None], env: dict) -> int:
+    """``--overlap-compare`` or ``--giveback-compare``: two clusters of this run's own."""
+    if kind == "giveback":
+        from deltakv.services.cli.bench import multiturn_giveback as compare
 
-    report = run_overlap_compare(args, config, progress)
+        report = compare.run_giveback_compare(args, config, progress)
+        table, ok = compare.format_giveback(report), not report["defects"]
+    else:
+        from deltakv.services.cli.bench import multiturn_overlap as compare
+
+        report = compare.run_overlap_compare(args, config, progress)
+        table, ok = compare.format_overlap(report), True
     env["load_after"] = [round(x, 2) for x in os.getloadavg()]
     report["environment"] = env
-    print(format_overlap(report))
+    print(table)
     print(f"date {env.get('date')}, load before {env.get('load_before')}, after "
-          f"{env['load_after']}, link {env.get('link')}")
+          f"{env['load_after']} ({env.get('cpus')} CPUs), link {env.get('link')}")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    return 0 if ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,8 +359,9 @@ def run(args: argparse.Namespace) -> int:
     env = environment(args.link)
     try:
         config = config_from_args(args, compare=args.compare)
-        if args.overlap_compare:
-            return _overlap_compare(args, config, progress, env)
+        if args.overlap_compare or args.giveback_compare:
+            return _own_clusters_compare("overlap" if args.overlap_compare else "giveback",
+                                         args, config, progress, env)
         if args.link:
             report = _run_with_link(args, config, progress)
         else:
