@@ -226,6 +226,17 @@ def _prefill_chunk(args: argparse.Namespace) -> list[str]:
     return [] if chunk is None else ["--prefill-chunk-tokens", str(chunk)]
 
 
+def check_values(config, device: str = "cpu") -> None:
+    """What the children would refuse, refused here first, in milliseconds and without
+    torch: the model name, the transport and the device (UsageError for a value that names
+    nothing, ClusterError for one this machine cannot run)."""
+    from deltakv.services.cluster import check_device, check_model, check_transport
+
+    check_model(config.model)
+    check_transport(config.transport)
+    check_device(device)
+
+
 def start_cluster(up_args: list[str], startup_timeout_s: float,
                   progress=None):
     """A started :class:`~deltakv.services.cluster.LocalCluster` from ``deltakv up``'s own
@@ -233,13 +244,13 @@ def start_cluster(up_args: list[str], startup_timeout_s: float,
     most ``startup_timeout_s`` in total. Raises ClusterError (everything stopped, logs kept
     in its run dir) or InvalidArgument (bad ``up`` flags); argparse exits 2 on unknown
     flags."""
-    from deltakv.services.cluster import LocalCluster, check_transport
+    from deltakv.services.cluster import LocalCluster
 
     parser = argparse.ArgumentParser(prog="deltakv up")
     add_arguments(parser)
     args = parser.parse_args([*up_args, "--start-timeout-s", str(startup_timeout_s)])
     config = cluster_config(args)
-    check_transport(config.transport)
+    check_values(config, getattr(args, "device", "cpu"))
     cluster = LocalCluster(config)
     cluster.start(progress)
     return cluster
@@ -249,23 +260,26 @@ def run(args: argparse.Namespace) -> int:
     """Exit status: 0 after Ctrl-C/SIGTERM when every process stopped within its bound (members
     that failed and were restarted meanwhile included), 1 if start-up failed, a member kept
     failing (crash loop) or a process had to be SIGKILLed on the way down
-    (named on stderr), 2 for bad flags, 130 if interrupted during start-up. After a failure
+    (named on stderr), 2 for bad flags or values (an unknown transport or device, a model
+    that is not there: refused before anything starts), 130 if interrupted during start-up. After a failure
     the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
-    from deltakv.services.cluster import ClusterError, LocalCluster, check_device, check_transport
+    from deltakv.services.cluster import ClusterError, LocalCluster, UsageError
     from deltakv.services.supervisor import CrashLoop, Supervisor, policy_from_args
 
     try:
         config = cluster_config(args)
-    except DeltaKVError as exc:
+        check_values(config, getattr(args, "device", "cpu"))
+    except (DeltaKVError, UsageError) as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 2
+    except ClusterError as exc:  # a known backend or device this machine cannot run
+        print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        check_transport(config.transport)
-        check_device(getattr(args, "device", "cpu"))
         cluster = LocalCluster(config)
     except ClusterError as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)

