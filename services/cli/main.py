@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
             leaf.set_defaults(_run=_unavailable(" ".join(words), reason), _accepts_any=True)
             continue
         module.add_arguments(leaf)
-        leaf.set_defaults(_run=module.run)
+        leaf.set_defaults(_run=module.run, _parser=leaf)
     return parser
 
 
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     # parse_args, except that an unavailable subcommand takes any flags.
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_accepts_any", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # The subcommand's own usage: its flags, not the list of commands.
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     # SIGTERM unwinds like Ctrl-C, so every command's clean-up (`finally`) runs.
     unwind_on_sigterm()
     try:
