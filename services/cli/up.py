@@ -237,6 +237,21 @@ def check_values(config, device: str = "cpu") -> None:
     check_device(device)
 
 
+def cache_warning(model: str, cache_dir: str | None) -> str | None:
+    """One human line if the workers' weights cache (``--cache-dir``, else the default
+    location) cannot be written, else None (also for no cache, and for ``tiny-random``,
+    which is never cached). The children log it too, in their JSON logs."""
+    from deltakv.services.model import weights_cache
+
+    if model == "tiny-random" or cache_dir == "off":
+        return None
+    directory = cache_dir or weights_cache.default_cache_dir()
+    if directory is None:
+        return None
+    reason = weights_cache.unwritable_reason(directory)
+    return None if reason is None else weights_cache.unwritable_line(directory, reason)
+
+
 def start_cluster(up_args: list[str], startup_timeout_s: float,
                   progress=None):
     """A started :class:`~deltakv.services.cluster.LocalCluster` from ``deltakv up``'s own
@@ -276,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
     except ClusterError as exc:  # a known backend or device this machine cannot run
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 1
+    warning = cache_warning(config.model, getattr(args, "cache_dir", None))
+    if warning is not None:
+        print(f"deltakv up: {warning}", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import tempfile
 import time
 import types
@@ -54,6 +55,10 @@ FILL_WAIT_S = 600.0
 _FILL_POLL_S = 0.2
 
 
+# Directories whose "cannot be written" line this process has printed on stderr already.
+_TOLD_UNWRITABLE: set[str] = set()
+
+
 class CacheInvalid(Exception):
     """An entry that must not be used (the message says why)."""
 
@@ -68,6 +73,28 @@ def default_cache_dir() -> Path | None:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "deltakv"
+
+
+def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
+    """Why no entry could be written under ``directory`` (``"Permission denied"``, ``"Not a
+    directory"``, ...), or None when a file can be created there (made and removed again;
+    the directory is created if missing)."""
+    try:
+        path = Path(directory).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".deltakv-write-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def unwritable_line(directory: str | os.PathLike[str], reason: str) -> str:
+    """The one human line for a cache location that cannot be written."""
+    return (f"the weights cache {directory} cannot be written ({reason}): loading without "
+            f"it, so every start converts the weights again (--cache-dir DIR or "
+            f"${ENV_VAR} choose another place)")
 
 
 def source_digest(files: list[Path]) -> str:
@@ -291,8 +318,14 @@ class WeightsCache:
                 Path(tmp).unlink(missing_ok=True)
 
     def _unwritable(self, exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        if str(self.directory) not in _TOLD_UNWRITABLE:
+            # The log line goes to JSON logs; a person running the command reads stderr.
+            _TOLD_UNWRITABLE.add(str(self.directory))
+            print(f"deltakv: {unwritable_line(self.directory, reason)}", file=sys.stderr,
+                  flush=True)
         self._note("weights_cache_unwritable", level="warning", path=str(self.directory),
-                   reason=exc.strerror or str(exc), detail="loading without the weights cache")
+                   reason=reason, detail="loading without the weights cache")
 
     def _note(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
