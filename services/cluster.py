@@ -29,7 +29,7 @@ from pathlib import Path
 from deltakv.errors import InvalidArgument
 from deltakv.rpc.channel import uds_address
 from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
-from deltakv.services.process import ManagedProcess, ProcessError, free_port
+from deltakv.services.process import ManagedProcess, ProcessError, free_port, stop_together
 from deltakv.services.runtime.threads import share_of_cores as threads_share_of_cores
 
 
@@ -444,7 +444,8 @@ class LocalCluster:
         return self.proc(name).stop(sig)
 
     def stop(self) -> dict[str, int | None]:
-        """Stop decode, prefill, then the sidecars (SIGTERM, bounded wait, SIGKILL); unlink
+        """Stop every process at once (SIGTERM to all, one wait bounded by
+        ``stop_timeout_s``, then SIGKILL for what still runs: :func:`stop_together`); unlink
         the pool segment of a sidecar that had to be killed. A run directory this object
         created is removed after a clean stop and kept, with its logs, when start-up failed or
         a process exited other than by our SIGTERM (:attr:`kept_logs` says where); the pairing
@@ -452,8 +453,9 @@ class LocalCluster:
         Idempotent; returns each process's exit status (None: never started)."""
         if not self._stopped:
             self._stopped = True
-            for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
-                proc.stop()
+            # Signalled router, decodes, prefills, sidecars; waited for together, so the
+            # shutdown takes as long as the slowest member, not the sum of all.
+            stop_together(list(reversed(self.procs)), self.config.stop_timeout_s)
             if self.link is not None:
                 self.link.destroy()  # after its processes: nothing left inside
             for path in self.segments():

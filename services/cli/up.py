@@ -12,8 +12,8 @@ printing each process's start-up phases on stderr when that is a terminal, print
 with the decode address on stdout and then only errors (lines logged at level error by any
 process, and what its supervisor does). A member that exits is restarted with exponential
 backoff and re-paired (:mod:`deltakv.services.supervisor`); one that keeps failing (a crash
-loop) stops the cluster, exit 1. On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
-(SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
+loop) stops the cluster, exit 1. On Ctrl-C/SIGTERM it stops every process at once (SIGTERM
+to all, one bounded wait, SIGKILL: then it names the process and exits 1), and removes any
 pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
 clean stop; after a failure it stays, with every process's log, and its path is printed (the
 pairing key in it is deleted). Children die with ``up`` (PR_SET_PDEATHSIG) so no orphan survives even a SIGKILL
