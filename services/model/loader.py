@@ -145,10 +145,12 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
     return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
-def _load_config(source: _Source, cache: Any = None, digest: str | None = None) -> Any:
-    """The config of ``source`` for its KV geometry: transformers' config, or a namespace of
-    its fields from the weights cache when one is configured (a GGUF file's metadata takes
-    ~15 s to parse on 2 cores), written there on a miss."""
+def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
+                 transformers_config: bool = False) -> Any:
+    """The config of ``source``: transformers' config, or (``transformers_config`` false) a
+    namespace of its fields from the weights cache when one is configured (a GGUF file's
+    metadata takes seconds to parse), written there on a miss. Processes starting together
+    parse it once: the others wait on the cache's fill lock, then read it."""
     if source.kind == "tiny-random":
         return tiny_random_config()
     from deltakv.services.model import weights_cache
@@ -160,6 +162,11 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None) 
     digest = digest or weights_cache.source_digest(_digest_files(source))
     with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
+        if cached is not None and transformers_config:
+            from transformers import AutoConfig
+
+            fields = dict(cached)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
         if cached is not None:
             # The geometry reads plain fields (LlamaSpec.from_config, rope_parameters): a
             # namespace of the saved config gives the same fingerprint without importing
@@ -279,9 +286,12 @@ def _eos_ids(config: Any, tokenizer: Any, generation_config: Any = None) -> set[
     return ids
 
 
-def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
+                            config: Any = None) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``: the model as transformers' own ``*ForCausalLM`` in eval mode, and
     its tokenizer. It is the weight source of :func:`load_model` and the test/benchmark oracle.
+    ``config``: the model's transformers config when the caller has it already (else parsed
+    here, once: a GGUF file's metadata is read for it, then only for the tensors).
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model or unsupported
     dtype, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
@@ -290,7 +300,7 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> t
         raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
                               f"float16")
     source = _resolve(model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from deltakv.services.model.tokenizer import build_byte_tokenizer
@@ -300,9 +310,27 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> t
     kwargs = source.pretrained_kwargs()
     # transformers' tqdm bars would spam logs and the CLI's stdout-based JSON mode.
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kwargs)
+    if config is None:
+        config = _parse_config(source)
+    tokenizer = _tokenizer_class(source, config).from_pretrained(str(source.directory), **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), config=config,
+                                                    dtype=dtype, **kwargs)
     return hf_model.eval(), tokenizer
+
+
+def _tokenizer_class(source: _Source, config: Any) -> Any:
+    """AutoTokenizer, except for a GGUF model whose type has no tokenizer class of its own:
+    then the generic fast tokenizer AutoTokenizer would pick too, without first reading the
+    file's whole metadata again to learn the model type (the tokenizer itself is built from
+    the vocabulary arrays alone)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if source.gguf_file and TOKENIZER_MAPPING_NAMES.get(config.model_type) is None:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    return AutoTokenizer
 
 
 def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
@@ -384,7 +412,10 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         with cache.filling(cache.path(digest, dtype).stem):
             entry = cache.load(digest, dtype, again=True)  # filled by a process beside?
             if entry is None:
-                hf_model, tokenizer = load_transformers_model(model, dtype)
+                # The config through the cache's config entry (a sidecar may have parsed it
+                # already, or waits for this one), so the GGUF metadata is parsed once.
+                config = _load_config(source, cache, digest, transformers_config=True)
+                hf_model, tokenizer = load_transformers_model(model, dtype, config=config)
                 tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
                 state = {k: v for k, v in hf_model.state_dict().items()
                          if not (tied and k == "lm_head.weight")}  # one tensor, stored once

@@ -154,6 +154,7 @@ class WeightsCache:
     def __init__(self, directory: str | os.PathLike[str], log: Any = None) -> None:
         self.directory = Path(directory).expanduser()
         self.log = log
+        self._unwritable_said = False  # one line per load, however many writes fail
 
     def path(self, digest: str, dtype: torch.dtype) -> Path:
         """Where the entry of source ``digest`` in ``dtype`` lives."""
@@ -318,6 +319,9 @@ class WeightsCache:
                 Path(tmp).unlink(missing_ok=True)
 
     def _unwritable(self, exc: OSError) -> None:
+        if self._unwritable_said:
+            return
+        self._unwritable_said = True
         reason = exc.strerror or str(exc)
         if str(self.directory) not in _TOLD_UNWRITABLE:
             # The log line goes to JSON logs; a person running the command reads stderr.
