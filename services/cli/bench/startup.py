@@ -8,8 +8,8 @@ its start-up phases (the ``startup_phase`` lines of its log: imports, sidecar_wa
 pack, kernels, attach, listen, and the sidecars' geometry), each process's resident memory at
 ready (``/proc/PID/status``: VmRSS, of it anonymous, file-backed and shared memory), and the
 seconds from SIGTERM to ``up``'s exit. ``--cold`` gives the runs a fresh, empty weights cache
-(removed afterwards): run 1 is then a first start, the later runs second starts (numba's
-compiled kernels stay where they are). The last lines hold the figures against the targets;
+and an empty numba kernel cache, as on a fresh clone (both removed afterwards): run 1 is then
+a first start, the later runs second starts. The last lines hold the figures against the targets;
 the header and the footer say when and under what load it ran: figures from a loaded machine
 are not comparable with a quiet one's.
 """
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=2,
                         help="cluster starts, one after the other")
     parser.add_argument("--cold", action="store_true",
-                        help="a fresh, empty weights cache for these runs: run 1 is a first "
-                             "start, the others second starts")
+                        help="fresh, empty weights and kernel caches for these runs, as on a "
+                             "fresh clone: run 1 is a first start, the others second starts")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="weights cache of the workers (default: theirs; off: none)")
     parser.add_argument("--start-timeout-s", type=positive_float, default=300.0,
@@ -116,6 +116,9 @@ def one_start(args: argparse.Namespace, cache_dir: str | None) -> dict[str, Any]
     env = dict(os.environ)
     if cache_dir is not None:
         env[ENV_VAR] = cache_dir
+    if args.cold:
+        # A fresh clone has no compiled kernels either (numba caches them beside the source).
+        env["NUMBA_CACHE_DIR"] = str(Path(cache_dir) / "numba")
     argv = [sys.executable, "-m", "deltakv.services.cli", "up", "--model", args.model,
             "--transport", args.transport, "--decode-port", "0", "--prefill-port", "0",
             "--http-port", "0", "--run-dir", str(run_dir / "run"),
