@@ -171,3 +171,21 @@ def test_model_check_accepts_what_the_loader_loads(tmp_path) -> None:
         check_model(str(tmp_path / "hf"))  # a directory without config.json
     (tmp_path / "hf" / "config.json").write_text("{}")
     check_model(str(tmp_path / "hf"))
+
+
+def test_ups_own_checks_do_not_import_torch() -> None:
+    """`up` checks its flags and cache in its own process before it spawns anything: torch
+    there would delay every child's start by its import."""
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys\n"
+            "from deltakv.services.cli import up\n"
+            "p = argparse.ArgumentParser(); up.add_arguments(p); a = p.parse_args([])\n"
+            "c = up.cluster_config(a); up.check_values(c); up.cache_warning(c.model, None)\n"
+            "from deltakv.services.cluster import LocalCluster\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
