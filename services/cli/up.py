@@ -230,7 +230,7 @@ def check_values(config, device: str = "cpu") -> None:
     """What the children would refuse, refused here first, in milliseconds and without
     torch: the model name, the transport and the device (UsageError for a value that names
     nothing, ClusterError for one this machine cannot run)."""
-    from deltakv.services.cluster import check_device, check_model, check_transport
+    from deltakv.services.cluster_checks import check_device, check_model, check_transport
 
     check_model(config.model)
     check_transport(config.transport)
@@ -279,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     that is not there: refused before anything starts), 130 if interrupted during start-up. After a failure
     the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
-    from deltakv.services.cluster import ClusterError, LocalCluster, UsageError
+    from deltakv.services.cluster import ClusterError, LocalCluster
+    from deltakv.services.cluster_checks import UsageError
     from deltakv.services.supervisor import CrashLoop, Supervisor, policy_from_args
 
     try:

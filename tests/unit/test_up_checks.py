@@ -12,7 +12,8 @@ from deltakv.client import build_request
 from deltakv.errors import InvalidArgument
 from deltakv.rpc.server import AioServer
 from deltakv.services.cli.argtypes import port_number
-from deltakv.services.cluster import ClusterError, UsageError, check_port_free, check_transport
+from deltakv.services.cluster import ClusterError, check_port_free
+from deltakv.services.cluster_checks import UsageError, check_transport
 
 
 def test_port_number_accepts_0_to_65535_and_rejects_the_rest() -> None:
@@ -161,7 +162,7 @@ def test_up_refuses_a_bad_value_with_exit_2_before_starting_anything(flags, says
 
 
 def test_model_check_accepts_what_the_loader_loads(tmp_path) -> None:
-    from deltakv.services.cluster import UsageError, check_model
+    from deltakv.services.cluster_checks import UsageError, check_model
 
     check_model("tiny-random")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
@@ -173,9 +174,9 @@ def test_model_check_accepts_what_the_loader_loads(tmp_path) -> None:
     check_model(str(tmp_path / "hf"))
 
 
-def test_ups_own_checks_do_not_import_torch() -> None:
-    """`up` checks its flags and cache in its own process before it spawns anything: torch
-    there would delay every child's start by its import."""
+def test_ups_own_checks_and_plan_do_not_import_torch() -> None:
+    """`up` checks its flags and cache and plans the cluster in its own process before it
+    spawns anything: torch there would delay every child's start by its import."""
     import subprocess
     import sys
 
@@ -183,7 +184,9 @@ def test_ups_own_checks_do_not_import_torch() -> None:
             "from deltakv.services.cli import up\n"
             "p = argparse.ArgumentParser(); up.add_arguments(p); a = p.parse_args([])\n"
             "c = up.cluster_config(a); up.check_values(c); up.cache_warning(c.model, None)\n"
+            "import tempfile\n"
             "from deltakv.services.cluster import LocalCluster\n"
+            "c.run_dir = tempfile.mkdtemp(); LocalCluster(c)\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
