@@ -124,6 +124,7 @@ def one_start(args: argparse.Namespace, cache_dir: str | None) -> dict[str, Any]
             "--http-port", "0", "--run-dir", str(run_dir / "run"),
             "--start-timeout-s", str(args.start_timeout_s)]
     stderr_path = run_dir / "up.stderr"
+    keep = False
     with open(stderr_path, "wb") as stderr:
         started = time.monotonic()
         up = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -132,7 +133,9 @@ def one_start(args: argparse.Namespace, cache_dir: str | None) -> dict[str, Any]
         line = _ready_line(up, args.start_timeout_s + 30)
         ready_s = time.monotonic() - started
         if not line.startswith("deltakv ready"):
-            raise RuntimeError(f"deltakv up did not get ready:\n"
+            keep = True  # up's stderr and every member's log, for whoever looks into it
+            raise RuntimeError(f"deltakv up did not get ready (its stderr and the members' "
+                               f"logs are kept in {run_dir}):\n"
                                f"{stderr_path.read_text(errors='replace')[-2000:]}")
         procs = {}
         for pid in _children(up.pid):
@@ -154,7 +157,8 @@ def one_start(args: argparse.Namespace, cache_dir: str | None) -> dict[str, Any]
         if up.poll() is None:
             up.kill()  # its members die with it (PR_SET_PDEATHSIG)
             up.wait(30)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return {"ready_line_s": round(ready_s, 2), "stop_s": round(stop_s, 2), "up_exit": code,
             "processes": dict(sorted(procs.items()))}
 
