@@ -163,10 +163,7 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
     with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
         if cached is not None and transformers_config:
-            from transformers import AutoConfig
-
-            fields = dict(cached)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            return _transformers_config(cached)
         if cached is not None:
             # The geometry reads plain fields (LlamaSpec.from_config, rope_parameters): a
             # namespace of the saved config gives the same fingerprint without importing
@@ -175,6 +172,14 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
         config = _parse_config(source)
         cache.store_config(digest, config.to_dict())
     return config
+
+
+def _transformers_config(fields: dict[str, Any]) -> Any:
+    """transformers' config object of a saved ``config.to_dict()``."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def _parse_config(source: _Source) -> Any:
@@ -434,10 +439,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
 
     if LlamaSpec.from_config(config).rope_type != "default":
         # Scaled RoPE variants are computed by transformers' initialisers from its config.
-        from transformers import AutoConfig
-
-        fields = dict(config_dict)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = _transformers_config(config_dict)
     hf_model = checkpoint_view(config, tensors, model)
     from transformers import AutoTokenizer
 
