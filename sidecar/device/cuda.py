@@ -49,6 +49,11 @@ class _CUuuid(ctypes.Structure):
 _VOIDP = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
 #: name -> (restype, argtypes): the documented prototypes of the runtime calls used.
+# cudaGetDeviceCount's answers on a machine without a usable GPU: cudaErrorInsufficientDriver
+# (35; what the runtime says when no driver is loaded at all), cudaErrorNoDevice (100),
+# cudaErrorInitializationError (3), cudaErrorStubLibrary (34: only the toolkit's stub libcuda).
+_NO_DRIVER_ERRORS = (3, 34, 35)
+_CUDA_ERROR_NO_DEVICE = 100
 _RUNTIME = {
     "cudaGetErrorString": (ctypes.c_char_p, [_cudaError_t]),
     "cudaGetDeviceCount": (_cudaError_t, [ctypes.POINTER(ctypes.c_int)]),
@@ -143,6 +148,13 @@ class CudaDevice(DeviceOps):
             return f"no CUDA runtime: {exc}"
         count = ctypes.c_int(0)
         err = rt.cudaGetDeviceCount(ctypes.byref(count))
+        if err in _NO_DRIVER_ERRORS:
+            # The runtime's words for a machine without the NVIDIA driver ("CUDA driver
+            # version is insufficient ...") read like a version mismatch; say what it means.
+            return ("no CUDA driver or device found on this machine (the NVIDIA driver is not "
+                    "installed or not loaded)")
+        if err == _CUDA_ERROR_NO_DEVICE:
+            return "no CUDA device found on this machine"
         if err != 0:
             return f"no CUDA device: {rt.cudaGetErrorString(err).decode()}"
         if not 0 <= index < count.value:

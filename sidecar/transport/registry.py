@@ -33,6 +33,11 @@ BACKENDS: dict[str, str] = {
     "cuda_ipc": "deltakv.sidecar.transport.cuda_ipc:CudaIpcTransport",
 }
 
+#: Backends that need nothing beyond deltakv's own dependencies and no device: always
+#: available, so :func:`unavailable_reason` does not import them (``deltakv up`` checks its
+#: transport before it starts anything; importing shm's pool would import torch there).
+NO_PROBE: frozenset[str] = frozenset({"shm"})
+
 #: What to install when a backend's optional dependency is missing (one line each).
 INSTALL_HINTS: dict[str, str] = {
     "mooncake": ("pip install 'deltakv[mooncake]' (package mooncake-transfer-engine-non-cuda on "
@@ -137,9 +142,12 @@ def available_backends() -> dict[str, str | None]:
 
 def unavailable_reason(name: str) -> str | None:
     """None if backend ``name`` (registered or ``module:Class``) can be used here, else why
-    not (one line). Imports that one backend's module and runs its probe, nothing else.
-    InvalidArgument for an unknown name."""
+    not (one line). Imports that one backend's module and runs its probe, nothing else
+    (nothing at all for the :data:`NO_PROBE` backends). InvalidArgument for an unknown
+    name."""
     _target(name)  # unknown names are an error, not a reason
+    if name in NO_PROBE:
+        return None
     try:
         cls = backend_class(name)
         probe = getattr(cls, "probe", None)

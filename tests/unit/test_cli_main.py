@@ -80,3 +80,16 @@ def test_every_command_group_says_what_it_holds(capsys) -> None:
     assert "serve ..." not in top and "bench ..." not in top
     for words, about in cli.GROUPS.items():
         assert about.split(",")[0][:40] in " ".join(top.split()), words
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["up", "--no-such-flag"], "usage: deltakv up "),
+    (["bench", "startup", "--no-such-flag"], "usage: deltakv bench startup "),
+])
+def test_an_unknown_flag_shows_the_subcommands_usage(argv, usage, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert "unrecognized arguments: --no-such-flag" in err

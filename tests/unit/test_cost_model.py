@@ -149,3 +149,20 @@ def test_auto_picks_the_smaller_estimate(tail, delta, running, hop):
         assert decision.location == ("local" if decision.local_ms < decision.remote_ms
                                      else "remote")
     assert decision.local_ms >= 0 and decision.remote_ms >= 0
+
+
+def test_every_prefill_decision_value_is_documented() -> None:
+    """Each reason the cost model (and the give-back choice) can report as
+    ``prefill_decision`` has a row in docs/telemetry.md."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    source = ((root / "services/decode/cost_model.py").read_text()
+              + (root / "services/decode/handoff_choice.py").read_text())
+    reasons = set(re.findall(r'choose\("(?:local|remote)", "(\w+)"\)', source))
+    reasons |= set(re.findall(r'remote, why = "remote_\w+", "(\w+)"', source))
+    assert {"cheaper", "explore", "full_hit", "nothing_to_give"} <= reasons
+    doc = (root / "docs/telemetry.md").read_text()
+    missing = sorted(r for r in reasons if f"| `{r}` |" not in doc)
+    assert not missing, f"prefill_decision values not in docs/telemetry.md: {missing}"

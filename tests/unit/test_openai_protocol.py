@@ -239,3 +239,76 @@ def test_tenant_and_stall_fields_reach_the_generate_request() -> None:
     for salt in ("", "x" * 257):
         with pytest.raises(ValueError, match="cache_salt"):
             ChatCompletionRequest.model_validate({**body, "cache_salt": salt})
+
+
+def test_a_405_names_the_allowed_methods_and_sets_allow() -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    client = TestClient(create_app(_NoEngine(), "m"))
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"),
+                                  ("DELETE", "/v1/models", "GET"),
+                                  ("PUT", "/v1/cache/match", "POST")):
+        reply = client.request(method, path)
+        assert reply.status_code == 405
+        assert allowed in reply.headers["allow"].split(", ")
+        message = reply.json()["error"]["message"]
+        assert message.endswith(f"allowed: {reply.headers['allow']}") and "?" not in message
+
+
+class _CachedPrefixEngine:
+    """Says 16 of the prompt's tokens are cached; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    def generate(self, request):  # pragma: no cover - not used by /v1/cache/match
+        raise AssertionError("not reached")
+
+    async def cached_prefix(self, request):
+        self.asked.append(request)
+        return 20, 16
+
+
+@pytest.mark.parametrize("body, param, starts", [
+    ({}, "model", "model: Field required"),
+    ({"model": "m"}, "prompt", "prompt: Field required"),
+    ({"model": "m", "messages": "hi"}, "messages", "messages: "),
+    ([1], None, "request body must be a JSON object"),
+    ('{"model":', None, "request body is not valid JSON (at character "),
+])
+def test_cache_match_refuses_a_bad_body_in_the_openai_shape(body, param, starts) -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    engine = _CachedPrefixEngine()
+    client = TestClient(create_app(engine, "m"))
+    content = body if isinstance(body, str) else json.dumps(body)
+    reply = client.post("/v1/cache/match", content=content,
+                        headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
+    assert error["param"] == param and error["message"].startswith(starts)
+    assert "input_value" not in error["message"] and "pydantic" not in error["message"]
+    assert engine.asked == []
+
+
+def test_cache_match_answers_for_the_served_model_and_404s_another() -> None:
+    from fastapi.testclient import TestClient
+
+    from deltakv.services.openai.app import create_app
+
+    engine = _CachedPrefixEngine()
+    client = TestClient(create_app(engine, "m"))
+    reply = client.post("/v1/cache/match", json={"model": "other", "prompt": "hi"})
+    assert reply.status_code == 404
+    error = reply.json()["error"]
+    assert error["param"] == "model" and "`other`" in error["message"]
+    assert engine.asked == []
+    reply = client.post("/v1/cache/match", json={"model": "m", "prompt": "hi"})
+    assert reply.status_code == 200
+    assert reply.json() == {"model": "m", "prompt_tokens": 20, "cached_tokens": 16}

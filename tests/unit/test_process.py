@@ -144,3 +144,46 @@ def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
             parent.wait(10)
         if pid_file.exists() and pid_file.read_text() and not pid_gone(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)  # never leave it behind
+
+
+# Exits 0 on SIGTERM only once every sibling got its SIGTERM too (each leaves a marker), and 3
+# if they did not within 5 s: a one-after-the-other stop fails it, a stop of all at once not.
+SIBLING = """
+import pathlib, signal, sys, time
+here, n = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+def on_term(*_):
+    (here / f"term-{sys.argv[3]}").touch()
+    deadline = time.monotonic() + 5
+    while len(list(here.glob("term-*"))) < n:
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.02)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_together_signals_all_then_kills_only_the_stuck(tmp_path: Path) -> None:
+    from deltakv.services.process import stop_together
+
+    procs = [script(tmp_path, f"member{i}", SIBLING, str(tmp_path), "3", str(i),
+                    stop_timeout_s=60) for i in range(3)]
+    stuck = script(tmp_path, "stuck", """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(600)
+        """)
+    for proc in [*procs, stuck]:
+        proc.start()
+    deadline = time.monotonic() + 30
+    while not all("ready" in p.log_text() for p in [*procs, stuck]):
+        assert time.monotonic() < deadline, [p.log_text() for p in procs]
+        time.sleep(0.05)
+    stop_together([*procs, stuck], timeout_s=5.0)
+    assert [p.returncode for p in procs] == [0, 0, 0], [p.log_text() for p in procs]
+    assert not any(p.killed_on_stop for p in procs)
+    assert stuck.returncode == -signal.SIGKILL and stuck.killed_on_stop

@@ -12,7 +12,8 @@ from deltakv.client import build_request
 from deltakv.errors import InvalidArgument
 from deltakv.rpc.server import AioServer
 from deltakv.services.cli.argtypes import port_number
-from deltakv.services.cluster import ClusterError, check_port_free, check_transport
+from deltakv.services.cluster import ClusterError, check_port_free
+from deltakv.services.cluster_checks import UsageError, check_transport
 
 
 def test_port_number_accepts_0_to_65535_and_rejects_the_rest() -> None:
@@ -75,7 +76,7 @@ def test_a_port_in_time_wait_is_free_for_up_as_for_grpc() -> None:
 
 def test_transport_is_checked_up_front() -> None:
     check_transport("shm")
-    with pytest.raises(ClusterError, match="unknown transport 'bogus'"):
+    with pytest.raises(UsageError, match="unknown transport 'bogus'"):
         check_transport("bogus")
 
 
@@ -146,3 +147,60 @@ def test_up_giveback_reaches_decode_prefill_and_prefill_sidecar(tmp_path, mode, 
     # Unset: no process gets the flag (each keeps its own default).
     plain = _up_cluster(tmp_path).config
     assert "--giveback" not in plain.decode_args + plain.prefill_args
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model", "/nonexistent/model.gguf"], "unknown model '/nonexistent/model.gguf'"),
+    (["--transport", "bogus"], "unknown transport 'bogus'"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_up_refuses_a_bad_value_with_exit_2_before_starting_anything(flags, says, tmp_path,
+                                                                     monkeypatch, capsys):
+    from deltakv.services import cluster
+    from deltakv.services.cli import up
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was made for a bad value")
+
+    monkeypatch.setattr(cluster, "LocalCluster", no_cluster)
+    parser = argparse.ArgumentParser(prog="deltakv up")
+    up.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-random", "--run-dir", str(tmp_path / "run"),
+                              *flags])
+    assert up.run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deltakv up: ") and says in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_check_accepts_what_the_loader_loads(tmp_path) -> None:
+    from deltakv.services.cluster_checks import UsageError, check_model
+
+    check_model("tiny-random")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    check_model(str(tmp_path / "m.gguf"))
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(UsageError, match="unknown model"):
+        check_model(str(tmp_path / "hf"))  # a directory without config.json
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    check_model(str(tmp_path / "hf"))
+
+
+def test_ups_own_checks_and_plan_do_not_import_torch() -> None:
+    """`up` checks its flags and cache and plans the cluster in its own process before it
+    spawns anything: torch there would delay every child's start by its import."""
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys\n"
+            "from deltakv.services.cli import up\n"
+            "p = argparse.ArgumentParser(); up.add_arguments(p); a = p.parse_args([])\n"
+            "c = up.cluster_config(a); up.check_values(c); up.cache_warning(c.model, None)\n"
+            "import tempfile\n"
+            "from deltakv.services.cluster import LocalCluster\n"
+            "c.run_dir = tempfile.mkdtemp(); LocalCluster(c)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -141,10 +141,10 @@ def test_a_changed_source_misses_its_stale_entry(hf_dir, tmp_path):
     assert len(list(cache_dir.glob("*.safetensors"))) == 2
 
 
-def test_an_unwritable_location_loads_without_the_cache_in_one_line(hf_dir, tmp_path):
+def test_an_unwritable_location_loads_without_the_cache_in_one_line(hf_dir, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    for _ in range(2):
+    for attempt in range(2):
         model, events = load(hf_dir, blocker / "cache")
         warnings = [(e, f) for level, e, f in events.lines if level == "warning"]
         assert len(warnings) == 1, events.lines
@@ -154,6 +154,27 @@ def test_an_unwritable_location_loads_without_the_cache_in_one_line(hf_dir, tmp_
         assert str(blocker / "cache") in fields["path"]
         torch.testing.assert_close(last_logits(model),
                                    last_logits(loader.load_model(str(hf_dir))), atol=0, rtol=0)
+        # ... and one human line on stderr, once per process.
+        err = capsys.readouterr().err.splitlines()
+        told = [line for line in err if "weights cache" in line]
+        assert len(told) == (1 if attempt == 0 else 0), err
+        if told:
+            assert told[0].startswith(f"deltakv: the weights cache {blocker / 'cache'} cannot "
+                                      f"be written (Not a directory): loading without it")
+
+
+def test_up_says_in_one_line_when_the_cache_cannot_be_written(tmp_path):
+    from deltakv.services.cli.up import cache_warning
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    line = cache_warning("smollm2", str(blocker / "cache"))
+    assert line.startswith(f"the weights cache {blocker / 'cache'} cannot be written")
+    assert "\n" not in line
+    assert cache_warning("smollm2", str(tmp_path / "fine")) is None
+    assert not list((tmp_path / "fine").iterdir())  # the probe removed what it made
+    assert cache_warning("tiny-random", str(blocker / "cache")) is None
+    assert cache_warning("smollm2", "off") is None
 
 
 def test_a_header_longer_than_the_file_is_invalid(tmp_path):

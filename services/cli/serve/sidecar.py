@@ -138,12 +138,15 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
 
     from deltakv.services.runtime import otel_grpc
     from deltakv.services.runtime.lifecycle import Service
+    from deltakv.services.runtime.startup import phase
     from deltakv.sidecar.pairing import key_from_args
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
 
+    with phase(log, "geometry"):  # the model's config: a file read, or a parse when not cached
+        layout = build_layout(args)
     config = SidecarConfig(
         role=args.role, transport=args.transport, socket_path=args.socket,
-        layout=build_layout(args), pairing_key=key_from_args(args.pairing_key_file),
+        layout=layout, pairing_key=key_from_args(args.pairing_key_file),
         host=args.host, port=args.port,
         transport_extra=parse_options(args.transport_option), shm_name=args.shm_name,
         health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
