@@ -105,8 +105,9 @@ class PrefillServiceServicer:
         sidecar grants them (a TransferInfo with direction DECODE_TO_PREFILL) that decode's
         sidecar then writes with WritePages. INVALID_ARGUMENT for a malformed request,
         RESOURCE_EXHAUSTED when prefill's pool cannot hold the pages (nothing is allocated),
-        FAILED_PRECONDITION on a prefill that serves no give-back (--giveback off), UNIMPLEMENTED
-        from one that predates it: decode then recomputes, as before.
+        With grant: FAILED_PRECONDITION on a prefill that serves no give-back (--giveback off);
+        the prefix query (grant false) is served either way. UNIMPLEMENTED from a prefill that
+        predates it: decode then recomputes, as before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
