@@ -134,3 +134,12 @@ def test_up_single_replica_has_no_router_and_http_on_decode(tmp_path) -> None:
     decode = cluster.proc("decode").argv
     assert cluster.http_address.endswith(":" + _flag(decode, "--http-port")[0])
     assert "--http-port" not in _up_cluster(tmp_path, "--no-http").proc("decode").argv
+
+
+def test_up_stall_timeout_reaches_every_decode_and_the_router(tmp_path) -> None:
+    cluster = _up_cluster(tmp_path, "--decode-replicas", "2", "--stall-timeout-s", "7.5")
+    for name in ("decode", "decode-1", "router"):
+        assert _flag(cluster.proc(name).argv, "--stall-timeout-s") == ["7.5"], name
+    # Without the flag each process keeps its own default.
+    assert "--stall-timeout-s" not in _up_cluster(tmp_path, "--decode-replicas", "2"
+                                                  ).proc("router").argv
