@@ -94,6 +94,7 @@ class ClusterConfig:
     prefill_args: list[str] = field(default_factory=list)
     prefill_sidecar_args: list[str] = field(default_factory=list)
     decode_sidecar_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
     log_level: str = "info"
     env: dict[str, str] = field(default_factory=dict)
     # --otel-* flags passed to every process; metrics_port: Prometheus base port, each
@@ -281,7 +282,7 @@ class LocalCluster:
                 argv += ["--http-port", str(c.http_port)]
             for grpc_address, http_address in self.decode_replicas:
                 argv += ["--decode", grpc_address + (f"={http_address}" if http_address else "")]
-            argvs["router"] = argv
+            argvs["router"] = argv + c.router_args
         return argvs
 
     def _plan(self) -> list[ManagedProcess]:

@@ -115,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout-ms", type=positive_int, default=None,
                         help="decode's deadline for one Prefill (compute + transfer); long "
                              "prompts on a slow CPU may need more than the 60 s default")
+    parser.add_argument("--stall-timeout-s", type=positive_float, default=None,
+                        help="end a request whose next token does not come within this long "
+                             "(every decode's and the router's --stall-timeout-s; default "
+                             "120 s)")
     parser.add_argument("--lease-ms", type=positive_int, default=None,
                         help="transfer lease (default: the decode service's, 60 s)")
     parser.add_argument("--local-prefill", choices=("auto", "never", "always"), default=None,
@@ -188,7 +192,14 @@ def _decode_bounds(args: argparse.Namespace) -> list[str]:
         out += ["--lease-ms", str(args.lease_ms)]
     if args.local_prefill is not None:
         out += ["--local-prefill", args.local_prefill]
-    return out
+    return out + _stall(args)
+
+
+def _stall(args: argparse.Namespace) -> list[str]:
+    """``--stall-timeout-s`` for every decode and the router (one bound, so the replica's
+    own, more precise error is the one a client normally sees)."""
+    stall = getattr(args, "stall_timeout_s", None)
+    return [] if stall is None else ["--stall-timeout-s", f"{stall:g}"]
 
 
 def cluster_config(args: argparse.Namespace):
@@ -220,6 +231,7 @@ def cluster_config(args: argparse.Namespace):
                          prefill_sidecar_args=_giveback(args, "prefill") + _device(args)
                          + _pool_kind(args),
                          decode_sidecar_args=_device(args) + _pool_kind(args),
+                         router_args=_stall(args),
                          env=_cache_env(args))
 
 

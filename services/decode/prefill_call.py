@@ -245,6 +245,7 @@ class PrefillCall:
                 error = deadline_error(backend.target, time.monotonic() - state.sent_at,
                                        timeout_s, bound, exc.details() or "")
             elif isinstance(error, Unavailable):
+                self.prefill.rest(backend)  # new requests go to the other prefills meanwhile
                 error = Unavailable(f"prefill {backend.target} failed: {exc.details()}")
             raise error from None
         finally:

@@ -24,6 +24,10 @@ per backend and :meth:`PrefillPool.acquire` returns the backend a request is pin
   a second, ``options("peer")``), so new requests go to the others; a request already sent to
   it fails with UNAVAILABLE and is fenced as before. A Prefill is never re-sent: the first
   backend may still be writing into the request's pages.
+* **Resting**: a prefill that answers UNAVAILABLE while its channel stays READY (its sidecar
+  is away, it drains) is skipped by new requests while another backend is ready, until its
+  ``grpc.health.v1`` answers SERVING again (:meth:`PrefillPool.rest`), as a router takes a
+  replica out until its health check passes.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ _FINAL = (FailedPrecondition, Unauthenticated)
 DNS_SCHEME = "dns:///"
 DEFAULT_RESOLVE_INTERVAL_S = 10.0
 _RETRY_PAIRING_S = 1.0
+_REST_PROBE_S = 0.25
+_REST_MAX_S = 30.0
 
 #: ``make_channel(target, server_name)``: an aio channel to one backend (TLS, interceptors and
 #: options are the caller's); ``server_name`` overrides the TLS name (None: the target's host).
@@ -80,6 +86,7 @@ class PrefillBackend:
     sent: int = 0
     num_pages: int = 0
     pairing: asyncio.Task | None = field(default=None, repr=False)
+    resting: asyncio.Task | None = field(default=None, repr=False)
 
     def ready(self) -> bool:
         """True when the channel is READY (asks an idle one to connect)."""
@@ -305,11 +312,12 @@ class PrefillPool:
         sent yet, so nothing can be written into the request's pages."""
         paired = [b for b in self.backends if b.paired]
         n = len(paired)
-        for i in range(n):
-            backend = paired[(self._next + i) % n]
-            if backend.ready():
-                self._next = (self._next + i + 1) % n
-                return self._take(backend)
+        for resting in (False, True):  # resting backends only when no other one is ready
+            for i in range(n):
+                backend = paired[(self._next + i) % n]
+                if (backend.resting is not None) == resting and backend.ready():
+                    self._next = (self._next + i + 1) % n
+                    return self._take(backend)
         if paired:
             waits = {asyncio.ensure_future(b.channel.channel_ready()): b for b in paired}
             try:
@@ -323,6 +331,33 @@ class PrefillPool:
                     return self._take(waits[w])
         raise Unavailable(f"prefill is unreachable (no prefill backend connected within "
                           f"{timeout_s:g} s; {len(paired)} paired of {len(self.backends)})")
+
+    def rest(self, backend: PrefillBackend) -> None:
+        """``backend`` answered UNAVAILABLE: new requests skip it while another backend is
+        ready, until its ``grpc.health.v1`` Check answers SERVING (probed every
+        ``_REST_PROBE_S``; at most ``_REST_MAX_S``, so a backend whose health cannot be read
+        is not left out for good). Idempotent while it rests."""
+        if backend.resting is not None or self._closed:
+            return
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(backend.channel)
+
+        async def probe() -> None:
+            deadline = time.monotonic() + _REST_MAX_S
+            try:
+                while time.monotonic() < deadline:
+                    await asyncio.sleep(_REST_PROBE_S)
+                    with contextlib.suppress(grpc.RpcError):
+                        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+            finally:
+                backend.resting = None
+                log.info("prefill_backend_back", target=backend.target)
+
+        log.warning("prefill_backend_resting", target=backend.target)
+        backend.resting = asyncio.get_running_loop().create_task(probe())
 
     def again(self, backend: PrefillBackend) -> PrefillBackend:
         """``backend`` once more for the same request (a Prefill after a give-back to it),
@@ -355,7 +390,8 @@ class PrefillPool:
         if self._resolver is not None:
             self._resolver.cancel()
         for backend in self.backends:
-            if backend.pairing is not None:
-                backend.pairing.cancel()
+            for task in (backend.pairing, backend.resting):
+                if task is not None:
+                    task.cancel()
         for backend in self.backends:
             await backend.channel.close()

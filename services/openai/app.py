@@ -5,7 +5,8 @@ Routes (docs/openai.md has the curl examples):
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` — streaming (SSE, ``data: {...}``
   lines ending with ``data: [DONE]``) and not. Each request becomes one ``GenerateRequest`` run
   by :meth:`DecodeServicer.generate`, the request path of the gRPC ``Generate``.
-* ``GET /v1/models`` — the one served model; ``GET /health`` — 200 while serving, 503 draining.
+* ``GET /v1/models`` — the one served model; ``GET /health`` — 200 while serving, 503 while
+  draining or while the worker's sidecar is away.
 * ``POST /v1/cache/match`` — a router's precise prefix score: how many of this request's prompt
   tokens this replica's radix index holds now (body: a chat or completions request).
 
@@ -154,7 +155,8 @@ def create_app(engine: Engine, model_name: str, *, serving: Any = lambda: True,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while serving, 503 while draining (load balancers stop routing here)."""
+        """200 while serving, 503 while draining or not paired with its sidecar (load
+        balancers stop routing here)."""
         return Response(status_code=200 if serving() else 503)
 
     @app.get("/v1/models")

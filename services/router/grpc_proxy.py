@@ -8,19 +8,27 @@ metadata and remaining deadline. The key is the ``x-deltakv-session`` metadata (
 are down (health checks) or whose channel is failing are tried last. A call that ends
 UNAVAILABLE before any response message goes to the next replica on the ring, within the
 caller's deadline; once a message was relayed nothing is re-sent, and a replica failing then
-ends the call with its status and a message naming the replica. Other statuses reach the
-caller unchanged.
+ends the call with its status and a message naming the replica — as does one that sends
+nothing for longer than the stall bound (DEADLINE_EXCEEDED: a frozen replica cannot end the
+call itself). Other statuses reach the caller unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from deltakv.services.router.health import ReplicaHealth
-from deltakv.services.router.http import REQUEST_ID_HEADER, SESSION_HEADER, routing_key
+from deltakv.services.router.http import (
+    DEFAULT_STALL_TIMEOUT_S,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
+    routing_key,
+    stalled_message,
+)
 from deltakv.services.router.ring import HashRing
 from deltakv.v1 import decode_pb2
 
@@ -36,12 +44,17 @@ def _forwarded(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, An
 class DecodeProxy(grpc.GenericRpcHandler):
     """Forwards DecodeService calls; ``channels`` maps each replica (ring name) to its aio
     channel (the proxy does not own them); ``health`` (over the same names) orders the
-    replicas, else the ring and the channels' states do."""
+    replicas, else the ring and the channels' states do. ``stall_timeout_s`` (> 0) bounds
+    each wait for a streaming call's next message once its first one was relayed."""
 
     def __init__(self, channels: dict[str, grpc.aio.Channel],
-                 health: ReplicaHealth | None = None) -> None:
+                 health: ReplicaHealth | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.channels = channels
         self.health = health
+        self.stall_timeout_s = stall_timeout_s
         self.ring = health.ring if health is not None else HashRing(list(channels))
         self.methods = {f"/{SERVICE.full_name}/{m.name}": m.server_streaming
                         for m in SERVICE.methods}
@@ -125,12 +138,26 @@ class DecodeProxy(grpc.GenericRpcHandler):
                 if kwargs is None:
                     break
                 call = self.channels[replica].unary_stream(method)(request, **kwargs)
+                messages = call.__aiter__()
                 sent = 0
                 try:
-                    async for message in call:
+                    while True:
+                        # The first message may wait for admission and prefill, which the
+                        # replica bounds itself; a replica that goes silent after it is
+                        # stopped or hung.
+                        async with asyncio.timeout(self.stall_timeout_s if sent else None):
+                            message = await anext(messages, None)
+                        if message is None:
+                            return
                         sent += 1
                         yield message
-                    return
+                except TimeoutError:
+                    if self.health is not None:
+                        self.health.mark_down(replica, "stalled mid-stream "
+                                                       f"({self.stall_timeout_s:g} s)")
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        stalled_message(replica, self.stall_timeout_s)
+                                        + f" after {sent} messages")
                 except grpc.aio.AioRpcError as err:
                     if sent:
                         # Part of the answer went out: nothing can be re-sent.

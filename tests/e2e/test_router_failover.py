@@ -7,6 +7,10 @@
   dead one out and, once it runs again, its sessions come back to it.
 * A replica dying while it streams: the client, who already has part of the answer, gets an
   OpenAI error event and ``[DONE]`` (HTTP) or a status naming the replica (gRPC).
+* A replica stopped (SIGSTOP: frozen, as behind a hung device) between two tokens of a
+  stream: the router ends the stream inside its stall bound — an OpenAI error event (HTTP) or
+  DEADLINE_EXCEEDED naming the replica (gRPC) — and once the replica runs again it releases
+  every page and serves its sessions again.
 * With every replica gone the router's own answers are OpenAI error bodies (503).
 """
 
@@ -24,19 +28,24 @@ from deltakv.client import DecodeClient
 from deltakv.errors import DeltaKVError
 from deltakv.services.cluster import replica_name
 from deltakv.services.router.ring import HashRing
-from tests.e2e.conftest import make_cluster, run
+from tests.e2e.conftest import make_cluster, run, wait_for_baseline
 
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tiny-random"
 SESSION = "x-deltakv-session"
 BACK_WITHIN_S = 30.0
+#: The router's stall bound here (the replicas keep their generous default), and what the
+#: error may take beyond it on a shared, loaded machine.
+ROUTER_STALL_S = 4.0
+STALL_SLACK_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = make_cluster(tmp_path_factory, "failover", http_port=0, num_pages=256,
-                     decode_replicas=2, start_timeout_s=240.0)
+                     decode_replicas=2, start_timeout_s=240.0,
+                     router_args=["--stall-timeout-s", str(ROUTER_STALL_S)])
     try:
         yield c
     finally:
@@ -163,6 +172,84 @@ def test_grpc_stream_cut_mid_answer_names_the_replica(cluster) -> None:
                           grpc.StatusCode.CANCELLED), error
     assert grpc1 in str(error)
     cluster.restart_proc(replica_name("decode", 1))
+
+
+class _Stopped:
+    """SIGSTOP of a process on the first call, SIGCONT on leaving (whatever happened)."""
+
+    def __init__(self, proc) -> None:
+        self.proc, self.at = proc, None
+
+    def __call__(self) -> None:
+        if self.at is None:
+            self.proc.send_signal(signal.SIGSTOP)
+            self.at = time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.at is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
+
+def _assert_inside_the_bound(stopped_at: float | None) -> None:
+    assert stopped_at is not None, "the stream ended before the replica was stopped"
+    elapsed = time.monotonic() - stopped_at
+    # The bound runs from the last chunk the router got: tokens on their way when the replica
+    # stopped still arrive after the stop, while the chunk the client read last may have
+    # reached the router a moment before it (the client's read and signal).
+    assert ROUTER_STALL_S - 0.5 <= elapsed < ROUTER_STALL_S + STALL_SLACK_S, elapsed
+
+
+def test_a_replica_stopped_mid_stream_ends_the_stream_inside_the_stall_bound(cluster) -> None:
+    grpc1, http1 = cluster.decode_replicas[1]
+    session = session_of(cluster, 1)
+    body = {"model": MODEL, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "tell me a story"}]}
+    # The replica a test before may have restarted serves its sessions again.
+    wait_until(lambda: replica_of(chat(cluster, session)) == http1, BACK_WITHIN_S,
+               "replica 1 serving its sessions")
+    lines: list[str] = []
+    with _Stopped(cluster.proc(replica_name("decode", 1))) as stop:
+        with httpx.stream("POST", f"http://{cluster.http_address}/v1/chat/completions",
+                          json=body, headers={SESSION: session}, timeout=60.0) as reply:
+            assert reply.status_code == 200 and replica_of(reply) == http1
+            for line in reply.iter_lines():
+                lines.append(line)
+                stop()  # between the first token and the next ones
+        _assert_inside_the_bound(stop.at)
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "timeout_error" and error["code"] == "deadline_exceeded"
+    assert http1 in error["message"] and "stall bound" in error["message"]
+    # Running again, the replica saw the router close the stream: nothing stays held.
+    wait_for_baseline(grpc1, timeout_s=30)
+    wait_until(lambda: replica_of(chat(cluster, session)) == http1, BACK_WITHIN_S,
+               "the stopped replica serving its sessions again")
+
+    async def stalled_grpc(stop: _Stopped) -> DeltaKVError | None:
+        async with DecodeClient(cluster.decode_address, timeout_s=60.0) as client, \
+                client.stream(session=session, token_ids=[5, 6, 7, 8], max_new_tokens=1000,
+                              ignore_eos=True) as s:
+            try:
+                async for _ in s:
+                    stop()
+            except DeltaKVError as exc:
+                return exc
+        return None
+
+    with _Stopped(cluster.proc(replica_name("decode", 1))) as stop:
+        error = run(stalled_grpc(stop))
+        _assert_inside_the_bound(stop.at)
+    assert error is not None, "the stream ended normally although its replica was stopped"
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert grpc1 in str(error) and "stall bound" in str(error)
+    wait_for_baseline(grpc1, timeout_s=30)
+    wait_until(lambda: replica_of(chat(cluster, session)) == http1, BACK_WITHIN_S,
+               "the stopped replica serving its sessions again")
 
 
 def test_with_every_replica_gone_the_router_answers_openai_errors(cluster) -> None:

@@ -130,6 +130,25 @@ def _wait_pools_clean(run_dir: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def _assert_clean_and_running(up: ManagedProcess, run_dir: Path, cluster_id: str,
+                              sidecars: int) -> None:
+    """Every pool at its baseline, one pool and its fence per sidecar (a restarted sidecar
+    reclaimed its predecessor's segments), ``up`` still running."""
+    _wait_pools_clean(run_dir)
+    assert len(_segments(cluster_id)) == 2 * sidecars, _segments(cluster_id)
+    assert up.alive(), up.log_tail(40)
+
+
+def _assert_stopped_cleanly(up: ManagedProcess, code: int, cluster_id: str) -> str:
+    """``up`` exited 0 (``code``) with nothing killed, no crash loop and no segment left;
+    returns its output."""
+    text = up.log_text()
+    assert code == 0, text
+    assert "had to be killed" not in text and "crash loop" not in text
+    assert _segments(cluster_id) == []
+    return text
+
+
 SHAPES = {
     "1p1d": ((), ("decode", "prefill", "decode-sidecar", "prefill-sidecar")),
     # The router picks a restarted decode replica up again; replica 0 keeps serving meanwhile.
@@ -160,19 +179,12 @@ def test_killed_members_come_back_and_serve_correctly(tmp_path, shape: str) -> N
                 wait_serving(target, timeout_s=120.0)
             for target in {decode, *replicas}:  # the public address and each replica
                 assert _outputs_once_served(target) == reference, f"{target} after {victim}"
-            _wait_pools_clean(run_dir)
-            # One pool and its fence per sidecar: a restarted sidecar reclaimed its
-            # predecessor's segments.
-            assert len(_segments(cluster_id)) == 2 * sidecars, _segments(cluster_id)
-            assert up.alive(), up.log_tail(40)
+            _assert_clean_and_running(up, run_dir, cluster_id, sidecars)
     finally:
         code = up.stop(signal.SIGTERM)
-    text = up.log_text()
-    assert code == 0, text
-    assert "had to be killed" not in text and "crash loop" not in text
+    text = _assert_stopped_cleanly(up, code, cluster_id)
     assert "member failure(s) during the run" in text
     assert f"logs kept in {run_dir}" in text
-    assert _segments(cluster_id) == []
 
 
 def test_a_member_failing_at_start_ends_in_a_crash_loop(tmp_path) -> None:

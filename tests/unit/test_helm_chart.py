@@ -346,6 +346,20 @@ def test_non_root_and_locked_down(case, rendered):
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
 
+def test_decode_stall_timeout_is_rendered(chart, rendered):
+    """decode.stallTimeoutSeconds becomes decode's --stall-timeout-s (fractions kept); prefill
+    has no such flag."""
+    for case, (values, objects) in rendered.items():
+        decode = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]
+        assert float(flag_value(decode["args"], "--stall-timeout-s")) == \
+            values["decode"]["stallTimeoutSeconds"], case
+        prefill = deployment(objects, "prefill")["spec"]["template"]["spec"]["containers"][0]
+        assert "--stall-timeout-s" not in prefill["args"], case
+    objects = render(chart, with_choice({"decode": {"stallTimeoutSeconds": 7.5}}))
+    decode = deployment(objects, "decode")["spec"]["template"]["spec"]["containers"][0]
+    assert flag_value(decode["args"], "--stall-timeout-s") == "7.5"
+
+
 def test_telemetry_settings(rendered):
     values, objects = rendered["mooncake"]
     otel = values["telemetry"]["otel"]
@@ -492,6 +506,7 @@ SCHEMA_REJECTIONS = [
     ({"telemetry": {"otel": {"endpoint": "collector:4317"}}}, "/telemetry/otel/endpoint"),
     ({"sidecar": {"socketDir": "relative/dir"}}, "/sidecar/socketDir"),
     ({"sidecar": {"drainTimeoutSeconds": 0}}, "/sidecar/drainTimeoutSeconds"),
+    ({"decode": {"stallTimeoutSeconds": 0}}, "/decode/stallTimeoutSeconds"),
     ({"model": {"kvBytesPerToken": -1}}, "/model/kvBytesPerToken"),
     ({"transport": {"options": {"bad key": 1}}}, "'bad key' not allowed"),
     ({"rdma": {"resources": {"rdma hca": 1}}}, "'rdma hca' not allowed"),

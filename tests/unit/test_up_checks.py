@@ -204,3 +204,12 @@ def test_ups_own_checks_and_plan_do_not_import_torch() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_up_stall_timeout_reaches_every_decode_and_the_router(tmp_path) -> None:
+    cluster = _up_cluster(tmp_path, "--decode-replicas", "2", "--stall-timeout-s", "7.5")
+    for name in ("decode", "decode-1", "router"):
+        assert _flag(cluster.proc(name).argv, "--stall-timeout-s") == ["7.5"], name
+    # Without the flag each process keeps its own default.
+    assert "--stall-timeout-s" not in _up_cluster(tmp_path, "--decode-replicas", "2"
+                                                  ).proc("router").argv

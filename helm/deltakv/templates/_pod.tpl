@@ -222,7 +222,7 @@ spec:
         {{- $wargs = concat $wargs (list "--http-port" (toString (int64 $pool.httpPort))) }}
         {{- end }}
         {{- if eq $role "decode" }}
-        {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs))) }}
+        {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs)) "--stall-timeout-s" (toString $pool.stallTimeoutSeconds)) }}
         {{- end }}
         {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--pairing-key-file" (include "deltakv.pairingKeyFile" $root) "--log-level" $v.logLevel) }}
         {{- if $pool.torchThreads }}

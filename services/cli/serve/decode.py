@@ -204,13 +204,18 @@ def _with_http(server, servicer, args: argparse.Namespace, fields: dict):
     import asyncio
 
     from deltakv.rpc import tls
+    from deltakv.services.attach import PairingState
     from deltakv.services.openai.app import create_app
     from deltakv.services.openai.server import HttpServer
     from deltakv.services.runtime.lifecycle import Service
 
     serving = {"on": False, "cut": None}
+    # /health says what the gRPC health says: not serving while draining or while the sidecar
+    # is away (a router's HTTP checks then send the replica's sessions elsewhere).
+    pairing = servicer.worker.pairing
     app = create_app(servicer, args.served_model_name or args.model,
-                     serving=lambda: serving["on"], streams_cut=lambda: serving["cut"])
+                     serving=lambda: serving["on"] and pairing.state is PairingState.ATTACHED,
+                     streams_cut=lambda: serving["cut"])
     # The same certificate and client-certificate rule as the gRPC port (TLS flags checked
     # by build() already).
     http = HttpServer(app, args.host, args.http_port, tls=tls.files_from_args(args))

@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check every replica this often (gRPC health, HTTP /health); a "
                              "replica that fails leaves the failover order's front until a "
                              "check passes again")
+    parser.add_argument("--stall-timeout-s", type=positive_float, default=120.0,
+                        help="end a stream (HTTP: an error event; gRPC: DEADLINE_EXCEEDED) "
+                             "whose replica sends nothing for this long once it started "
+                             "answering (a frozen or hung replica cannot end it itself); "
+                             "use the decode service's --stall-timeout-s")
     parser.add_argument("--drain-timeout-s", type=non_negative_float, default=10.0,
                         help="on SIGTERM, give in-flight requests this long to finish (s)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -88,7 +93,7 @@ async def build(args: argparse.Namespace, stack, log):
     grpc_health = ReplicaHealth(HashRing(list(channels)), {
         g: _grpc_check(channel) for g, channel in channels.items()},
         interval_s=args.health_interval_s)
-    proxy = DecodeProxy(channels, grpc_health)
+    proxy = DecodeProxy(channels, grpc_health, stall_timeout_s=args.stall_timeout_s)
     monitors = [grpc_health]
     server = AioServer(f"{args.host}:{args.port}", [SERVICE.full_name],
                        lambda s: s.add_generic_rpc_handlers((proxy,)))
@@ -100,7 +105,8 @@ async def build(args: argparse.Namespace, stack, log):
         http_health = ReplicaHealth(HashRing(backends), {
             h: _http_check(h) for h in backends}, interval_s=args.health_interval_s)
         monitors.append(http_health)
-        app = http_router.create_app(backends, health=http_health)
+        app = http_router.create_app(backends, health=http_health,
+                                     stall_timeout_s=args.stall_timeout_s)
         stack.push_async_callback(app.state.client.aclose)
         http = HttpServer(app, args.host, args.http_port)
 
