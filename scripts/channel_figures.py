@@ -12,7 +12,8 @@ Runs, one after the other (each prints its own date and load average):
    own sidecar, full prefix hit) over gRPC and over the channel, side by side.
 
 then prints a summary: each run's ratio and fixed cost with its date and load, and their
-medians. About 3-5 minutes on a quiet 2-core machine. Usage:
+medians. About 5 minutes on a quiet 2-core machine (a shortened run, ``--runs 1 --repeats 3``,
+took 6.5 minutes under a load average of 5-14). Usage:
 ``.venv/bin/python scripts/channel_figures.py [--runs 3] [--repeats 5]``. Ctrl-C or SIGTERM
 stops the running step, which removes what it created.
 """
