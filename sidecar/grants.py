@@ -102,7 +102,7 @@ def verify_grant(info: kv_pb2.TransferInfo, key: pairing.PairingKey, digest: byt
         mismatch = f"it is for room {grant.room}"
     elif grant.endpoint_id != info.decode_endpoint.endpoint_id:
         mismatch = f"it is for endpoint {grant.endpoint_id!r}"
-    elif list(grant.dst_page_indices) != list(info.dst_page_indices) or \
+    elif grant.dst_page_indices != info.dst_page_indices or \
             grant.num_pages != len(grant.dst_page_indices):
         mismatch = "it grants other destination pages"
     elif grant.decode_prefix_len != info.decode_prefix_len:

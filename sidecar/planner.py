@@ -78,7 +78,7 @@ class WritePlan:
     def source_pages(self) -> list[int]:
         """The delta's source pages in prompt order (pair ``i`` goes to
         ``dst_page_indices[i]``)."""
-        return [run.src_page + i for run in self.runs for i in range(run.num_pages)]
+        return list(self.src)
 
     @property
     def empty(self) -> bool:
@@ -145,11 +145,13 @@ def validate_transfer(info: kv_pb2.TransferInfo, layout: KVLayout, *,
             f"room {room}: dst_page_indices has {len(dst)} pages, the delta is {delta} "
             f"(prompt_len={prompt_len}, decode_prefix_len={prefix_len}, "
             f"page_size={page_size})")
-    seen: set[int] = set()
-    for page in dst:
-        if page in seen:
-            raise InvalidArgument(f"room {room}: destination page {page} appears more than once")
-        seen.add(page)
+    if len(set(dst)) != len(dst):  # counted in C; the loop below only names the page
+        seen: set[int] = set()
+        for page in dst:
+            if page in seen:
+                raise InvalidArgument(
+                    f"room {room}: destination page {page} appears more than once")
+            seen.add(page)
     return delta
 
 
@@ -183,23 +185,25 @@ def plan_delta(info: kv_pb2.TransferInfo, src_page_indices: Sequence[int], local
     _check_limits(limits, page_bytes)
     prompt_pages = local.pages_for(info.prompt_len)
     prefix_pages = prompt_pages - delta_pages
-    src = [int(p) for p in src_page_indices]
+    # Whole-list operations (list(), min, max) run in C: a write's plan is on its fixed cost
+    # (docs/write-path.md); the comprehensions below run only to name the offending page.
+    src = list(src_page_indices)
     if len(src) != prompt_pages:
         raise InvalidArgument(
             f"room {room}: prefill page table has {len(src)} pages, prompt_len="
             f"{info.prompt_len} needs ceil({info.prompt_len}/{local.page_size}) = "
             f"{prompt_pages}")
-    dst = [int(p) for p in info.dst_page_indices]
-    bad_dst = [p for p in dst if p >= remote.num_pages]
-    if bad_dst:
+    dst = list(info.dst_page_indices)
+    if dst and max(dst) >= remote.num_pages:
+        bad_dst = next(p for p in dst if p >= remote.num_pages)
         raise InvalidArgument(
-            f"room {room}: destination page {bad_dst[0]} outside the decode pool "
+            f"room {room}: destination page {bad_dst} outside the decode pool "
             f"(num_pages={remote.num_pages})")
     src_delta = src[prefix_pages:]
-    bad_src = [p for p in src_delta if not 0 <= p < local.num_pages]
-    if bad_src:
+    if src_delta and (min(src_delta) < 0 or max(src_delta) >= local.num_pages):
+        bad_src = next(p for p in src_delta if not 0 <= p < local.num_pages)
         raise InvalidArgument(
-            f"room {room}: source page {bad_src[0]} outside the prefill pool "
+            f"room {room}: source page {bad_src} outside the prefill pool "
             f"(num_pages={local.num_pages})")
 
     max_run_pages = _max_run_pages(limits, page_bytes)
@@ -223,6 +227,11 @@ def coalesce(src: Sequence[int], dst: Sequence[int], max_run_pages: int = 0) -> 
     runs: list[PageRun] = []
     if not src:
         return runs
+    n = len(src)
+    if (max_run_pages <= 0 or n <= max_run_pages) and \
+            list(src) == list(range(src[0], src[0] + n)) and \
+            list(dst) == list(range(dst[0], dst[0] + n)):
+        return [PageRun(src[0], dst[0], n)]  # one run (the common case), compared in C
     start_src, start_dst, length = src[0], dst[0], 1
     for s, d in zip(src[1:], dst[1:], strict=True):
         if (s == start_src + length and d == start_dst + length

@@ -203,17 +203,15 @@ class TransferRpcs:
     def _traced(self, request: sidecar_pb2.WritePagesRequest,
                 run: Callable[[], sidecar_pb2.WritePagesResponse]
                 ) -> sidecar_pb2.WritePagesResponse:
-        """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics."""
+        """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics. The
+        span's attributes are computed only while tracing is on (a write's fixed cost,
+        docs/write-path.md)."""
         info = request.transfer_info
         instruments = deltakv_metrics.instruments()
         direction = DIRECTION_NAMES.get(info.direction, "unknown")
-        with telemetry.span(
-                "kv.transfer", room=info.room, request_id=info.request_id or None,
-                prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
-                delta_pages=len(info.dst_page_indices),
-                pages_skipped=info.decode_prefix_len // self.layout.page_size,
-                lease_ms=info.lease_ms, direction=direction,
-                backend=self.transport.name, page_bytes=self.layout.page_bytes) as span:
+        attributes = self._span_attributes(info, direction) if telemetry.tracing_enabled() \
+            else {}
+        with telemetry.span("kv.transfer", **attributes) as span:
             try:
                 response = run()
             except Exception as exc:
@@ -227,10 +225,20 @@ class TransferRpcs:
                     pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
                     batches=stats.batches, duration_ms=stats.duration_us / 1e3,
                     gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
+            by_direction = {"direction": direction}
             instruments.transfers.add(1, {"outcome": "ok", "direction": direction})
-            instruments.transfer_duration.record(seconds, {"direction": direction})
-            instruments.transfer_size.record(stats.bytes, {"direction": direction})
+            instruments.transfer_duration.record(seconds, by_direction)
+            instruments.transfer_size.record(stats.bytes, by_direction)
         return response
+
+    def _span_attributes(self, info: kv_pb2.TransferInfo, direction: str) -> dict[str, Any]:
+        """The ``kv.transfer`` span's attributes known before the write (docs/telemetry.md)."""
+        return dict(room=info.room, request_id=info.request_id or None,
+                    prompt_len=info.prompt_len, decode_prefix_len=info.decode_prefix_len,
+                    delta_pages=len(info.dst_page_indices),
+                    pages_skipped=info.decode_prefix_len // self.layout.page_size,
+                    lease_ms=info.lease_ms, direction=direction,
+                    backend=self.transport.name, page_bytes=self.layout.page_bytes)
 
     def _check_write(self, request: sidecar_pb2.WritePagesRequest,
                      context: grpc.ServicerContext) -> _Write:
@@ -426,7 +434,7 @@ class TransferRpcs:
         self._refuse_corrupt_sources(
             [p for p, want, got in zip(sources, recorded, supplied, strict=True)
              if want is not None and want != got], room_log)
-        return [int(d) for d in supplied]
+        return list(supplied)
 
     def _refuse_corrupt_sources(self, bad: list[int], room_log: Any) -> None:
         """DATA_LOSS naming ``bad``, cached source pages whose bytes changed (none: return)."""

@@ -1,0 +1,114 @@
+"""Every figure of the worker ↔ sidecar command channel in one run (docs/benchmarks.md).
+
+Runs, one after the other (each prints its own date and load average):
+
+1. ``deltakv bench transfer --backend all --pages 64`` three times (``--runs``): the 64-page
+   sidecar / raw engine ratio of each backend available here (shm, Mooncake, ...), and the
+   fixed cost of a 1-page ``WritePages`` beyond the raw copy, over the command channel and
+   over gRPC;
+2. ``scripts/rpc_floor_probe.py``: an empty call over gRPC, the command channel and a
+   long-lived gRPC stream beside a plain ``AF_UNIX`` socket, in three rhythms;
+3. ``scripts/control_path_probe.py``: decode's control path of one request (every call to its
+   own sidecar, full prefix hit) over gRPC and over the channel, side by side.
+
+then prints a summary: each run's ratio and fixed cost with its date and load, and their
+medians. About 5 minutes on a quiet 2-core machine (a shortened run, ``--runs 1 --repeats 3``,
+took 6.5 minutes under a load average of 5-14). Usage:
+``.venv/bin/python scripts/channel_figures.py [--runs 3] [--repeats 5]``. Ctrl-C or SIGTERM
+stops the running step, which removes what it created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_step(cmd: list[str]) -> None:
+    """Run ``cmd`` with its output on ours; on an interruption the child gets SIGTERM (its
+    own clean-up runs) and is waited for. RuntimeError if it fails."""
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    child = subprocess.Popen(cmd)
+    try:
+        code = child.wait()
+    except BaseException:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
+    if code:
+        raise RuntimeError(f"{cmd[0]} {' '.join(cmd[1:3])} exited with {code}")
+
+
+def summary(results: list[dict]) -> list[str]:
+    """The lines of the summary of ``results`` (bench transfer's JSON of each run)."""
+    lines = ["", "summary: 64-page contiguous write, sidecar (command channel) / raw engine; "
+             "1-page WritePages fixed cost beyond the raw copy (ms, channel | gRPC)"]
+    backends = sorted({b for r in results for b in r["backends"]})
+    for backend in backends:
+        rows = [(r["date"], r["loadavg"], r["backends"][backend]) for r in results
+                if backend in r["backends"]]
+        for date, load, row in rows:
+            small = row.get("small", {}).get("1", {})
+            lines.append(f"  {backend:<9}{date}  load {load:<16} ratio "
+                         f"{row['contiguous_ratio']:.3f} (gRPC {row['contiguous_grpc_ratio']:.3f})"
+                         f"  hop {row['control_rpc_ms']:.3f} ms, own work "
+                         f"{row['sidecar_own_ms']:.3f} ms"
+                         f"  1-page fixed {small.get('fixed_ms', float('nan')):.3f} | "
+                         f"{small.get('fixed_grpc_ms', float('nan')):.3f} ms")
+        ratios = [row["contiguous_ratio"] for _, _, row in rows]
+        fixed = [row["small"]["1"]["fixed_ms"] for _, _, row in rows if "1" in row.get("small", {})]
+        lines.append(f"  {backend:<9}median of {len(rows)}: ratio {statistics.median(ratios):.3f}"
+                     + (f", 1-page fixed {statistics.median(fixed):.3f} ms" if fixed else ""))
+    for backend, reason in sorted(results[-1].get("skipped", {}).items()):
+        lines.append(f"  {backend:<9}skipped: {reason.split(';')[0]}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="bench transfer runs (median; 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats inside each "
+                        "bench transfer run (default 5)")
+    parser.add_argument("--calls", type=int, default=100, help="rpc_floor_probe calls per "
+                        "transport and rhythm (default 100)")
+    parser.add_argument("--requests", type=int, default=50, help="control_path_probe "
+                        "requests per transport and rhythm (default 50)")
+    args = parser.parse_args(argv)
+    if min(args.runs, args.repeats, args.calls, args.requests) <= 0:
+        parser.error("--runs, --repeats, --calls and --requests must be > 0")
+    from deltakv.services.cli.bench.transfer_report import run_stamp
+    from deltakv.services.cli.interrupts import unwind_on_sigterm
+
+    unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the running step is stopped cleanly
+    print(f"channel figures: {run_stamp()}", flush=True)
+    py = sys.executable
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dkv-channel-figures-") as tmp:
+        for i in range(args.runs):
+            out = os.path.join(tmp, f"transfer-{i}.json")
+            run_step([py, "-m", "deltakv.services.cli.main", "bench", "transfer", "--backend",
+                      "all", "--pages", "64", "--repeats", str(args.repeats),
+                      "--small-pages", "1", "--json", out])
+            results.append(json.loads(Path(out).read_text()))
+    run_step([py, str(HERE / "rpc_floor_probe.py"), "--calls", str(args.calls)])
+    run_step([py, str(HERE / "control_path_probe.py"), "--requests", str(args.requests)])
+    print("\n".join(summary(results)))
+    print(f"channel figures done: {run_stamp()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
