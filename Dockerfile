@@ -35,10 +35,10 @@ RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-# Mooncake's CUDA build replaces the non-CUDA one of the `mooncake` extra.
+# Mooncake's CUDA build (the `mooncake-cuda` extra) instead of the non-CUDA one.
 ENV DELTAKV_TORCH_INDEX=${TORCH_INDEX_URL} \
-    DELTAKV_EXTRAS="" \
-    DELTAKV_EXTRA_PACKAGES=mooncake-transfer-engine \
+    DELTAKV_EXTRAS=mooncake-cuda \
+    DELTAKV_EXTRA_PACKAGES="" \
     DELTAKV_PYTHON=python3.12
 
 # Not built here (no Docker engine): base tag and torch index follow amd-mori's requirements
