@@ -33,8 +33,10 @@ that dies with the probe, on a Unix socket in a temporary directory):
   call).
 
 Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N]``. Prints the median
-(and minimum) microseconds per call of each transport in each rhythm, interleaved call by call (the two
-transports alternate, so both see the same machine), with the date and load average.
+(and minimum) microseconds per call of each transport in each rhythm, interleaved call by
+call (the transports alternate, so all see the same machine), with the date and load average.
+On a loaded machine compare minima as well as medians, and old against new code in runs
+taken back to back.
 """
 
 from __future__ import annotations
