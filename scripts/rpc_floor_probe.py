@@ -33,8 +33,10 @@ that dies with the probe, on a Unix socket in a temporary directory):
   call).
 
 Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N]``. Prints the median
-microseconds per call of each transport in each rhythm, interleaved call by call (the two
-transports alternate, so both see the same machine), with the date and load average.
+(and minimum) microseconds per call of each transport in each rhythm, interleaved call by
+call (the transports alternate, so all see the same machine), with the date and load average.
+On a loaded machine compare minima as well as medians, and old against new code in runs
+taken back to back.
 """
 
 from __future__ import annotations
@@ -116,9 +118,9 @@ def _wait_for(path: str, proc: ManagedProcess, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def measure(calls: int) -> dict[str, dict[str, float]]:
-    """Median microseconds per call: ``{rhythm: {transport: us}}``, ``calls`` timed calls of
-    each transport in each rhythm (after 10 untimed ones)."""
+def measure(calls: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """(median, minimum) microseconds per call: ``{rhythm: {transport: (median, min)}}``,
+    ``calls`` timed calls of each transport in each rhythm (after 10 untimed ones)."""
     import grpc
     import torch
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -177,7 +179,7 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
         touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
         before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
                   "after-45MiB": lambda: touched.random_(0, 256)}
-        result: dict[str, dict[str, float]] = {}
+        result: dict[str, dict[str, tuple[float, float]]] = {}
         for rhythm in RHYTHMS:
             times: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
             for i in range(calls + 10):
@@ -188,7 +190,8 @@ def measure(calls: int) -> dict[str, dict[str, float]]:
                     call()
                     if i >= 10:
                         times[name].append((time.perf_counter() - t0) * 1e6)
-            result[rhythm] = {name: statistics.median(ts) for name, ts in times.items()}
+            result[rhythm] = {name: (statistics.median(ts), min(ts))
+                              for name, ts in times.items()}
         return result
     finally:
         tear_down("rpc_floor_probe", closers, servers, workdir)
@@ -213,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the `finally` stops the server child
     stamp = run_stamp()  # at the start, like bench transfer's load average
     result = measure(args.calls)
-    print(f"rpc floor probe: median us per empty call, {args.calls} calls each, transports "
-          f"interleaved; {stamp}")
-    print(f"{'rhythm':<14}" + "".join(f"{name:>13}" for name in TRANSPORTS))
+    print(f"rpc floor probe: us per empty call, median (minimum), {args.calls} calls each, "
+          f"transports interleaved; {stamp}")
+    print(f"{'rhythm':<14}" + "".join(f"{name:>14}" for name in TRANSPORTS))
     for rhythm, row in result.items():
-        print(f"{rhythm:<14}" + "".join(f"{row[name]:>13.0f}" for name in TRANSPORTS))
+        print(f"{rhythm:<14}" + "".join(f"{f'{row[name][0]:.0f} ({row[name][1]:.0f})':>14}"
+                                        for name in TRANSPORTS))
     return 0
 
 

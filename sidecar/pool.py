@@ -273,6 +273,15 @@ class SharedKVPool:
             self._check_open()
             return PoolMapping(self._fd, self.nbytes)
 
+    def linked(self) -> bool:
+        """Whether the segment this pool maps still has a name (``fstat`` of the open fd:
+        ``st_nlink`` drops to 0 once its owner removed it, or replaced the name with a new
+        segment). False once closed. One syscall, no path lookup: cheap enough per write."""
+        with self._lock:
+            if self._fd is None:
+                return False
+            return os.fstat(self._fd).st_nlink > 0
+
     def as_bytes(self) -> torch.Tensor:
         """uint8 view ``[num_pages, page_bytes]`` of the same memory (no copy); row ``p`` is
         page ``p``'s bytes."""

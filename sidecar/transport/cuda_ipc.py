@@ -38,7 +38,12 @@ from deltakv.sidecar.device.base import CopyRun
 from deltakv.sidecar.device.pool import DevicePool
 from deltakv.sidecar.fence_table import FenceTable, FenceView
 from deltakv.sidecar.transport.base import PageRun, PeerHandle, TransportOptions
-from deltakv.sidecar.transport.same_host import SameHostTransport, check_same_host, peer_view
+from deltakv.sidecar.transport.same_host import (
+    PeerLiveness,
+    SameHostTransport,
+    check_same_host,
+    peer_view,
+)
 from deltakv.v1 import kv_pb2
 
 if TYPE_CHECKING:
@@ -54,6 +59,7 @@ class CudaIpcPeer(PeerHandle):
         super().__init__(info)
         self.pool, self.fence = pool, fence
         self.pid, self.start_time = pid, start_time
+        self.liveness = PeerLiveness(pid, start_time)  # closed by disconnect()
 
 
 def _import_by_handle(desc: dict, remote: KVLayout, local: DevicePool, key: object) -> DevicePool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 from typing import Any
 
@@ -84,16 +85,65 @@ def check_same_host(desc: dict, endpoint_id: str, backend: str) -> int | None:
     return start_time
 
 
+class PeerLiveness:
+    """Whether a same-host peer's owner process (``pid`` started at ``start_time``) still
+    runs, checked before every write for the price of one ``poll``: a pidfd
+    (``pidfd_open``) opened once per peer incarnation turns readable when that very process
+    exits (a zombie counts as exited, as the ``/proc`` check it replaces). The pidfd is
+    opened *then* the start time is compared again, so it cannot name a process that reused
+    the PID. Where pidfds are unavailable (kernel < 5.3, a seccomp filter) each check reads
+    ``/proc/<pid>/stat`` as before. ``start_time`` None (another PID namespace): not
+    checkable, always alive. :meth:`close` once the peer is disconnected (idempotent)."""
+
+    def __init__(self, pid: int, start_time: int | None) -> None:
+        self.pid, self.start_time = pid, start_time
+        self._fd: int | None = None
+        self._poll: Any = None
+        self._dead = False
+        if start_time is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return  # no pidfd here: the /proc check stays
+        if _proc_start_time(pid) != start_time:
+            os.close(fd)
+            self._dead = True  # exited (or the PID was reused) since the descriptor was read
+            return
+        self._fd, self._poll = fd, select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        """False once the owner process exited (or a closed check: the caller re-checks
+        its handle)."""
+        if self._dead:
+            return False
+        if self.start_time is None:
+            return True
+        if self._poll is not None:
+            return not self._poll.poll(0)
+        return _proc_start_time(self.pid) == self.start_time
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self._dead = True
+            os.close(fd)
+
+
 def peer_view(handle, backend: str):
-    """``handle.pool.as_bytes()`` of a same-host peer whose owner is still alive (when its
-    ``start_time`` is checkable). UnknownEndpoint if the handle was disconnected,
-    Unavailable if the owner process exited."""
+    """``handle.pool.as_bytes()`` of a same-host peer whose owner is still alive
+    (``handle.liveness``, a :class:`PeerLiveness`). UnknownEndpoint if the handle was
+    disconnected, Unavailable if the owner process exited."""
     try:
         view = handle.pool.as_bytes()
     except InvalidArgument:
         raise UnknownEndpoint(
             f"{backend} peer {handle.endpoint_id!r} was disconnected; reconnect") from None
-    if handle.start_time is not None and _proc_start_time(handle.pid) != handle.start_time:
+    if not handle.liveness.alive():
+        if handle.closed:  # disconnected meanwhile (its pidfd closed with it)
+            raise UnknownEndpoint(
+                f"{backend} peer {handle.endpoint_id!r} was disconnected; reconnect")
         raise Unavailable(f"{backend} peer {handle.endpoint_id!r} is gone: its process "
                           f"(pid {handle.pid}) exited")
     return view
@@ -189,6 +239,7 @@ class SameHostTransport(Transport):
         with contextlib.suppress(Exception):
             handle.pool.close()
         handle.fence.close()
+        handle.liveness.close()
 
     def _release(self) -> None:
         """Backend resources to release on close, before the fence segment goes (hook)."""

@@ -29,15 +29,15 @@ process is alive.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING
 
 from deltakv.errors import FailedPrecondition, InvalidArgument, Unavailable
 from deltakv.layout import KVLayout
 from deltakv.sidecar.fence_table import FenceTable, FenceView
-from deltakv.sidecar.pool import SHM_DIR, SharedKVPool
+from deltakv.sidecar.pool import SharedKVPool
 from deltakv.sidecar.transport.base import PageRun, PeerHandle
 from deltakv.sidecar.transport.same_host import (
+    PeerLiveness,
     SameHostTransport,
     check_same_host,
     owner_identity,
@@ -54,14 +54,6 @@ __all__ = ["ShmPeer", "ShmTransport", "check_same_host", "owner_identity", "peer
 _DESCRIPTOR_VERSION = 2
 
 
-def _segment_inode(name: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 class ShmPeer(PeerHandle):
     """A connected same-host peer: its pool mapped into this process (non-owner) and a
     read-only view of its fence words."""
@@ -75,6 +67,7 @@ class ShmPeer(PeerHandle):
         self.inode = inode
         self.pid = pid
         self.start_time = start_time  # None: other PID namespace, liveness not checkable
+        self.liveness = PeerLiveness(pid, start_time)  # closed by disconnect()
 
 
 class ShmTransport(SameHostTransport):
@@ -187,7 +180,7 @@ class ShmTransport(SameHostTransport):
         the one mapped. Holding the returned tensor keeps the mapping valid even if another
         thread disconnects meanwhile (the pool defers its unmap)."""
         view = peer_view(handle, "shm")
-        if _segment_inode(handle.segment) != handle.inode:
+        if not handle.pool.linked():
             raise Unavailable(f"shm peer {handle.endpoint_id!r} is gone: its segment "
                               f"{handle.segment!r} was removed or replaced")
         return view

@@ -94,3 +94,37 @@ def test_the_command_socket_replaces_the_grpc_sockets_suffix_and_is_never_longer
     assert command_socket_path(grpc_path) == grpc_path[:-len(".sock")] + ".cmd"
     assert len(command_socket_path(grpc_path)) <= len(grpc_path)
     assert command_socket_path("/run/deltakv/sidecar") == "/run/deltakv/sidecar.cmd"
+
+
+def test_the_buffered_reader_splits_coalesced_split_and_large_frames() -> None:
+    small = [command_pb2.CommandFrame(call_id=i, part=command_pb2.CommandPart(message=b"p" * i))
+             for i in range(1, 40)]
+    large = command_pb2.CommandFrame(call_id=99, part=command_pb2.CommandPart(
+        message=bytes(range(256)) * 32))  # 8 KiB: over the reader's 1 KiB buffer below
+    wire = b"".join(frames.encode(f) for f in small) + frames.encode(large) + frames.encode(
+        small[0])
+    a, b = _pair()
+    with a, b:
+        reader = frames.FrameReader(b, buffer_bytes=1024)
+        # Coalesced in one send, then the large frame split across two sends.
+        a.sendall(wire[:5000])
+        got = [reader.read() for _ in range(20)]
+        assert reader.pending()  # the next frames are already buffered
+        a.sendall(wire[5000:])
+        got += [reader.read() for _ in range(len(small) - 20 + 2)]
+        assert got == [*small, large, small[0]]
+        assert not reader.pending()
+        a.sendall(frames.encode(small[0])[:3])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(frames.FrameTruncated, match="inside a frame"):
+            reader.read()
+    c, d = _pair()
+    with c, d:
+        c.close()
+        with pytest.raises(frames.FrameTruncated, match="between frames"):
+            frames.FrameReader(d).read()
+    e, f = _pair()
+    with e, f:
+        e.sendall(struct.pack(">I", frames.MAX_FRAME_BYTES + 1))
+        with pytest.raises(frames.FrameTooLarge):
+            frames.FrameReader(f).read()

@@ -51,22 +51,26 @@ class CallEnded(grpc.RpcError):
 
 def metadata_pairs(entries: Sequence[command_pb2.CommandMetadata]) -> tuple[tuple[str, str], ...]:
     """Frame metadata as gRPC's ``(key, value)`` pairs."""
-    return tuple((m.key, m.value) for m in entries)
+    return tuple((m.key, m.value) for m in entries) if entries else ()
 
 
 def metadata_entries(pairs: Any) -> list[command_pb2.CommandMetadata]:
     """``(key, value)`` pairs (str or bytes values) as frame metadata."""
+    if not pairs:
+        return []
     return [command_pb2.CommandMetadata(key=k, value=v.decode() if isinstance(v, bytes) else v)
-            for k, v in pairs or ()]
+            for k, v in pairs]
 
 
 class CommandContext:
     """The context of one call on a command-channel connection (module docstring)."""
 
-    def __init__(self, sock: socket.socket, call: command_pb2.CommandCall, call_id: int,
+    def __init__(self, sock: socket.socket, reader: frames.FrameReader,
+                 call: command_pb2.CommandCall, call_id: int,
                  send: Callable[[command_pb2.CommandFrame], None],
                  stopping: Callable[[], bool]) -> None:
         self._sock = sock
+        self._reader = reader  # every read of the connection goes through it
         self._send = send
         self._stopping = stopping
         self.call_id = call_id
@@ -97,6 +101,8 @@ class CommandContext:
         return not self.cancelled
 
     def _peer_gave_up(self) -> bool:
+        if self._reader.pending():
+            return True  # a frame already received (only CANCEL is allowed now)
         try:
             self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -153,7 +159,7 @@ class CommandContext:
                 raise CallEnded(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             self._sock.settimeout(left)
             try:
-                frame = frames.read_frame(self._sock)
+                frame = self._reader.read()
             except TimeoutError:
                 raise CallEnded(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             except (frames.FrameTruncated, OSError):

@@ -25,6 +25,7 @@ Threads: one acceptor plus one per connection (daemon); each is ended by :meth:`
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import struct
@@ -40,7 +41,7 @@ import structlog
 from deltakv.errors import ResourceExhausted, Unavailable, clip_details
 from deltakv.rpc import decoding, dispatch, frames
 from deltakv.rpc.command_context import AbortCall, CommandContext, metadata_entries
-from deltakv.rpc.command_trace import server_span
+from deltakv.rpc.command_trace import server_span, tracing_on
 from deltakv.v1 import command_pb2
 
 log = structlog.get_logger(__name__)
@@ -185,10 +186,12 @@ class CommandServer:
         sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
+        reader = frames.FrameReader(sock)
+        send = functools.partial(frames.write_frame, sock)
         try:
             while True:
                 try:
-                    frame = frames.read_frame(sock)
+                    frame = reader.read()
                 except frames.FrameTruncated:
                     return  # the client closed its connection
                 except (frames.FrameTooLarge, frames.FrameUndecodable) as exc:
@@ -206,7 +209,7 @@ class CommandServer:
                         frame.call_id, grpc.StatusCode.INVALID_ARGUMENT,
                         f"expected a CALL frame, got {kind}"))
                     return
-                if not self._call(sock, frame.call_id, frame.call):
+                if not self._call(sock, reader, send, frame.call_id, frame.call):
                     return
         except OSError as exc:
             self._log.info("command_connection_lost", error=str(exc))
@@ -215,10 +218,11 @@ class CommandServer:
                 self._connections.discard(sock)
             sock.close()
 
-    def _call(self, sock: socket.socket, call_id: int, call: command_pb2.CommandCall) -> bool:
+    def _call(self, sock: socket.socket, reader: frames.FrameReader,
+              send: Callable[[command_pb2.CommandFrame], None], call_id: int,
+              call: command_pb2.CommandCall) -> bool:
         """Run one call and send its status; False when the connection must close."""
         method = self._methods.get(call.method)
-        send = lambda f: frames.write_frame(sock, f)  # noqa: E731
         if method is None or self._draining or call.timeout_us == 0:
             code, details = (
                 (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {call.method!r}")
@@ -231,11 +235,14 @@ class CommandServer:
         with self._lock:
             self._busy += 1
         try:
-            context = CommandContext(sock, call, call_id, send, lambda: self._stopping)
-            with server_span(call.method, context.invocation_metadata()) as span:
+            context = CommandContext(sock, reader, call, call_id, send, self._is_stopping)
+            if tracing_on():
+                with server_span(call.method, context.invocation_metadata()) as span:
+                    frame = self._run(method, call, context)
+                    span.finish(CODES.get(frame.status.code, grpc.StatusCode.UNKNOWN),
+                                frame.status.details)
+            else:  # no span machinery per call while tracing is off
                 frame = self._run(method, call, context)
-                span.finish(CODES.get(frame.status.code, grpc.StatusCode.UNKNOWN),
-                            frame.status.details)
             send(frame)
         finally:
             with self._lock:
@@ -243,9 +250,13 @@ class CommandServer:
                 self._idle.notify_all()
         if context.cancelled:
             return False
-        return context.half_closed or self._drain_to_half_close(sock, context)
+        return context.half_closed or self._drain_to_half_close(sock, reader, context)
 
-    def _drain_to_half_close(self, sock: socket.socket, context: CommandContext) -> bool:
+    def _is_stopping(self) -> bool:
+        return self._stopping
+
+    def _drain_to_half_close(self, sock: socket.socket, reader: frames.FrameReader,
+                             context: CommandContext) -> bool:
         """After the status of a client stream whose handler returned before the client's
         half-close (a write returns once its last page is written: the half-close may still
         be on its way), read the rest of that call up to its half-close, dropping parts, as
@@ -258,7 +269,7 @@ class CommandServer:
         try:
             while (left := deadline - time.monotonic()) > 0:
                 sock.settimeout(left)
-                frame = frames.read_frame(sock)
+                frame = reader.read()
                 if frame.call_id != context.call_id:
                     return False
                 kind = frame.WhichOneof("kind")

@@ -86,20 +86,22 @@ class CommandStub:
         self.path = path
         self._descriptor = service_descriptor
         self._table = MethodTable(service_descriptor)
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, frames.FrameReader]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return _Method(self, name)
+        method = _Method(self, name)
+        self.__dict__[name] = method  # built once: later lookups are plain attribute hits
+        return method
 
     def close(self) -> None:
         """Close the idle connections."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for sock, _reader in idle:
             sock.close()
 
     def call(self, method: str, request: bytes | Iterable[Any], timeout_s: float,
@@ -113,7 +115,7 @@ class CommandStub:
         ok = False
         sock: socket.socket | None = None
         try:
-            sock = self._take()
+            sock, reader = self._take()
             try:
                 frames.write_frame(sock, call_frame(call_id, method, timeout_s, metadata,
                                                     b"" if streaming else request, streaming))
@@ -121,18 +123,20 @@ class CommandStub:
                 # The sidecar may have refused the connection (its status is waiting) and
                 # closed it before the call went out.
                 sock.settimeout(1.0)
-                refusal = frames.read_frame(sock)
+                refusal = reader.read()
                 if refusal.WhichOneof("kind") != "status":
                     raise
                 return raise_status(refusal.status)
-            stop = threading.Event()
-            if streaming:
+            stop = None
+            if streaming:  # a unary call needs no thread, no event: this thread waits inline
+                stop = threading.Event()
                 threading.Thread(target=self._send_parts, args=(sock, call_id, request, stop),
                                  daemon=True, name="command-parts").start()
             try:
-                last = self._status(sock, deadline, stop, on_initial)
+                last = self._status(sock, reader, deadline, stop, on_initial)
             finally:
-                stop.set()
+                if stop is not None:
+                    stop.set()
             status = last.status
             # A stream's connection may be spent, and call id 0 is a refusal of the whole
             # connection (the sidecar closes it): never reuse those.
@@ -144,12 +148,12 @@ class CommandStub:
             if sock is not None:
                 if ok:
                     with self._lock:
-                        self._idle.append(sock)
+                        self._idle.append((sock, reader))
                 else:
                     sock.close()
         return raise_status(status)
 
-    def _take(self) -> socket.socket:
+    def _take(self) -> tuple[socket.socket, frames.FrameReader]:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -159,7 +163,7 @@ class CommandStub:
         except OSError:
             sock.close()
             raise
-        return sock
+        return sock, frames.FrameReader(sock)
 
     @staticmethod
     def _send_parts(sock: socket.socket, call_id: int, parts: Iterable[Any],
@@ -177,14 +181,14 @@ class CommandStub:
             frames.write_frame(sock, command_pb2.CommandFrame(
                 call_id=call_id, half_close=command_pb2.CommandHalfClose()))
 
-    def _status(self, sock: socket.socket, deadline: float, stop: threading.Event,
-                on_initial: Any) -> command_pb2.CommandFrame:
+    def _status(self, sock: socket.socket, reader: frames.FrameReader, deadline: float,
+                stop: threading.Event | None, on_initial: Any) -> command_pb2.CommandFrame:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             sock.settimeout(left)
-            frame = frames.read_frame(sock)
+            frame = reader.read()
             kind = frame.WhichOneof("kind")
             if kind == "status":
                 if time.monotonic() > deadline:
@@ -193,7 +197,8 @@ class CommandStub:
             metadata = metadata_pairs(frame.initial_metadata.metadata)
             if kind != "initial_metadata" or failed_code(metadata) is None:
                 raise frames.FrameTruncated(f"unexpected {kind} frame before the status")
-            stop.set()
+            if stop is not None:
+                stop.set()
             if on_initial is not None:
                 on_initial(metadata)
 

@@ -89,6 +89,73 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> command_pb2
     return decode(_recv_exactly(sock, length, True))
 
 
+class FrameReader:
+    """The frames of one blocking socket, read through a buffer allocated once per connection:
+    one ``recv_into`` usually brings a whole small frame, header and body (two reads and two
+    fresh buffers per frame with :func:`read_frame`). A frame larger than the buffer gets a
+    buffer of its own. Every read of the socket must then go through this reader (bytes of the
+    next frame may already sit in its buffer: :meth:`pending`). Errors as :func:`read_frame`;
+    the socket's timeout applies to each ``recv``."""
+
+    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES,
+                 buffer_bytes: int = 64 * 1024) -> None:
+        self._sock = sock
+        self._limit = limit
+        self._buf = bytearray(buffer_bytes)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # the unread bytes are _buf[_start:_end]
+
+    def pending(self) -> bool:
+        """Whether bytes of a next frame were already received."""
+        return self._end > self._start
+
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` bytes from ``_start`` are buffered (``need`` fits the buffer)."""
+        if self._start + need > len(self._buf):  # move the unread tail to the front
+            tail = self._end - self._start
+            self._buf[:tail] = self._view[self._start:self._end]
+            self._start, self._end = 0, tail
+        while self._end - self._start < need:
+            got = self._sock.recv_into(self._view[self._end:])
+            if got == 0:
+                where = "inside a frame" if self._end > self._start else "between frames"
+                raise FrameTruncated(f"command channel closed by the peer {where}")
+            self._end += got
+
+    def read(self) -> command_pb2.CommandFrame:
+        """The next frame."""
+        if self._end - self._start < HEADER_BYTES:
+            self._fill(HEADER_BYTES)
+        (length,) = _HEADER.unpack_from(self._buf, self._start)
+        if length > self._limit:
+            raise FrameTooLarge(f"command frame header announces {length} bytes, over the "
+                                f"{self._limit}-byte limit")
+        whole = HEADER_BYTES + length
+        if whole > len(self._buf):
+            return decode(self._read_large(length))
+        if self._end - self._start < whole:
+            self._fill(whole)
+        start = self._start + HEADER_BYTES
+        frame = decode(self._view[start:start + length])  # parsing copies what it keeps
+        self._start += whole
+        if self._start == self._end:
+            self._start = self._end = 0
+        return frame
+
+    def _read_large(self, length: int) -> bytearray:
+        body = bytearray(length)
+        have = self._end - self._start - HEADER_BYTES
+        body[:have] = self._view[self._start + HEADER_BYTES:self._end]
+        self._start = self._end = 0
+        view = memoryview(body)
+        while have < length:
+            got = self._sock.recv_into(view[have:])
+            if got == 0:
+                raise FrameTruncated("command channel closed by the peer inside a frame")
+            have += got
+        return body
+
+
 def write_frame(sock: socket.socket, frame: command_pb2.CommandFrame) -> None:
     """Send ``frame`` whole on a blocking socket."""
     sock.sendall(encode(frame))
