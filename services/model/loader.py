@@ -387,14 +387,15 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", *,
                cache_dir: str | Path | None = None, log: Any = None) -> LoadedModel:
     """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
-    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized) on
-    ``device`` (the transformers model is moved there before the runner takes its weights).
+    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized:
+    a llama file read directly with the ``gguf`` library, others through transformers) on
+    ``device`` (the weights are moved there before the runner takes them).
 
     ``cache_dir``: a :class:`~deltakv.services.model.weights_cache.WeightsCache` location for
     the converted weights (None: no cache; ``tiny-random`` is never cached). ``log``: a
     structlog logger for the start-up phases (``weights``, ``pack``) and the cache's lines.
-    Nothing of the loading path stays referenced: the transformers model object is dropped
-    once its weights are packed.
+    Nothing of the loading path stays referenced: the weights' state dict (or transformers'
+    model object) is dropped once its weights are packed.
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
