@@ -280,6 +280,12 @@ class LoadedModel:
         return torch.zeros(layout.pool_shape, dtype=layout.torch_dtype)
 
 
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _COMPUTE_DTYPES:
+        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
+                              f"float16")
+
+
 def _eos_ids(config: Any, tokenizer: Any, generation_config: Any = None) -> set[int]:
     ids: set[int] = set()
     for value in (getattr(config, "eos_token_id", None),
@@ -301,9 +307,7 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model or unsupported
     dtype, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    if dtype not in _COMPUTE_DTYPES:
-        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
-                              f"float16")
+    _check_dtype(dtype)
     source = _resolve(model)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -317,10 +321,29 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
     hf_logging.disable_progress_bar()
     if config is None:
         config = _parse_config(source)
-    tokenizer = _tokenizer_class(source, config).from_pretrained(str(source.directory), **kwargs)
+    tokenizer = _load_tokenizer(source, config)
     hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), config=config,
                                                     dtype=dtype, **kwargs)
     return hf_model.eval(), tokenizer
+
+
+def _load_tokenizer(source: _Source, config: Any) -> Any:
+    return _tokenizer_class(source, config).from_pretrained(str(source.directory),
+                                                            **source.pretrained_kwargs())
+
+
+def _load_gguf_direct(model: str, dtype: torch.dtype, config: Any,
+                      log: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
+    """``(state dict, tokenizer)`` of a GGUF source read with the ``gguf`` library (see
+    :mod:`~deltakv.services.model.gguf_weights`), or None when that is not a GGUF file of a
+    supported architecture (then transformers' GGUF loader is the way)."""
+    source = _resolve(model)
+    if not source.gguf_file:
+        return None
+    from deltakv.services.model.gguf_weights import read_state_dict
+
+    state = read_state_dict(source.directory / source.gguf_file, config, dtype, log)
+    return None if state is None else (state, _load_tokenizer(source, config))
 
 
 def _tokenizer_class(source: _Source, config: Any) -> Any:
@@ -364,14 +387,15 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", *,
                cache_dir: str | Path | None = None, log: Any = None) -> LoadedModel:
     """Load ``model`` (``"smollm2"``, ``"tiny-random"``, an HF directory or a ``.gguf`` path) for
-    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized) on
-    ``device`` (the transformers model is moved there before the runner takes its weights).
+    the paged runner, computing in ``dtype`` (float32 default; GGUF weights are dequantized:
+    a llama file read directly with the ``gguf`` library, others through transformers) on
+    ``device`` (the weights are moved there before the runner takes them).
 
     ``cache_dir``: a :class:`~deltakv.services.model.weights_cache.WeightsCache` location for
     the converted weights (None: no cache; ``tiny-random`` is never cached). ``log``: a
     structlog logger for the start-up phases (``weights``, ``pack``) and the cache's lines.
-    Nothing of the loading path stays referenced: the transformers model object is dropped
-    once its weights are packed.
+    Nothing of the loading path stays referenced: the weights' state dict (or transformers'
+    model object) is dropped once its weights are packed.
 
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown model, unsupported
     architecture or dtype; :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
@@ -382,7 +406,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
 
     start = time.perf_counter()
     if cache_dir is None or _resolve(model).kind == "tiny-random":
-        hf_model, tokenizer = load_transformers_model(model, dtype)
+        hf_model, tokenizer = _load_uncached(model, dtype, log, device)
         cache = "off"
     else:
         hf_model, tokenizer, hit = _load_through_cache(model, dtype, cache_dir, log, device)
@@ -392,6 +416,22 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     log_phase(log, "weights", time.perf_counter() - start, cache=cache)
     with phase(log, "pack"):
         return loaded_from_transformers(model, hf_model, tokenizer)
+
+
+def _load_uncached(model: str, dtype: torch.dtype, log: Any,
+                   device: str | torch.device) -> tuple[Any, Any]:
+    source = _resolve(model)
+    if source.gguf_file:
+        _check_dtype(dtype)
+        config = _parse_config(source)
+        direct = _load_gguf_direct(model, dtype, config, log)
+        if direct is not None:
+            from deltakv.services.model.weights_cache import checkpoint_view
+
+            state = {k: v.to(device) for k, v in direct[0].items()}
+            return checkpoint_view(config, state, model), direct[1]
+        return load_transformers_model(model, dtype, config=config)
+    return load_transformers_model(model, dtype)
 
 
 def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
@@ -406,9 +446,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
         source_digest,
     )
 
-    if dtype not in _COMPUTE_DTYPES:
-        raise InvalidArgument(f"unsupported compute dtype {dtype}; use float32, bfloat16 or "
-                              f"float16")
+    _check_dtype(dtype)
     source = _resolve(model)
     cache = WeightsCache(cache_dir, log)
     digest = source_digest(_digest_files(source))
@@ -420,6 +458,14 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
                 # The config through the cache's config entry (a sidecar may have parsed it
                 # already, or waits for this one), so the GGUF metadata is parsed once.
                 config = _load_config(source, cache, digest, transformers_config=True)
+                direct = _load_gguf_direct(model, dtype, config, log)
+                if direct is not None:
+                    state, tokenizer = direct
+                    if cache.store(digest, dtype, state, config.to_dict()) is not None:
+                        cache.store_config(digest, config.to_dict())
+                        cache.store_tokenizer(digest, tokenizer)
+                    state = {k: v.to(device) for k, v in state.items()}
+                    return checkpoint_view(config, state, model), tokenizer, False
                 hf_model, tokenizer = load_transformers_model(model, dtype, config=config)
                 tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
                 state = {k: v for k, v in hf_model.state_dict().items()
