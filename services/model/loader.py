@@ -32,6 +32,7 @@ from deltakv.services.model.source import (  # noqa: F401  (re-exported: the loa
     resolve,
     smollm2_gguf_path,
 )
+from deltakv.services.model.source import parse_config as _parse_config
 
 _Source = Source
 _resolve = resolve
@@ -180,12 +181,6 @@ def _transformers_config(fields: dict[str, Any]) -> Any:
 
     fields = dict(fields)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
-
-def _parse_config(source: _Source) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
 
 
 def _digest_files(source: _Source) -> list[Path]:

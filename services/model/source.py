@@ -88,3 +88,22 @@ def resolve(model: str) -> Source:
         return Source(model, "hf", path.resolve())
     raise InvalidArgument(f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)}, "
                           f"a Hugging Face model directory, or a .gguf file")
+
+
+def parse_config(source: Source) -> Any:
+    """transformers' config of an HF directory or a GGUF file (``tiny-random`` has none).
+
+    Raises InvalidArgument (exit status 2 at start-up) naming the file when it cannot be read as
+    a model: a truncated or foreign file, a GGUF of an architecture transformers does not know.
+    """
+    import struct
+
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+    except (struct.error, EOFError, KeyError, ValueError) as exc:
+        where = source.directory / source.gguf_file if source.gguf_file else source.directory
+        raise InvalidArgument(f"cannot read the model {where}: not a valid "
+                              f"{'GGUF file' if source.kind == 'gguf' else 'model directory'} "
+                              f"({type(exc).__name__}: {exc})") from exc

@@ -40,13 +40,18 @@ def _run_dirs(tmp_path: Path) -> list[Path]:
 
 
 def test_a_failed_start_keeps_the_logs_says_where_and_deletes_the_key(tmp_path) -> None:
-    proc = subprocess.run([*UP, "--model", str(tmp_path / "no-such-model"), "--decode-port", "0",
+    # A file that passes up's own checks (it exists, it is named .gguf) but is no GGUF: the
+    # members fail at start-up. (A missing model is refused before anything starts.)
+    broken = tmp_path / "truncated.gguf"
+    broken.write_bytes(b"GGUF\x03\x00")
+    proc = subprocess.run([*UP, "--model", str(broken), "--decode-port", "0",
                            "--prefill-port", "0", "--http-port", "0"], env=_env(tmp_path),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr
     (kept,) = _run_dirs(tmp_path)
     assert f"logs kept in {kept}" in proc.stderr
-    assert "no-such-model" in (kept / "decode-sidecar.log").read_text()
+    assert f"cannot read the model {broken}: not a valid GGUF file" in \
+        (kept / "decode-sidecar.log").read_text()
     assert not (kept / "pairing.key").exists()
     assert kept.stat().st_mode & 0o077 == 0  # mkdtemp's 0700: nobody else reads the logs
 

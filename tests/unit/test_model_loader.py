@@ -95,6 +95,15 @@ def test_directory_without_config_is_rejected(tmp_path):
         loader.load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("content", [b"GGUF\x03\x00", b"not a gguf file at all"])
+def test_a_broken_gguf_file_is_named_in_one_clear_error(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("DELTAKV_CACHE_DIR", "off")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(content)
+    with pytest.raises(InvalidArgument, match=f"cannot read the model {broken}: not a valid GGUF"):
+        loader.kv_geometry(str(broken))
+
+
 def test_unsupported_dtype_is_rejected():
     with pytest.raises(InvalidArgument, match="dtype"):
         loader.load_model("tiny-random", dtype=torch.int32)
