@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -42,6 +43,11 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook
                   previous_prefix=os.environ.get(PREFIX_ENV))
     os.environ[KEY_FILE_ENV] = path
     os.environ[PREFIX_ENV] = f"deltakv-t{os.getpid()}-"
+    # A suite started as a background job (`nohup ... &`) inherits SIGINT ignored, and so would
+    # every command the tests start: the Ctrl-C tests need it delivered. Python's handler is
+    # reset to the default by exec, so the children get Ctrl-C as from a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def leftover_segments() -> list[str]:
