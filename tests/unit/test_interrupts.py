@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import structlog
 
 from deltakv.services.cli.interrupts import signals_held, unwind_on_sigterm
 
@@ -32,6 +33,7 @@ def test_sigterm_raises_keyboard_interrupt_so_finally_runs() -> None:
 
 def test_signals_held_ignores_both_then_restores_the_handlers() -> None:
     previous = signal.getsignal(signal.SIGTERM)
+    sigint = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background job, else Python's
     try:
         unwind_on_sigterm()
         with signals_held():
@@ -39,7 +41,7 @@ def test_signals_held_ignores_both_then_restores_the_handlers() -> None:
             os.kill(os.getpid(), signal.SIGINT)
             signal.sigtimedwait([], 0.1)
         assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is sigint
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -81,7 +83,11 @@ def test_a_serve_command_interrupted_before_its_handlers_stops_during_start_up(
     module = importlib.import_module(f"deltakv.services.cli.serve.{command}")
     args = argparse.Namespace(role="decode", log_level="info", log_format="json",
                               _run=_interrupted_run, _interrupted=module.interrupted)
-    assert _main_with(cli, args) == 0
+    saved = structlog.get_config()  # the command configures logging onto capsys's stream
+    try:
+        assert _main_with(cli, args) == 0
+    finally:
+        structlog.configure(**saved)
     captured = capsys.readouterr()
     lines = [line for line in (captured.out + captured.err).splitlines() if "stopped" in line]
     assert [json.loads(line)["event"] for line in lines] == ["stopped_during_start_up", "stopped"]

@@ -29,8 +29,9 @@ def test_bench_model_reports_every_point(tmp_path, capsys):
                       ("decode", 3, 40, 3), ("prefill", 1, 0, 30)]
     for row in report["results"]:
         assert row["runner_ms"] > 0 and row["transformers_ms"] > 0
+        # tok/s is reported to 0.1: on a slow machine that is more than 1 % of a small rate.
         assert row["runner_tok_s"] == pytest.approx(
-            row["batch"] * row["tokens"] / row["runner_ms"] * 1e3, rel=0.01)
+            row["batch"] * row["tokens"] / row["runner_ms"] * 1e3, rel=0.01, abs=0.05)
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
     printed = capsys.readouterr().out
     assert printed.count("ratio=") == 5
