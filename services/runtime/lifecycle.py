@@ -109,21 +109,19 @@ def run(args: argparse.Namespace, build: Build, *, role: str, process: str,
     """``asyncio.run(serve(...))``: the ``run`` of a serve command.
 
     A SIGTERM (or Ctrl-C) that arrives before :func:`serve` installed its own handlers is
-    turned into ``KeyboardInterrupt`` by the entry point; what was built so far has been closed
-    by the unwinding stack, so it is the same stop during start-up: logged as such, exit 0 (what
-    Kubernetes expects of a pod stopped while it starts).
+    turned into ``KeyboardInterrupt`` by the entry point, which propagates from here after the
+    unwinding stack closed what was built; the entry point then asks the command's
+    ``interrupted`` (:func:`stopped_during_start_up`) for the exit status.
     """
-    try:
-        return asyncio.run(serve(args, build, role=role, process=process, log_role=log_role))
-    except KeyboardInterrupt:
-        return stopped_during_start_up(args, log_role or role)
+    return asyncio.run(serve(args, build, role=role, process=process, log_role=log_role))
 
 
 def stopped_during_start_up(args: argparse.Namespace, log_role: str) -> int:
     """The exit of a serve command interrupted (SIGTERM, Ctrl-C) before it installed its own
     signal handlers: nothing was serving and the unwinding stack closed what was built, so it
     is a stop during start-up. Logs it as such and returns 0, what Kubernetes expects of a pod
-    stopped while it starts. The entry point calls it too (a signal during the imports)."""
+    stopped while it starts. Called by the entry point through each serve command's
+    ``interrupted``, whether the signal came during the imports or in :func:`run`."""
     from deltakv.services.runtime.logs import configure_logging
 
     log = configure_logging(log_role, args.log_level, args.log_format)
