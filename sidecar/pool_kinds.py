@@ -48,11 +48,12 @@ class MapRequest:
     def fetch_fd(self) -> int:
         """The pool's fd from the pool socket (the caller closes it); raises as
         :func:`deltakv.sidecar.pool_socket.fetch_pool_fd`."""
-        from deltakv.services.attach import pool_incarnation
         from deltakv.sidecar.pool_socket import fetch_pool_fd, pool_socket_path
 
-        fd, _ = fetch_pool_fd(pool_socket_path(self.socket_path),
-                              pool_incarnation(self.describe), self.key, self.timeout_s)
+        # The incarnation the worker pairs with (deltakv.services.attach.pool_incarnation).
+        incarnation = self.describe.incarnation or self.describe.endpoint.endpoint_id
+        fd, _ = fetch_pool_fd(pool_socket_path(self.socket_path), incarnation, self.key,
+                              self.timeout_s)
         return fd
 
     def ops(self):  # -> DeviceOps
