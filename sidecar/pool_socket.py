@@ -215,7 +215,7 @@ def fetch_pool_fd(path: str, incarnation: str, key: PairingKey | None,
             _send(conn, {"incarnation": incarnation,
                          "mac": request_mac(key, challenge, incarnation).hex()})
             data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # TypeError: a non-object hello
         raise Unavailable(f"pool socket {path}: {exc}") from None
     try:
         try:

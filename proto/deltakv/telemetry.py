@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,10 +42,21 @@ ATTR_PREFIX = "deltakv."
 TRACER_NAME = "deltakv"
 
 
+_UNSET = object()
+# Read once: OpenTelemetry loads a provider named by this variable on first use.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def tracing_enabled() -> bool:
     """True once an entry point has set a real (SDK) global tracer provider; False while the
-    API's proxy or no-op provider is in place (nothing would be recorded)."""
-    provider = trace.get_tracer_provider()
+    API's proxy or no-op provider is in place (nothing would be recorded). Asked per write and
+    per command-channel call, so it reads OpenTelemetry's global provider directly, without
+    ``get_tracer_provider``'s lookup of the environment (done once, at import) every time."""
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNSET)
+    if provider is None and not _PROVIDER_FROM_ENV:
+        return False
+    if provider is _UNSET or provider is None:
+        provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 

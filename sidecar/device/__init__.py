@@ -47,9 +47,10 @@ def parse_device(spec: str) -> tuple[str, int]:
 def device_ops(spec: str, pool_kind: str | None = None):
     """The :class:`~deltakv.sidecar.device.base.DeviceOps` of device ``spec`` (not ``cpu``),
     opened on its ordinal, for ``pool_kind`` (None: the device's default kind, e.g.
-    ``cuda_ipc``; ``cuda_vmm``: :mod:`deltakv.sidecar.device.cuda_vmm`). Raises InvalidArgument for a bad name or ``cpu`` (no device ops: the
-    CPU pool is shared memory), DeviceUnavailable (FAILED_PRECONDITION) when the device cannot be
-    used here, with one line saying why."""
+    ``cuda_ipc``; ``cuda_vmm``: :mod:`deltakv.sidecar.device.cuda_vmm`). Raises
+    InvalidArgument for a bad name, ``cpu`` (no device ops: the CPU pool is shared memory) or
+    a pool kind the device does not offer, DeviceUnavailable (FAILED_PRECONDITION) when the
+    device cannot be used here, with one line saying why."""
     from deltakv.sidecar.device.base import DeviceOps
 
     kind, index = parse_device(spec)

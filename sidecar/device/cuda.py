@@ -48,12 +48,12 @@ class _CUuuid(ctypes.Structure):
 
 _VOIDP = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
-#: name -> (restype, argtypes): the documented prototypes of the runtime calls used.
 # cudaGetDeviceCount's answers on a machine without a usable GPU: cudaErrorInsufficientDriver
 # (35; what the runtime says when no driver is loaded at all), cudaErrorNoDevice (100),
 # cudaErrorInitializationError (3), cudaErrorStubLibrary (34: only the toolkit's stub libcuda).
 _NO_DRIVER_ERRORS = (3, 34, 35)
 _CUDA_ERROR_NO_DEVICE = 100
+#: name -> (restype, argtypes): the documented prototypes of the runtime calls used.
 _RUNTIME = {
     "cudaGetErrorString": (ctypes.c_char_p, [_cudaError_t]),
     "cudaGetDeviceCount": (_cudaError_t, [ctypes.POINTER(ctypes.c_int)]),

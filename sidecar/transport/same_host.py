@@ -125,6 +125,8 @@ class PeerLiveness:
         return _proc_start_time(self.pid) == self.start_time
 
     def close(self) -> None:
+        """Close the pidfd (idempotent); :meth:`alive` is then False where a pidfd was open,
+        so a caller tells a disconnect from an exit by its handle's ``closed``."""
         fd, self._fd = self._fd, None
         if fd is not None:
             self._dead = True

@@ -36,6 +36,10 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving() -> None:
             assert os.read(fd, 7) == b"deltakv" and header["pool"] == "p"
         finally:
             os.close(fd)
+        # The server counts a request served after the fd has left: wait (bounded) for it.
+        deadline = time.monotonic() + 5
+        while server.served < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.refused == 4 and server.served == 1
     finally:
         server.close()

@@ -11,33 +11,21 @@ tracer provider is installed nothing is created (:func:`tracing_on`).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 
+from deltakv.telemetry import tracing_enabled
+
 #: ``rpc.system`` of a span of a command-channel call.
 RPC_SYSTEM = "deltakv_command"
 _SCOPE = "deltakv.rpc.command"
 
-
-_UNSET = object()
-# Read once: OpenTelemetry loads a provider named by this variable on first use.
-_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
-
-
-def tracing_on() -> bool:
-    """Whether a real tracer provider is installed (else spans are skipped entirely). Asked
-    on every call of the channel, so it reads OpenTelemetry's global provider directly, without
-    ``get_tracer_provider``'s lookup of the environment (done once, at import) on every call."""
-    provider = getattr(trace, "_TRACER_PROVIDER", _UNSET)
-    if provider is None and not _PROVIDER_FROM_ENV:
-        return False
-    if provider is _UNSET or provider is None:
-        provider = trace.get_tracer_provider()
-    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+#: Whether a real tracer provider is installed (else spans are skipped entirely): asked on
+#: every call of the channel, :func:`deltakv.telemetry.tracing_enabled` is the cheap check.
+tracing_on = tracing_enabled
 
 
 def _attributes(method: str) -> dict[str, str]:
