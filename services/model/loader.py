@@ -316,12 +316,11 @@ def _load_tokenizer(source: Source, config: Any) -> Any:
                                                             **source.pretrained_kwargs())
 
 
-def _load_gguf_direct(model: str, dtype: torch.dtype, config: Any,
+def _load_gguf_direct(source: Source, dtype: torch.dtype, config: Any,
                       log: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
     """``(state dict, tokenizer)`` of a GGUF source read with the ``gguf`` library (see
     :mod:`~deltakv.services.model.gguf_weights`), or None when that is not a GGUF file of a
     supported architecture (then transformers' GGUF loader is the way)."""
-    source = resolve(model)
     if not source.gguf_file:
         return None
     from deltakv.services.model.gguf_weights import read_state_dict
@@ -408,7 +407,7 @@ def _load_uncached(model: str, dtype: torch.dtype, log: Any,
     if source.gguf_file:
         _check_dtype(dtype)
         config = parse_config(source)
-        direct = _load_gguf_direct(model, dtype, config, log)
+        direct = _load_gguf_direct(source, dtype, config, log)
         if direct is not None:
             from deltakv.services.model.weights_cache import checkpoint_view
 
@@ -442,7 +441,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
                 # The config through the cache's config entry (a sidecar may have parsed it
                 # already, or waits for this one), so the GGUF metadata is parsed once.
                 config = _load_config(source, cache, digest, transformers_config=True)
-                direct = _load_gguf_direct(model, dtype, config, log)
+                direct = _load_gguf_direct(source, dtype, config, log)
                 if direct is not None:
                     state, tokenizer = direct
                     if cache.store(digest, dtype, state, config.to_dict()) is not None:
