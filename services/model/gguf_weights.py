@@ -65,7 +65,7 @@ def _llama_process(name: str, weights: np.ndarray, config: Any) -> np.ndarray:
     return weights
 
 
-# GGUF ``general.architecture`` -> (gguf's MODEL_ARCH, how its tensors map).
+# GGUF ``general.architecture`` -> how its tensors map onto transformers' layout.
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(_llama_module_names, _llama_process),
 }

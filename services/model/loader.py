@@ -24,18 +24,7 @@ import torch
 
 from deltakv.errors import InvalidArgument
 from deltakv.layout import KVLayout
-from deltakv.services.model.source import (  # noqa: F401  (re-exported: the loader's names)
-    BUILTIN_MODELS,
-    SMOLLM2_GGUF,
-    SMOLLM2_PACKAGE,
-    Source,
-    resolve,
-    smollm2_gguf_path,
-)
-from deltakv.services.model.source import parse_config as _parse_config
-
-_Source = Source
-_resolve = resolve
+from deltakv.services.model.source import Source, parse_config, resolve
 
 TINY_RANDOM_SEED = 1234
 # Bump when the tiny-random weight generator changes, so old fingerprints stop matching.
@@ -146,7 +135,7 @@ def _fingerprint(config: Any, identity: list[Any]) -> str:
     return f"{config.model_type}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
-def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
+def _load_config(source: Source, cache: Any = None, digest: str | None = None,
                  transformers_config: bool = False) -> Any:
     """The config of ``source``: transformers' config, or (``transformers_config`` false) a
     namespace of its fields from the weights cache when one is configured (a GGUF file's
@@ -159,7 +148,7 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
     if cache is None and (directory := weights_cache.default_cache_dir()) is not None:
         cache = weights_cache.WeightsCache(directory)
     if cache is None:
-        return _parse_config(source)
+        return parse_config(source)
     digest = digest or weights_cache.source_digest(_digest_files(source))
     with cache.filling(f"{digest[:32]}-config"):
         cached = cache.load_config(digest)
@@ -170,7 +159,7 @@ def _load_config(source: _Source, cache: Any = None, digest: str | None = None,
             # namespace of the saved config gives the same fingerprint without importing
             # transformers (seconds of a sidecar's start).
             return types.SimpleNamespace(**cached)
-        config = _parse_config(source)
+        config = parse_config(source)
         cache.store_config(digest, config.to_dict())
     return config
 
@@ -183,7 +172,7 @@ def _transformers_config(fields: dict[str, Any]) -> Any:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _digest_files(source: _Source) -> list[Path]:
+def _digest_files(source: Source) -> list[Path]:
     """The files whose bytes name a source in the weights cache."""
     files = source.weight_files()
     if source.kind == "hf":
@@ -191,7 +180,7 @@ def _digest_files(source: _Source) -> list[Path]:
     return files
 
 
-def _stamp(source: _Source) -> tuple[Any, ...]:
+def _stamp(source: Source) -> tuple[Any, ...]:
     """Sizes and mtimes of a checkpoint's files: a replaced checkpoint misses the caches."""
     if source.kind == "tiny-random":
         return ()
@@ -201,7 +190,7 @@ def _stamp(source: _Source) -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _weights_identity(source: _Source, stamp: tuple[Any, ...]) -> tuple[Any, ...]:
+def _weights_identity(source: Source, stamp: tuple[Any, ...]) -> tuple[Any, ...]:
     if source.kind == "tiny-random":
         return ({"tiny_random_seed": TINY_RANDOM_SEED, "generator": _TINY_RANDOM_VERSION},)
     files = source.weight_files()
@@ -211,11 +200,11 @@ def _weights_identity(source: _Source, stamp: tuple[Any, ...]) -> tuple[Any, ...
 
 
 @functools.lru_cache(maxsize=16)
-def _config_cached(source: _Source, stamp: tuple[Any, ...]) -> Any:
+def _config_cached(source: Source, stamp: tuple[Any, ...]) -> Any:
     return _load_config(source)
 
 
-def _geometry(source: _Source, config: Any) -> KVGeometry:
+def _geometry(source: Source, config: Any) -> KVGeometry:
     from deltakv.services.model.llama import LlamaSpec
 
     spec = LlamaSpec.from_config(config)
@@ -231,7 +220,7 @@ def kv_geometry(model: str) -> KVGeometry:
     Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for an unknown name or unsupported
     architecture, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
-    source = _resolve(model)
+    source = resolve(model)
     return _geometry(source, _config_cached(source, _stamp(source)))
 
 
@@ -303,7 +292,7 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
     dtype, :class:`NotFound` (NOT_FOUND) when the SmolLM2 package is missing.
     """
     _check_dtype(dtype)
-    source = _resolve(model)
+    source = resolve(model)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -315,24 +304,23 @@ def load_transformers_model(model: str, dtype: torch.dtype = torch.float32, *,
     # transformers' tqdm bars would spam logs and the CLI's stdout-based JSON mode.
     hf_logging.disable_progress_bar()
     if config is None:
-        config = _parse_config(source)
+        config = parse_config(source)
     tokenizer = _load_tokenizer(source, config)
     hf_model = AutoModelForCausalLM.from_pretrained(str(source.directory), config=config,
                                                     dtype=dtype, **kwargs)
     return hf_model.eval(), tokenizer
 
 
-def _load_tokenizer(source: _Source, config: Any) -> Any:
+def _load_tokenizer(source: Source, config: Any) -> Any:
     return _tokenizer_class(source, config).from_pretrained(str(source.directory),
                                                             **source.pretrained_kwargs())
 
 
-def _load_gguf_direct(model: str, dtype: torch.dtype, config: Any,
+def _load_gguf_direct(source: Source, dtype: torch.dtype, config: Any,
                       log: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
     """``(state dict, tokenizer)`` of a GGUF source read with the ``gguf`` library (see
     :mod:`~deltakv.services.model.gguf_weights`), or None when that is not a GGUF file of a
     supported architecture (then transformers' GGUF loader is the way)."""
-    source = _resolve(model)
     if not source.gguf_file:
         return None
     from deltakv.services.model.gguf_weights import read_state_dict
@@ -341,7 +329,7 @@ def _load_gguf_direct(model: str, dtype: torch.dtype, config: Any,
     return None if state is None else (state, _load_tokenizer(source, config))
 
 
-def _tokenizer_class(source: _Source, config: Any) -> Any:
+def _tokenizer_class(source: Source, config: Any) -> Any:
     """AutoTokenizer, except for a GGUF model whose type has no tokenizer class of its own:
     then the generic fast tokenizer AutoTokenizer would pick too, without first reading the
     file's whole metadata again to learn the model type (the tokenizer itself is built from
@@ -365,7 +353,7 @@ def loaded_from_transformers(name: str, hf_model: Any, tokenizer: Any,
 
     module = PagedLlama.from_transformers(hf_model)
     if geometry is None:
-        geometry = _geometry(_resolve(name), hf_model.config)
+        geometry = _geometry(resolve(name), hf_model.config)
     spec = module.spec
     if (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) != (
             spec.num_layers, spec.num_kv_heads, spec.head_dim):
@@ -400,7 +388,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     from deltakv.services.runtime.startup import log_phase, phase
 
     start = time.perf_counter()
-    if cache_dir is None or _resolve(model).kind == "tiny-random":
+    if cache_dir is None or resolve(model).kind == "tiny-random":
         hf_model, tokenizer = _load_uncached(model, dtype, log, device)
         cache = "off"
     else:
@@ -415,11 +403,11 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
 
 def _load_uncached(model: str, dtype: torch.dtype, log: Any,
                    device: str | torch.device) -> tuple[Any, Any]:
-    source = _resolve(model)
+    source = resolve(model)
     if source.gguf_file:
         _check_dtype(dtype)
-        config = _parse_config(source)
-        direct = _load_gguf_direct(model, dtype, config, log)
+        config = parse_config(source)
+        direct = _load_gguf_direct(source, dtype, config, log)
         if direct is not None:
             from deltakv.services.model.weights_cache import checkpoint_view
 
@@ -442,7 +430,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
     )
 
     _check_dtype(dtype)
-    source = _resolve(model)
+    source = resolve(model)
     cache = WeightsCache(cache_dir, log)
     digest = source_digest(_digest_files(source))
     entry = cache.load(digest, dtype)
@@ -453,7 +441,7 @@ def _load_through_cache(model: str, dtype: torch.dtype, cache_dir: str | Path,
                 # The config through the cache's config entry (a sidecar may have parsed it
                 # already, or waits for this one), so the GGUF metadata is parsed once.
                 config = _load_config(source, cache, digest, transformers_config=True)
-                direct = _load_gguf_direct(model, dtype, config, log)
+                direct = _load_gguf_direct(source, dtype, config, log)
                 if direct is not None:
                     state, tokenizer = direct
                     if cache.store(digest, dtype, state, config.to_dict()) is not None:

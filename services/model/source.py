@@ -50,8 +50,7 @@ class Source:
         assert self.directory is not None
         if self.gguf_file:
             return [self.directory / self.gguf_file]
-        files = sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("*.bin"))
-        return files
+        return sorted(self.directory.glob("*.safetensors")) or sorted(self.directory.glob("*.bin"))
 
 
 def smollm2_gguf_path() -> Path:

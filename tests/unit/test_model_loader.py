@@ -12,6 +12,7 @@ from deltakv.errors import InvalidArgument
 from deltakv.services.model import loader
 from deltakv.services.model.llama import LlamaSpec
 from deltakv.services.model.runner import ModelRunner
+from deltakv.services.model.source import smollm2_gguf_path
 from tests.support.layouts import TOY_LAYOUT
 
 PROMPT = [1, 80, 90, 100, 3, 7, 250, 2, 1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
@@ -136,7 +137,7 @@ def test_bfloat16_compute():
 def test_smollm2_geometry_from_the_gguf_without_importing_the_package():
     geometry = loader.kv_geometry("smollm2")
     assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == (30, 3, 64)
-    path = loader.smollm2_gguf_path()
+    path = smollm2_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     # The same file named by path is the same model.
     assert loader.kv_geometry(str(path)) == geometry

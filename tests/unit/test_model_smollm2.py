@@ -137,7 +137,7 @@ def test_gguf_weights_read_directly_equal_transformers(smollm2):
     """The ``gguf``-library loader gives transformers' GGUF state dict exactly (its Q4_1
     de-quantization, its Q/K row order), in the compute dtype."""
     from deltakv.services.model.gguf_weights import read_state_dict
-    from deltakv.services.model.loader import smollm2_gguf_path
+    from deltakv.services.model.source import smollm2_gguf_path
 
     hf_model, _ = smollm2
     expected = hf_model.state_dict()

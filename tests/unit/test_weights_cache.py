@@ -14,6 +14,7 @@ import torch
 
 from deltakv.services.model import loader
 from deltakv.services.model.runner import ModelRunner
+from deltakv.services.model.source import resolve
 from deltakv.services.model.weights_cache import (
     ENV_VAR,
     WeightsCache,
@@ -55,7 +56,7 @@ def hf_dir(tmp_path):
 
 
 def entry_path(hf_dir, cache_dir):
-    digest = source_digest(loader._digest_files(loader._resolve(str(hf_dir))))
+    digest = source_digest(loader._digest_files(resolve(str(hf_dir))))
     return WeightsCache(cache_dir).path(digest, torch.float32)
 
 

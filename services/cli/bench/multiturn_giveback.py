@@ -223,7 +223,6 @@ def run_giveback_compare(args: argparse.Namespace, config, progress: Callable[[s
             "--num-pages", str(args.num_pages), "--decode-port", "0", "--prefill-port", "0",
             "--no-http", "--local-prefill", "never",
             *(["--link", args.link] if args.link else []), *args.up_arg]
-    page_size = _page_size(base)
     clusters = {}
     try:
         for mode in MODES:
@@ -231,7 +230,8 @@ def run_giveback_compare(args: argparse.Namespace, config, progress: Callable[[s
             progress(f"starting the {mode} cluster: deltakv up {' '.join(base + extra)}")
             clusters[mode] = up.start_cluster(base + extra, args.startup_timeout, progress)
         progress(f"loading the aggregated reference ({args.model})")
-        reference = Reference(args.model, page_size)
+        # The page size `up` parsed from the same flags (both clusters share it).
+        reference = Reference(args.model, clusters[MODES[0]].config.page_size)
         turns = asyncio.run(_measure({m: c.decode_address for m, c in clusters.items()},
                                      config, reference, progress))
     finally:
@@ -242,16 +242,6 @@ def run_giveback_compare(args: argparse.Namespace, config, progress: Callable[[s
                         "model": args.model, "transport": args.transport, "link": args.link,
                         "up_args": base}
     return report
-
-
-def _page_size(up_args: list[str]) -> int:
-    from deltakv.services.cluster import ClusterConfig
-
-    size = ClusterConfig().page_size
-    for i, arg in enumerate(up_args[:-1]):
-        if arg == "--page-size":
-            size = int(up_args[i + 1])
-    return size
 
 
 def _range(values: list[float]) -> str:

@@ -154,9 +154,16 @@ def one_start(args: argparse.Namespace, cache_dir: str | None) -> dict[str, Any]
         code = up.wait(120)
         stop_s = time.monotonic() - stopping
     finally:
-        if up.poll() is None:
-            up.kill()  # its members die with it (PR_SET_PDEATHSIG)
-            up.wait(30)
+        if up.poll() is None:  # not ready, or interrupted (Ctrl-C, SIGTERM) meanwhile
+            # SIGTERM first: up then stops its members itself and unlinks their /dev/shm
+            # segments; SIGKILL only if it does not exit in time (its members die with it,
+            # PR_SET_PDEATHSIG, but a killed sidecar's segment would stay behind).
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait(30)
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     return {"ready_line_s": round(ready_s, 2), "stop_s": round(stop_s, 2), "up_exit": code,

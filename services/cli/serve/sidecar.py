@@ -163,6 +163,14 @@ async def build(args: argparse.Namespace, stack: Any, log: Any) -> Any:
     return Service(start, drain, {"socket": args.socket})
 
 
+def interrupted(args: argparse.Namespace) -> int:
+    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
+    exit 0."""
+    from deltakv.services.runtime.lifecycle import stopped_during_start_up
+
+    return stopped_during_start_up(args, f"{args.role}-sidecar")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m deltakv.services.cli.serve.sidecar ...``: the same as ``deltakv serve sidecar ...`` without
     importing the other subcommands (tests and containers start sidecars this way)."""
@@ -177,10 +185,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def interrupted(args: argparse.Namespace) -> int:
-    """SIGTERM/Ctrl-C before serving began (e.g. during the imports): a stop during start-up,
-    exit 0."""
-    from deltakv.services.runtime.lifecycle import stopped_during_start_up
-
-    return stopped_during_start_up(args, f"{args.role}-sidecar")
