@@ -61,14 +61,18 @@ def measure(pages: int, writes: int, cold: bool) -> dict[str, list[int]]:
     import grpc
     import torch
 
-    from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
+    from deltakv.services.cli.bench.bench_sidecar import (
+        BenchSidecar,
+        bench_layout,
+        issue_block_grant,
+    )
     from deltakv.services.cli.bench.teardown import tear_down
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.sidecar.digests import PageDigester
     from deltakv.sidecar.grants import prompt_digest
     from deltakv.sidecar.pairing import generate_key_file, load_key_file
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
-    from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
+    from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 
     configure_logging("prefill-sidecar", "warning")  # as `bench transfer` runs its sidecars
     torch.set_num_threads(1)
@@ -101,12 +105,8 @@ def measure(pages: int, writes: int, cold: bool) -> dict[str, list[int]]:
         worker_digests = PageDigester(server.pool)
         touched = torch.empty(45 << 20, dtype=torch.uint8)
         for i in range(writes + 5):
-            info = decode.IssueGrant(sidecar_pb2.IssueGrantRequest(
-                owner_request_id="profile-dst", prompt_digest=digest,
-                transfer_info=kv_pb2.TransferInfo(
-                    request_id="profile", dst_page_indices=block, decode_prefix_len=0,
-                    prompt_len=pages * layout.page_size, lease_ms=120_000)),
-                timeout=10).transfer_info
+            info = issue_block_grant(decode, block, digest, layout.page_size,
+                                     "profile-dst", "profile")
             request = sidecar_pb2.WritePagesRequest(
                 transfer_info=info, src_page_indices=block, prompt_digest=digest,
                 page_digests=worker_digests.digest(block))

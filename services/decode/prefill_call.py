@@ -103,11 +103,10 @@ class PrefillCall:
         auto_local = self.costs.mode == "auto" and state.prompt_len > state.decode_prefix_len
         if state.decode_prefix_len and parsed.reuse_prefix and (
                 self.config.giveback == "auto" or auto_local):
+            timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
             try:
-                pin = await self.prefill.acquire(
-                    self.config.prefill_connect_timeout_ms / 1000.0)
+                pin = await self.prefill.acquire(timeout_s)
                 try:
-                    timeout_s = self.config.prefill_connect_timeout_ms / 1000.0
                     state.prefill_prefix_len = await prefill_prefix(
                         self.worker, pin, state, parsed, timeout_s)
                 finally:
@@ -174,11 +173,7 @@ class PrefillCall:
         pin, giveback = state.prefill_pin, None
         if state.decode_prefix_len and (self.config.giveback == "always"
                                         or state.handoff_choice == "remote_giveback"):
-            if pin is None:
-                pin = await self.prefill.acquire(
-                    self.config.prefill_connect_timeout_ms / 1000.0)
-            else:
-                pin = self.prefill.again(pin)
+            pin = await self._backend(pin)
             try:
                 timeout_s, _ = prefill_bound(self.config.prefill_timeout_ms, time_remaining())
                 giveback = await give_back(
@@ -221,6 +216,14 @@ class PrefillCall:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, _PREFILL_RETRY_MAX_S)
 
+    async def _backend(self, pin: Any) -> Any:
+        """``pin`` once more (:meth:`PrefillPool.again`), else a backend of the pool
+        (:meth:`PrefillPool.acquire`, within the connect timeout); counted in flight until
+        :meth:`PrefillPool.done`."""
+        if pin is not None:
+            return self.prefill.again(pin)
+        return await self.prefill.acquire(self.config.prefill_connect_timeout_ms / 1000.0)
+
     async def _call(self, state: RequestState, request: prefill_pb2.PrefillRequest,
                     timeout_s: float, bound: str = "", pin: Any = None
                     ) -> prefill_pb2.PrefillResponse:
@@ -229,11 +232,7 @@ class PrefillCall:
         ``timeout_s``, named by ``bound``, or prefill's), UNAVAILABLE naming prefill, or
         prefill's own typed status. ``state.transfer_pending`` is True from the send until
         prefill answered. ``pin``: the backend a give-back went to (else round robin)."""
-        if pin is not None:
-            backend = self.prefill.again(pin)
-        else:
-            backend = await self.prefill.acquire(
-                self.config.prefill_connect_timeout_ms / 1000.0)
+        backend = await self._backend(pin)
         state.prefill = backend
         state.sent_at = time.monotonic()
         state.transfer_pending = True

@@ -156,6 +156,13 @@ def create_app(backends: Sequence[str], *, timeout_s: float = 600.0,
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         failures: list[str] = []
+
+        def failed(backend: str, reason: str) -> None:
+            """``backend`` failed before answering: noted, marked down, the next one tried."""
+            failures.append(f"{backend}: {reason}")
+            if health is not None:
+                health.mark_down(backend, reason)
+
         reached = False  # some replica accepted a connection
         order = health.order(key) if health is not None else ring.order(key)
         for backend in order:
@@ -189,9 +196,7 @@ def create_app(backends: Sequence[str], *, timeout_s: float = 600.0,
                 if upstream is not None:
                     await upstream.aclose()
                 if isinstance(exc, httpx.ConnectTimeout):
-                    failures.append(f"{backend}: connect timeout")
-                    if health is not None:
-                        health.mark_down(backend, "connect timeout")
+                    failed(backend, "connect timeout")
                     continue
                 return error_response(504, f"decode replica {backend} did not answer within "
                                             f"the router's {timeout_s:g} s", "timeout")
@@ -200,18 +205,13 @@ def create_app(backends: Sequence[str], *, timeout_s: float = 600.0,
                     await upstream.aclose()
                 reason = f"{type(exc).__name__}: {exc}"
                 reached = reached or not isinstance(exc, httpx.ConnectError)
-                failures.append(f"{backend}: {reason}")
-                if health is not None:
-                    health.mark_down(backend, reason)
+                failed(backend, reason)
                 continue
             if upstream.status_code == 503:
                 # Not serving (draining, its sidecar away, no prefill reachable): the replica
                 # ended the request without an answer, as a gRPC UNAVAILABLE does.
                 await upstream.aclose()
-                reason = f"answered 503 ({_message_of(first)})"
-                failures.append(f"{backend}: {reason}")
-                if health is not None:
-                    health.mark_down(backend, reason)
+                failed(backend, f"answered 503 ({_message_of(first)})")
                 continue
             out_headers = {k: v for k, v in upstream.headers.items()
                            if k.lower() not in _HOP_BY_HOP}

@@ -71,3 +71,18 @@ class BenchSidecar:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def issue_block_grant(stub: Any, block: Sequence[int], digest: bytes, page_size: int,
+                      owner: str, request_id: str) -> Any:
+    """A grant (its ``TransferInfo``) over ``block``, the decode sidecar's pages ``owner``
+    allocated, for a whole-page prompt of ``len(block)`` pages from token 0 (lease 120 s).
+    ``stub``: the decode sidecar's synchronous SidecarServiceStub; timeout 10 s; errors: its
+    ``grpc.RpcError``."""
+    from deltakv.v1 import kv_pb2, sidecar_pb2
+
+    return stub.IssueGrant(sidecar_pb2.IssueGrantRequest(
+        owner_request_id=owner, prompt_digest=digest,
+        transfer_info=kv_pb2.TransferInfo(
+            request_id=request_id, dst_page_indices=block, decode_prefix_len=0,
+            prompt_len=len(block) * page_size, lease_ms=120_000)), timeout=10).transfer_info

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from deltakv.services.cli.argtypes import positive_float, positive_int
+from deltakv.services.cli.bench.bench_sidecar import issue_block_grant
 from deltakv.services.cli.bench.teardown import tear_down
 from deltakv.services.cli.bench.timing import gbps
 from deltakv.services.cli.bench.transfer import DEFAULT_MODEL, BenchSidecar, bench_layout
@@ -119,7 +120,7 @@ def measure(pages: int, page_bytes: int | None, repeats: int, options: list[str]
     from deltakv.sidecar.pairing import generate_key_file
     from deltakv.sidecar.pool import SharedKVPool
     from deltakv.sidecar.transport.poller import THREAD_NAME
-    from deltakv.v1 import kv_pb2, sidecar_pb2, sidecar_pb2_grpc
+    from deltakv.v1 import sidecar_pb2, sidecar_pb2_grpc
 
     layout = bench_layout(page_bytes, pages, model)
     nbytes = pages * layout.page_bytes
@@ -175,12 +176,8 @@ def measure(pages: int, page_bytes: int | None, repeats: int, options: list[str]
                 src[:pages] = torch.randint(0, 256, (pages, layout.page_bytes),
                                             dtype=torch.uint8, generator=gen)
                 dst_view[:pages] = 0
-                grant = dec_stub.IssueGrant(sidecar_pb2.IssueGrantRequest(
-                    owner_request_id="bench-dst", prompt_digest=digest,
-                    transfer_info=kv_pb2.TransferInfo(
-                        request_id="bench", dst_page_indices=block, decode_prefix_len=0,
-                        prompt_len=pages * layout.page_size, lease_ms=120_000)),
-                    timeout=10).transfer_info
+                grant = issue_block_grant(dec_stub, block, digest, layout.page_size,
+                                          "bench-dst", "bench")
                 sender_pid, receiver_pid = senders[mode].proc.pid, decode.proc.pid
                 cpu0, rcpu0 = cpu_seconds(sender_pid), cpu_seconds(receiver_pid)
                 threads0 = thread_cpu_ticks(sender_pid)
