@@ -54,6 +54,8 @@ DEFAULT_REACH_TIMEOUT_S = 5.0
 DECODE_SERVICE_NAME = "deltakv.v1.DecodeService"
 #: Metadata key (HTTP header) of a conversation: routers keep one key on one decode replica.
 SESSION_HEADER = "x-deltakv-session"
+#: Initial-metadata key by which a router names the decode replica that served a call.
+REPLICA_HEADER = "x-deltakv-replica"
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -201,6 +203,18 @@ class GenerateStream:
     def cancel(self) -> None:
         """Cancel the RPC (idempotent); the server sees CANCELLED and frees the request."""
         self._call.cancel()
+
+    async def replica(self) -> str | None:
+        """The decode replica that serves this call, as the router in front of the replicas
+        names it (``x-deltakv-replica`` initial metadata: its ``HOST:PORT``); None when the
+        call reached a decode service directly. Waits for the response's first message (a
+        router commits to a replica only then); raises the typed error if the call failed
+        before it."""
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        return dict(metadata or ()).get(REPLICA_HEADER)
 
     async def __aenter__(self) -> GenerateStream:
         return self
@@ -452,6 +466,7 @@ __all__ = [
     "DeltaKVError",
     "GenerateResult",
     "GenerateStream",
+    "REPLICA_HEADER",
     "SESSION_HEADER",
     "TLSFiles",
     "Usage",

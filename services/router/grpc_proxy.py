@@ -10,7 +10,8 @@ UNAVAILABLE before any response message goes to the next replica on the ring, wi
 caller's deadline; once a message was relayed nothing is re-sent, and a replica failing then
 ends the call with its status and a message naming the replica — as does one that sends
 nothing for longer than the stall bound (DEADLINE_EXCEEDED: a frozen replica cannot end the
-call itself). Other statuses reach the caller unchanged.
+call itself). Other statuses reach the caller unchanged. The replica that answers is named in
+the response's initial metadata (``x-deltakv-replica``), as the HTTP side names it in a header.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 from deltakv.services.router.health import ReplicaHealth
 from deltakv.services.router.http import (
     DEFAULT_STALL_TIMEOUT_S,
+    REPLICA_HEADER,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
     routing_key,
@@ -115,7 +117,10 @@ class DecodeProxy(grpc.GenericRpcHandler):
                 if kwargs is None:
                     break
                 try:
-                    return await self.channels[replica].unary_unary(method)(request, **kwargs)
+                    response = await self.channels[replica].unary_unary(method)(request,
+                                                                                **kwargs)
+                    await context.send_initial_metadata(((REPLICA_HEADER, replica),))
+                    return response
                 except grpc.aio.AioRpcError as err:
                     if not self._failed_over(replica, err):
                         await context.abort(err.code(), err.details() or "")
@@ -149,6 +154,8 @@ class DecodeProxy(grpc.GenericRpcHandler):
                             message = await anext(messages, None)
                         if message is None:
                             return
+                        if not sent:  # this replica answers: the call stays on it
+                            await context.send_initial_metadata(((REPLICA_HEADER, replica),))
                         sent += 1
                         yield message
                 except TimeoutError:

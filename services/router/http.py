@@ -36,6 +36,8 @@ SESSION_HEADER = "x-deltakv-session"
 #: The router's default stall bound: the decode service's (``--stall-timeout-s``).
 DEFAULT_STALL_TIMEOUT_S = 120.0
 REQUEST_ID_HEADER = "x-request-id"
+#: Response header (gRPC: initial metadata) naming the replica that served the call.
+REPLICA_HEADER = "x-deltakv-replica"
 # Hop-by-hop headers (RFC 9110 section 7.6.1) are never forwarded; length is recomputed.
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
@@ -215,7 +217,7 @@ def create_app(backends: Sequence[str], *, timeout_s: float = 600.0,
                 continue
             out_headers = {k: v for k, v in upstream.headers.items()
                            if k.lower() not in _HOP_BY_HOP}
-            out_headers["x-deltakv-replica"] = backend
+            out_headers[REPLICA_HEADER] = backend
             if not stream:
                 await upstream.aclose()
                 return Response(first, status_code=upstream.status_code, headers=out_headers)

@@ -98,7 +98,6 @@ class PeerLiveness:
     def __init__(self, pid: int, start_time: int | None) -> None:
         self.pid, self.start_time = pid, start_time
         self._fd: int | None = None
-        self._poll: Any = None
         self._dead = False
         if start_time is None:
             return
@@ -110,8 +109,7 @@ class PeerLiveness:
             os.close(fd)
             self._dead = True  # exited (or the PID was reused) since the descriptor was read
             return
-        self._fd, self._poll = fd, select.poll()
-        self._poll.register(fd, select.POLLIN)
+        self._fd = fd
 
     def alive(self) -> bool:
         """False once the owner process exited (or a closed check: the caller re-checks
@@ -120,8 +118,13 @@ class PeerLiveness:
             return False
         if self.start_time is None:
             return True
-        if self._poll is not None:
-            return not self._poll.poll(0)
+        fd = self._fd
+        if fd is not None:
+            # A poll object per call: writes to one peer run on several threads at once and
+            # one shared object raises "concurrent poll() invocation".
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return not poller.poll(0)
         return _proc_start_time(self.pid) == self.start_time
 
     def close(self) -> None:

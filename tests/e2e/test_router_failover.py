@@ -89,6 +89,18 @@ def replica_of(reply: httpx.Response) -> str:
     return reply.headers["x-deltakv-replica"]
 
 
+def grpc_replica_of(cluster, session: str) -> str | None:
+    """The replica the gRPC side of the router sends the session to now (its health checks
+    run apart from the HTTP side's, so each side readmits a restarted replica on its own)."""
+    async def ask() -> str | None:
+        async with DecodeClient(cluster.decode_address, timeout_s=60.0) as client, \
+                client.stream(session=session, token_ids=[5, 6, 7, 8], max_new_tokens=1) as s:
+            replica = await s.replica()
+            await s.result()
+            return replica
+    return run(ask())
+
+
 def wait_until(predicate, bound_s: float, what: str) -> None:
     deadline = time.monotonic() + bound_s
     while not predicate():
@@ -153,6 +165,9 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(cluster)
 def test_grpc_stream_cut_mid_answer_names_the_replica(cluster) -> None:
     grpc1 = cluster.decode_replicas[1][0]
     session = session_of(cluster, 1)
+    # The replica the test before restarted is back on the gRPC side too.
+    wait_until(lambda: grpc_replica_of(cluster, session) == grpc1, BACK_WITHIN_S,
+               "replica 1 serving its gRPC sessions")
 
     async def cut() -> DeltaKVError | None:
         async with DecodeClient(cluster.decode_address, timeout_s=60.0) as client, \
@@ -166,12 +181,15 @@ def test_grpc_stream_cut_mid_answer_names_the_replica(cluster) -> None:
                 return exc
         return None
 
-    error = run(cut())
+    try:
+        error = run(cut())
+    finally:
+        if cluster.proc(replica_name("decode", 1)).returncode is not None:
+            cluster.restart_proc(replica_name("decode", 1))  # later tests need it back
     assert error is not None, "the stream ended normally although its replica died"
     assert error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                           grpc.StatusCode.CANCELLED), error
     assert grpc1 in str(error)
-    cluster.restart_proc(replica_name("decode", 1))
 
 
 class _Stopped:
@@ -229,6 +247,8 @@ def test_a_replica_stopped_mid_stream_ends_the_stream_inside_the_stall_bound(clu
     wait_for_baseline(grpc1, timeout_s=30)
     wait_until(lambda: replica_of(chat(cluster, session)) == http1, BACK_WITHIN_S,
                "the stopped replica serving its sessions again")
+    wait_until(lambda: grpc_replica_of(cluster, session) == grpc1, BACK_WITHIN_S,
+               "the stopped replica serving its gRPC sessions again")
 
     async def stalled_grpc(stop: _Stopped) -> DeltaKVError | None:
         async with DecodeClient(cluster.decode_address, timeout_s=60.0) as client, \
