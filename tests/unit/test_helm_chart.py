@@ -603,6 +603,29 @@ def test_more_than_one_gpu_per_pod_is_refused_with_the_reason(chart, role, tmp_p
     assert prop["const"] == 1 and "tensor parallelism" in prop["description"]
 
 
+@pytest.mark.parametrize("mode", ["off", "auto", "always"])
+def test_giveback_reaches_decode_prefill_and_prefills_sidecar(chart, mode):
+    """decode.giveback: decode runs that mode; with anything but off, prefill's worker and its
+    sidecar serve give-backs (what `deltakv up --giveback` starts); decode's sidecar is left
+    as it is."""
+    objects = render(chart, with_choice({"decode": {"giveback": mode}}))
+    for role, container, is_sidecar in workload_containers(objects):
+        given = flag_values(container["args"], "--giveback")
+        if role == "decode":
+            assert given == ([] if is_sidecar else [mode]), (container["name"], given)
+        else:
+            assert given == ([] if mode == "off" else ["on"]), (container["name"], given)
+
+
+def test_a_bare_yaml_off_is_refused_by_name(chart):
+    """YAML reads an unquoted `off` as false: the schema names the value, not a template
+    error."""
+    with pytest.raises(helm_python.HelmValuesError) as info:
+        chart.render(values=with_choice({"decode": {"giveback": False}}), name=RELEASE,
+                     namespace=NAMESPACE)
+    assert "/decode/giveback" in str(info.value)
+
+
 # --------------------------------------------------------------------------- the CLI contract
 
 

@@ -130,6 +130,10 @@ spec:
               "--drain-timeout-s" (toString (int64 $v.sidecar.drainTimeoutSeconds))
               "--pairing-key-file" (include "deltakv.pairingKeyFile" $root)
               "--log-level" $v.logLevel) }}
+        {{- if and (eq $role "prefill") (ne $v.decode.giveback "off") }}
+        {{- /* Decode gives pages back: this pool accepts writes from decode's sidecars. */}}
+        {{- $args = concat $args (list "--giveback" "on") }}
+        {{- end }}
         {{- if not $onGpu }}
         {{- /* Unique per pod and rank: with transport shm every pod of the node shares /dev/shm. */}}
         {{- $args = concat $args (list "--shm-name" (printf "deltakv-$(POD_NAME)-r%d" $rank)) }}
@@ -222,7 +226,9 @@ spec:
         {{- $wargs = concat $wargs (list "--http-port" (toString (int64 $pool.httpPort))) }}
         {{- end }}
         {{- if eq $role "decode" }}
-        {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs)) "--stall-timeout-s" (toString $pool.stallTimeoutSeconds)) }}
+        {{- $wargs = concat $wargs (list "--max-batch-size" (toString (int64 $pool.maxBatchSize)) "--prefill-timeout-ms" (toString (int64 $pool.prefillTimeoutMs)) "--lease-ms" (toString (int64 $pool.leaseMs)) "--stall-timeout-s" (toString $pool.stallTimeoutSeconds) "--giveback" $v.decode.giveback) }}
+        {{- else if ne $v.decode.giveback "off" }}
+        {{- $wargs = concat $wargs (list "--giveback" "on") }}
         {{- end }}
         {{- $wargs = concat $wargs (list "--drain-timeout-s" (toString (int64 $pool.drainTimeoutSeconds)) "--pairing-key-file" (include "deltakv.pairingKeyFile" $root) "--log-level" $v.logLevel) }}
         {{- if $pool.torchThreads }}
