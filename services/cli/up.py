@@ -125,12 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode's --local-prefill: where a prompt's uncached tail is "
                              "computed (default auto: the cheaper by decode's cost model; a "
                              "full prefix hit is local)")
-    parser.add_argument("--giveback", choices=("off", "auto", "always"), default=None,
+    parser.add_argument("--giveback", choices=("off", "auto", "always"), default="auto",
                         help="decode's --giveback (prefill and its sidecar then serve "
                              "give-backs): decode gives prefill the pages it holds beyond "
                              "prefill's prefix instead of letting prefill recompute them "
-                             "(auto: where the cost model estimates it cheaper; "
-                             "docs/giveback.md)")
+                             "(auto: where the cost model estimates it cheaper; off: "
+                             "prefill recomputes them; docs/giveback.md)")
     parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both sidecars' transport (repeatable)")
     parser.add_argument("--page-digests", choices=("on", "off"), default="on",
@@ -252,8 +252,9 @@ def _pool_kind(args: argparse.Namespace) -> list[str]:
 
 
 def _giveback(args: argparse.Namespace, role: str) -> list[str]:
-    """``--giveback``: decode's mode as given; prefill and its sidecar serve give-backs
-    whenever decode may send one."""
+    """``--giveback``: decode's mode as given (``up``'s default: auto); prefill and its
+    sidecar serve give-backs whenever decode may send one. None (a caller's namespace without
+    the flag): every process keeps its own default."""
     mode = getattr(args, "giveback", None)
     if mode is None:
         return []

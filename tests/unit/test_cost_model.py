@@ -52,6 +52,18 @@ def test_affine_fit_answers_the_prior_until_measured_and_follows_a_change():
     assert fit.estimate(200) == pytest.approx(220.0, rel=0.15)
 
 
+def test_one_measurement_scales_the_line_instead_of_flattening_it():
+    """Seeded fast (20 ms + 20k tokens/s), then one prefill of 128 tokens measured at 360 ms:
+    512 tokens are estimated about 4x as long (through the seeded fixed cost), not as cheap as
+    the 128 (the seed's far point, 1024 tokens in 71 ms, used to cancel the slope)."""
+    fit = PrefillCostModel().prefill
+    fit.add(128, 360.0)
+    assert fit.estimate(128) == pytest.approx(360.0, rel=0.02)
+    assert fit.estimate(512) == pytest.approx(20.0 + 4 * 340.0, rel=0.05)
+    fit.add(512, 1380.0)  # a second x: the samples make the line
+    assert fit.estimate(1024) == pytest.approx(20.0 + 8 * 340.0, rel=0.05)
+
+
 def test_bad_parameters_are_refused():
     with pytest.raises(ValueError):
         AffineFit(PRIOR, alpha=0.0)

@@ -144,9 +144,10 @@ def test_up_giveback_reaches_decode_prefill_and_prefill_sidecar(tmp_path, mode, 
     assert _flag(config.prefill_args, "--giveback") == [served]
     assert _flag(config.prefill_sidecar_args, "--giveback") == [served]
     assert "--giveback" not in config.decode_sidecar_args
-    # Unset: no process gets the flag (each keeps its own default).
+    # Unset: up's default, auto (the serve commands' own default is off).
     plain = _up_cluster(tmp_path).config
-    assert "--giveback" not in plain.decode_args + plain.prefill_args
+    assert _flag(plain.decode_args, "--giveback") == ["auto"]
+    assert _flag(plain.prefill_sidecar_args, "--giveback") == ["on"]
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -285,7 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own.add_argument("--num-pages", type=positive_int, default=512,
                      help="with --link: pages per KV pool (RAM in /dev/shm)")
     own.add_argument("--run-dir", default=None,
-                     help="with --link: sockets and logs (default: a temporary dir)")
+                     help="with --link: sockets and logs (default: a temporary dir); with "
+                          "--giveback-compare one subdirectory per run and cluster, kept")
     own.add_argument("--startup-timeout", type=positive_float, default=600.0,
                      help="with --link: bound on the cluster becoming ready (s)")
     own.add_argument("--up-arg", action="append", default=[], metavar="ARG",

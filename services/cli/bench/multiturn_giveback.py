@@ -9,7 +9,9 @@ each on its own two-host link, else on one host over ``--transport``): ``givebac
 prefill and the comparison is about the handoff only.
 
 Every turn of a conversation is sent to both clusters, one after the other, the order
-alternating per turn, so a machine whose speed drifts shifts both alike. The prompts are
+alternating per turn, so a machine whose speed drifts shifts both alike, with a pause of
+:data:`SETTLE_S` before each turn so that the work one cluster does after an answer (page
+releases, logs, the reference run in this process) does not slow the other's prefill. The prompts are
 identical in both: the next turn is the prompt + the answer + a new random "tool output" of
 ``sub_question_length`` token ids, and the answer is checked on every turn against the
 aggregated reference (``deltakv generate --local``'s runner, in this process, outside the
@@ -39,6 +41,10 @@ from deltakv.client import DecodeClient
 from deltakv.errors import DeltaKVError
 
 MODES = ("giveback", "off")
+#: Pause before each timed turn (s). Without it the cluster going second was measured slower
+#: on identical work (round 0, 2-core machine, 2026-12-02: TTFT ratio first/second 0.54-0.63
+#: over the runs where the give-back cluster went first, 0.99 where it went second).
+SETTLE_S = 1.0
 GIVEBACK_MODES = ("auto", "always")
 
 
@@ -111,48 +117,49 @@ class Reference:
 
 
 async def _measure(targets: dict[str, str], config, reference: Reference,  # noqa: ANN001
-                   progress: Callable[[str], None]) -> list[Turn]:
+                   progress: Callable[[str], None], run: int) -> list[Turn]:
+    """Run ``run`` of the workload on both clusters (``targets``: decode address by mode)."""
     turns: list[Turn] = []
     clients = {mode: DecodeClient(targets[mode], timeout_s=config.timeout_s) for mode in MODES}
     try:
         for client in clients.values():
             await client.wait_ready(config.connect_timeout_s)
-        step = 0
-        for run in range(config.runs):
-            for c in range(config.clients):
-                rng = random.Random(f"deltakv-giveback:{config.seed}:{run}:{c}")
+        step = run * config.rounds  # the order alternates across runs too
+        for c in range(config.clients):
+            rng = random.Random(f"deltakv-giveback:{config.seed}:{run}:{c}")
 
-                def draw(n: int, rng: random.Random = rng) -> list[int]:
-                    return [rng.randrange(config.vocab_low, config.vocab_high)
-                            for _ in range(n)]
+            def draw(n: int, rng: random.Random = rng) -> list[int]:
+                return [rng.randrange(config.vocab_low, config.vocab_high)
+                        for _ in range(n)]
 
-                prompt = draw(config.request_length)
-                for rnd in range(config.rounds):
-                    order = MODES if step % 2 == 0 else MODES[::-1]
-                    step += 1
-                    done: dict[str, Turn] = {}
-                    for mode in order:
-                        try:
-                            res = await clients[mode].generate(
-                                token_ids=prompt, max_new_tokens=config.output_length,
-                                temperature=0.0, ignore_eos=True, timeout_s=config.timeout_s,
-                                request_id=f"gb-{mode}-s{config.seed}-u{run}-c{c}-r{rnd}",
-                                session=f"gb-{mode}-s{config.seed}-u{run}-c{c}")
-                            done[mode] = _turn(mode, run, c, rnd, res)
-                        except DeltaKVError as exc:
-                            done[mode] = Turn(mode, run, c, rnd,
-                                              error=f"{type(exc).__name__}: {exc}")
-                    # Outside the timed path: the aggregated reference of this very prompt.
-                    answer = await asyncio.to_thread(reference.answer, prompt,
-                                                     config.output_length)
-                    for t in done.values():
-                        t.equals_reference = t.error is None and t.token_ids == answer
-                    turns.extend(done[m] for m in MODES)
-                    progress(f"[run {run} client {c} round {rnd}] prompt {len(prompt)} tok: "
-                             + "; ".join(_line(done[m]) for m in MODES))
-                    if any(t.error for t in done.values()):
-                        break  # the conversation's history is broken on one side
-                    prompt = prompt + answer + draw(config.sub_question_length)
+            prompt = draw(config.request_length)
+            for rnd in range(config.rounds):
+                order = MODES if step % 2 == 0 else MODES[::-1]
+                step += 1
+                done: dict[str, Turn] = {}
+                for mode in order:
+                    await asyncio.sleep(SETTLE_S)
+                    try:
+                        res = await clients[mode].generate(
+                            token_ids=prompt, max_new_tokens=config.output_length,
+                            temperature=0.0, ignore_eos=True, timeout_s=config.timeout_s,
+                            request_id=f"gb-{mode}-s{config.seed}-u{run}-c{c}-r{rnd}",
+                            session=f"gb-{mode}-s{config.seed}-u{run}-c{c}")
+                        done[mode] = _turn(mode, run, c, rnd, res)
+                    except DeltaKVError as exc:
+                        done[mode] = Turn(mode, run, c, rnd,
+                                          error=f"{type(exc).__name__}: {exc}")
+                # Outside the timed path: the aggregated reference of this very prompt.
+                answer = await asyncio.to_thread(reference.answer, prompt,
+                                                 config.output_length)
+                for t in done.values():
+                    t.equals_reference = t.error is None and t.token_ids == answer
+                turns.extend(done[m] for m in MODES)
+                progress(f"[run {run} client {c} round {rnd}] prompt {len(prompt)} tok: "
+                         + "; ".join(_line(done[m]) for m in MODES))
+                if any(t.error for t in done.values()):
+                    break  # the conversation's history is broken on one side
+                prompt = prompt + answer + draw(config.sub_question_length)
     finally:
         for client in clients.values():
             await client.close()
@@ -215,28 +222,38 @@ def summarize(turns: list[Turn], rounds: int, runs: int) -> dict:
 
 def run_giveback_compare(args: argparse.Namespace, config, progress: Callable[[str], None]
                          ) -> dict:
-    """Start both clusters (``--link`` each on its own link when given), measure, stop both
-    whatever happens. ClusterError if one does not start."""
+    """Per run: start both clusters (``--link`` each on its own link when given; the start
+    order alternating between runs), measure the run, stop both whatever happens.
+    ClusterError if one does not start."""
     from deltakv.services.cli import up
 
     base = ["--model", args.model, "--transport", args.transport,
             "--num-pages", str(args.num_pages), "--decode-port", "0", "--prefill-port", "0",
             "--no-http", "--local-prefill", "never",
             *(["--link", args.link] if args.link else []), *args.up_arg]
-    clusters = {}
-    try:
-        for mode in MODES:
-            extra = ["--giveback", args.giveback_mode if mode == "giveback" else "off"]
-            progress(f"starting the {mode} cluster: deltakv up {' '.join(base + extra)}")
-            clusters[mode] = up.start_cluster(base + extra, args.startup_timeout, progress)
-        progress(f"loading the aggregated reference ({args.model})")
-        # The page size `up` parsed from the same flags (both clusters share it).
-        reference = Reference(args.model, clusters[MODES[0]].config.page_size)
-        turns = asyncio.run(_measure({m: c.decode_address for m, c in clusters.items()},
-                                     config, reference, progress))
-    finally:
-        for cluster in clusters.values():
-            cluster.stop()
+    reference: Reference | None = None
+    turns: list[Turn] = []
+    for run in range(config.runs):
+        clusters = {}
+        try:
+            # Fresh clusters per run, started in alternating order: a cluster started second
+            # was seen slower on identical work for a whole run, so neither mode always is.
+            for mode in (MODES if run % 2 == 0 else MODES[::-1]):
+                extra = ["--giveback", args.giveback_mode if mode == "giveback" else "off"]
+                if args.run_dir:  # kept, with every process's log, for a look afterwards
+                    extra += ["--run-dir", f"{args.run_dir}/run{run}-{mode}"]
+                progress(f"run {run}: starting the {mode} cluster: deltakv up "
+                         f"{' '.join(base + extra)}")
+                clusters[mode] = up.start_cluster(base + extra, args.startup_timeout, progress)
+            if reference is None:
+                progress(f"loading the aggregated reference ({args.model})")
+                # The page size `up` parsed from the same flags (both clusters share it).
+                reference = Reference(args.model, clusters[MODES[0]].config.page_size)
+            turns += asyncio.run(_measure({m: c.decode_address for m, c in clusters.items()},
+                                          config, reference, progress, run))
+        finally:
+            for cluster in clusters.values():
+                cluster.stop()
     report = summarize(turns, config.rounds, config.runs)
     report["config"] = {**asdict(config), "giveback_mode": args.giveback_mode,
                         "model": args.model, "transport": args.transport, "link": args.link,
