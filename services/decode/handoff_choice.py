@@ -16,8 +16,8 @@ conversation's previous turn), for a prompt of ``prompt_len`` tokens, millisecon
 with the pages and tokens of :func:`deltakv.handoff.plan_handoff` (``back`` = pages decode
 holds beyond prefill's prefix, ``delta`` = the forward delta, the same in both remote
 choices). ``giveback_transfer`` is its own fit (bytes decode → prefill: the link may differ by
-direction), seeded from the forward one until measured; ``giveback_hop`` the give-back's fixed
-cost as decode saw it (the prefix query and grant, decode's own ``WritePages`` setup). The
+direction); until it is measured the forward link's current fit answers for it.
+``giveback_hop`` is the give-back's fixed cost as decode saw it (the prefix query and grant, decode's own ``WritePages`` setup). The
 cheapest wins, so recomputation is chosen where it is cheaper (a slow link, a fast prefill).
 """
 
@@ -85,9 +85,18 @@ class HandoffCostModel:
                 continue
             ms[choice] = self.costs.remote_ms(h.prefill_tokens, h.forward_bytes(page_bytes))
             if h.giveback_pages:
-                ms[choice] += (self.giveback_hop.estimate(0)
-                               + self.giveback_transfer.estimate(h.giveback_bytes(page_bytes)))
+                ms[choice] += self.giveback_ms(h.giveback_bytes(page_bytes))
         return plans, ms
+
+    def giveback_ms(self, giveback_bytes: int) -> float:
+        """A give-back of ``giveback_bytes``: its fixed cost and its transfer (ms). Until one
+        was measured, the forward link's *current* fits stand in for both (the same link the
+        other way, and a call like the Prefill's hops): a decode that has only written forward
+        over a slow link must not price the way back at the seeds' 10 GB/s."""
+        transfer = self.giveback_transfer if self.giveback_transfer.samples \
+            else self.costs.transfer
+        hop = self.giveback_hop if self.giveback_hop.samples else self.costs.hop
+        return hop.estimate(0) + transfer.estimate(giveback_bytes)
 
     def decide(self, prompt_len: int, decode_prefix_len: int, prefill_prefix_len: int | None,
                page_size: int, page_bytes: int, running: int, *, reuse_prefix: bool = True
@@ -132,5 +141,8 @@ class HandoffCostModel:
         """A give-back moved ``giveback_bytes`` in ``write_ms`` (decode's WritePages);
         ``call_ms`` its whole cost as decode saw it (prefix query and grant included)."""
         if giveback_bytes > 0:
+            if not self.giveback_transfer.samples:  # from the forward line, as estimated so far
+                fixed, slope = self.costs.transfer.coefficients()
+                self.giveback_transfer.reseed(((0.0, fixed), (64e6, fixed + slope * 64e6)))
             self.giveback_transfer.add(giveback_bytes, write_ms)
         self.giveback_hop.add(0.0, max(call_ms - write_ms, 0.0))

@@ -66,6 +66,30 @@ def test_giveback_on_a_fast_link_recompute_on_a_slow_one():
     assert d.estimates_ms["remote_recompute"] < d.estimates_ms["remote_giveback"]
 
 
+def test_before_any_giveback_the_forward_link_prices_the_way_back():
+    """Built at start-up (nothing measured), then only forward writes measured over a slow
+    link: the first give-back is priced at that link's rate, not at the seeds' 10 GB/s, so
+    recomputation wins (a 10 Mbit/s cluster gave 8 MB back in 6.6 s to save ~0.4 s of
+    prefill when the way back was priced at the seed). On a fast link the give-back wins."""
+    prompt, decode_prefix = 480, 80
+    for link, expected in ((ONE_MBIT * 10, "remote_recompute"), (TEN_GBIT, "remote_giveback")):
+        costs = PrefillCostModel("auto", explore_tokens=0)
+        model = HandoffCostModel(costs, "auto")  # as decode builds it: before any request
+        fed = measured(link)
+        for name in ("prefill", "local", "transfer", "hop"):
+            setattr(costs, name, getattr(fed, name))
+        assert model.giveback_transfer.samples == 0
+        d = model.decide(prompt, decode_prefix, PREFILL_PREFIX, PS, PAGE_BYTES, running=4)
+        assert d.remote == expected, d
+        back = d.handoff.giveback_bytes(PAGE_BYTES) or 4 * PAGE_BYTES
+        assert model.giveback_ms(back) == pytest.approx(
+            costs.hop.estimate(0) + costs.transfer.estimate(back))
+        # The first measured give-back starts from that line, not from the seeds.
+        model.record_giveback(back, costs.transfer.estimate(back), 0.0)
+        assert model.giveback_transfer.estimate(back) == pytest.approx(
+            costs.transfer.estimate(back), rel=0.02)
+
+
 def test_giveback_off_or_prefix_unknown_never_gives_back():
     off = HandoffCostModel(measured(TEN_GBIT), "off")
     d = off.decide(480, 80, PREFILL_PREFIX, PS, PAGE_BYTES, running=4)
