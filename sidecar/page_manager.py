@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
+from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
 from deltakv.sidecar.page_holds import PageHolds
 from deltakv.sidecar.radix import RadixIndex
 from deltakv.sidecar.requests import RequestRecord, RequestTable, check_request_id
@@ -92,15 +93,7 @@ class PageManager:
             raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
         return value
 
-    def _check_tokens(self, token_ids: object) -> list[int]:
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise InvalidArgument(f"token_ids must be a sequence of ints, got "
-                                  f"{type(token_ids).__name__}")
-        tokens = list(token_ids)
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
-        return tokens
+    _check_tokens = staticmethod(check_token_ids)
 
     def _get(self, request_id: str) -> RequestRecord:
         return self._requests.get(request_id)
@@ -241,9 +234,11 @@ class PageManager:
             raise InvalidArgument(
                 f"{len(tokens)} tokens span {n_full} full pages but the page table has "
                 f"{len(table)} entries")
-        for p in table:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
-                raise InvalidArgument(f"page index {p!r} out of range [0, {self.num_pages})")
+        if not exact_ints_within(table, 0, self.num_pages):
+            for p in table:
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                    raise InvalidArgument(f"page index {p!r} out of range [0, "
+                                          f"{self.num_pages})")
         if len(set(table)) != len(table):
             raise InvalidArgument("page table entries must be unique")
         check_cache_salt(cache_salt)

@@ -34,6 +34,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from deltakv.errors import InvalidArgument
+from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
 
 
 class RadixNode:
@@ -153,12 +154,7 @@ class RadixIndex:
 
     @staticmethod
     def _check_tokens(tokens: Sequence[int]) -> Sequence[int]:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise InvalidArgument(f"token ids must be a sequence of ints, got "
-                                  f"{type(tokens).__name__}")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
+        check_token_ids(tokens)
         return tokens
 
     def _touch(self, nodes: Sequence[RadixNode]) -> None:
@@ -215,9 +211,10 @@ class RadixIndex:
             raise InvalidArgument(f"{len(tokens)} tokens have {n} full pages but only "
                                   f"{len(pages)} page indices were given")
         offered = list(pages[:n])
-        for p in offered:
-            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-                raise InvalidArgument(f"page index {p!r} is not a non-negative int")
+        if not exact_ints_within(offered, 0):
+            for p in offered:
+                if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                    raise InvalidArgument(f"page index {p!r} is not a non-negative int")
         if len(set(offered)) != n:
             raise InvalidArgument("page indices of one insert must be unique")
         keys = self._keys(tokens, n)
