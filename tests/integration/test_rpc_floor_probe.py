@@ -25,7 +25,7 @@ def test_probe_prints_every_rhythm_for_every_transport() -> None:
         row = re.search(rf"^{rhythm}{cell * 4}$", proc.stdout, re.M)
         assert row, proc.stdout
         medians, minima = row.groups()[0::2], row.groups()[1::2]
-        assert all(0 < int(low) <= int(mid) for mid, low in zip(medians, minima))
+        assert all(0 < int(low) <= int(mid) for mid, low in zip(medians, minima, strict=True))
     # Its servers were killed with it.
     leftover = subprocess.run(["pgrep", "-f", "rpc_floor_probe.py --serve"],
                               capture_output=True, text=True)
