@@ -269,11 +269,13 @@ class RadixIndex:
 
     def _check_nodes(self, nodes: Iterable[RadixNode]) -> list[RadixNode]:
         out = list(nodes)
-        for node in out:
-            if not isinstance(node, RadixNode) or not node.attached:
+        by_page = self._by_page
+        for node in out:  # a request's whole path per call: the checks are spelled inline
+            parent = node.parent if isinstance(node, RadixNode) else None
+            if parent is None or parent.children.get(node.key) is not node:
                 raise InvalidArgument(f"{node!r} is not a node of this index (evicted or "
                                       "foreign)")
-            if self._by_page.get(node.page) is not node:
+            if by_page.get(node.page) is not node:
                 raise InvalidArgument(f"{node!r} is not a node of this index")
         return out
 
@@ -305,7 +307,7 @@ class RadixIndex:
 
     def _protect(self, node: RadixNode | None) -> None:
         # Propagate "protected" upwards until an ancestor that already was protected.
-        while node is not None and not node.is_root:
+        while node is not None and node.depth:  # depth 0: a root
             node.protect_ref += 1
             if node.protect_ref > 1:
                 return
@@ -313,7 +315,7 @@ class RadixIndex:
             node = node.parent
 
     def _unprotect(self, node: RadixNode | None) -> None:
-        while node is not None and not node.is_root:
+        while node is not None and node.depth:  # depth 0: a root
             node.protect_ref -= 1
             if node.protect_ref > 0:
                 return
