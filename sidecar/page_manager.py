@@ -255,15 +255,15 @@ class PageManager:
                 raise InvalidArgument(
                     f"page {p} at table position {i} is not a page request {request_id!r} "
                     f"may commit: it must {what}", page=p)
+            path: list = []
             canonical, new_nodes, duplicates = self._index.insert(
-                tokens[:n_full * self.page_size], table[:n_full], cache_salt)
+                tokens[:n_full * self.page_size], table[:n_full], cache_salt, path)
             for node in new_nodes:
                 del req.live[node.page]
             for p in duplicates:
                 del req.live[p]
             self._live_total -= len(new_nodes) + len(duplicates)
             self._free_pages(duplicates)
-            path = self._index.path(tokens[:n_full * self.page_size], cache_salt)
             if len(path) != n_full:
                 raise Internal(f"index path has {len(path)} pages after inserting {n_full}")
             fresh = [node for node in path if node.id not in locked]

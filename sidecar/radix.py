@@ -190,6 +190,7 @@ class RadixIndex:
         return len(nodes) * self.page_size, [n.page for n in nodes], nodes
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "",
+               path_out: list[RadixNode] | None = None,
                ) -> tuple[list[int], list[RadixNode], list[int]]:
         """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them) under
         cache salt ``salt``.
@@ -198,7 +199,9 @@ class RadixIndex:
         pages (e.g. the partial last page) are ignored. Where the index already has a page
         for a prefix, that page is **canonical** and the offered one is a **duplicate** the
         caller must free (or keep private). Returns ``(canonical_pages, new_nodes,
-        duplicate_pages)``; ``canonical_pages`` has one entry per full page.
+        duplicate_pages)``; ``canonical_pages`` has one entry per full page. ``path_out``
+        (optional) is extended with the nodes of the full pages in order, what :meth:`path`
+        would return now.
 
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT), changing nothing, if there are
         fewer pages than full pages, a page index is negative or listed twice, or an offered
@@ -250,6 +253,8 @@ class RadixIndex:
             node = child
         if full_path:
             self._touch(full_path)
+        if path_out is not None:
+            path_out.extend(full_path)  # what path() would walk again
         return canonical, new_nodes, duplicates
 
     def path(self, tokens: Sequence[int], salt: str = "") -> list[RadixNode]:
