@@ -118,7 +118,8 @@ class PageManager:
         check_cache_salt(cache_salt)
         with self._lock:
             self._requests.check_open(request_id)
-            matched_len, pages, nodes = self._index.match(tokens, max_tokens, cache_salt)
+            matched_len, pages, nodes = self._index.match(tokens, max_tokens, cache_salt,
+                                                           checked=True)
             req = self._requests.open(request_id)
             self._index.lock(nodes)
             req.locks.append(nodes)
@@ -169,7 +170,8 @@ class PageManager:
                     f"request {request_id!r} needs {total_pages} pages but the pool only has "
                     f"{self.num_pages}", needed=total_pages, free=self._alloc.num_free,
                     evictable=self._index.num_evictable_pages, never_fits=True)
-            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens, cache_salt)
+            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens, cache_salt,
+                                                            checked=True)
                                           if tokens else (0, [], []))
             need = total_pages - len(prefix)
             if need < 0:
@@ -257,7 +259,8 @@ class PageManager:
                     f"may commit: it must {what}", page=p)
             path: list = []
             canonical, new_nodes, duplicates = self._index.insert(
-                tokens[:n_full * self.page_size], table[:n_full], cache_salt, path)
+                tokens[:n_full * self.page_size], table[:n_full], cache_salt, path,
+                checked=True)
             for node in new_nodes:
                 del req.live[node.page]
             for p in duplicates:

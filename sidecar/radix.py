@@ -163,7 +163,7 @@ class RadixIndex:
             node.last_access = self._tick
 
     def match(self, tokens: Sequence[int], max_tokens: int = 0, salt: str = "",
-              ) -> tuple[int, list[int], list[RadixNode]]:
+              checked: bool = False) -> tuple[int, list[int], list[RadixNode]]:
         """Longest cached page-aligned prefix of ``tokens`` under cache salt ``salt``.
 
         Matches at most ``len(tokens)`` tokens, and at most ``max_tokens`` if it is > 0
@@ -171,9 +171,11 @@ class RadixIndex:
         a multiple of ``page_size``; ``pages``/``nodes`` hold ``matched_len // page_size``
         entries in prefix order. Marks the matched nodes most recently used; takes no lock.
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for non-int/negative token ids or
-        a negative ``max_tokens``.
+        a negative ``max_tokens``. ``checked``: the caller already checked ``tokens`` with
+        :func:`~deltakv.sidecar.int_lists.check_token_ids` (the page manager does).
         """
-        self._check_tokens(tokens)
+        if not checked:
+            self._check_tokens(tokens)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidArgument(f"max_tokens must be a non-negative int, got {max_tokens!r}")
         limit = len(tokens) if max_tokens == 0 else min(len(tokens), max_tokens)
@@ -190,7 +192,7 @@ class RadixIndex:
         return len(nodes) * self.page_size, [n.page for n in nodes], nodes
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "",
-               path_out: list[RadixNode] | None = None,
+               path_out: list[RadixNode] | None = None, checked: bool = False,
                ) -> tuple[list[int], list[RadixNode], list[int]]:
         """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them) under
         cache salt ``salt``.
@@ -201,14 +203,15 @@ class RadixIndex:
         caller must free (or keep private). Returns ``(canonical_pages, new_nodes,
         duplicate_pages)``; ``canonical_pages`` has one entry per full page. ``path_out``
         (optional) is extended with the nodes of the full pages in order, what :meth:`path`
-        would return now.
+        would return now. ``checked``: as :meth:`match`.
 
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT), changing nothing, if there are
         fewer pages than full pages, a page index is negative or listed twice, or an offered
         page is already cached for a different prefix (inserting it would alias two
         prefixes onto one page).
         """
-        self._check_tokens(tokens)
+        if not checked:
+            self._check_tokens(tokens)
         n = len(tokens) // self.page_size
         if len(pages) < n:
             raise InvalidArgument(f"{len(tokens)} tokens have {n} full pages but only "
