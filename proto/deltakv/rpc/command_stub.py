@@ -146,7 +146,7 @@ class CommandStub:
             conn = self._take()
             # Each wait of the call is bounded by its timeout; a late status is refused
             # below, so a wait that started just after the deadline was set cannot pass.
-            conn.bound(timeout_s)
+            conn.bound(max(timeout_s, 1e-6))
             try:
                 frames.write_frame(conn.sock, call_frame(call_id, method, timeout_s, metadata,
                                                          b"" if streaming else request,
