@@ -123,14 +123,17 @@ class SidecarClient:
     async def _command(self, method: str, request: Any, timeout: float, metadata: Any,
                        client_streaming: bool) -> Any:
         """One call over the command channel (raises CommandRpcError, a grpc.RpcError)."""
-        async def parts() -> AsyncIterator[bytes]:
-            async for part in request:
-                yield part.SerializeToString()
-
         assert self._commands is not None
-        data = await self._commands.call(
-            _METHODS.full_name(method), parts() if client_streaming else request.SerializeToString(),
-            timeout, metadata or ())
+        if client_streaming:
+            async def parts() -> AsyncIterator[bytes]:
+                async for part in request:
+                    yield part.SerializeToString()
+
+            body: Any = parts()
+        else:
+            body = request.SerializeToString()
+        data = await self._commands.call(_METHODS.full_name(method), body, timeout,
+                                         metadata or ())
         return _METHODS.response_class(method).FromString(data)
 
     def _typed(self, err: grpc.RpcError, method: str) -> Exception:

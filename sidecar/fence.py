@@ -22,8 +22,11 @@ revoked grant's pages stay quarantined (a page-manager hold) until its backend's
 
 A peer whose state is unknown (a prefill sidecar that stopped answering) keeps its pages
 quarantined until the fence is proven, never until a timer runs out. The fencer's thread polls
-pending proofs every ``interval_s`` (and is woken by every revocation), expires grants past their
-lease, and drives the engine recycling. ``PoolStats.fence_pending`` counts revoked grants still
+pending proofs every ``interval_s`` while there are any (and is woken by every revocation),
+expires grants past their lease, and drives the engine recycling. With nothing to prove or
+recycle it sleeps until the earliest open grant expires (at most ``max_idle_s``; a grant armed
+with an earlier expiry wakes it): an idle sidecar's fencer takes no CPU — and no GIL — between
+the calls of its worker. ``PoolStats.fence_pending`` counts revoked grants still
 waiting; metrics: ``deltakv.fence.pending``, ``deltakv.fence.wait`` and ``deltakv.fence.recycles``.
 """
 
@@ -111,6 +114,12 @@ class EngineSet:
         with self._lock:
             return len(self._retiring)
 
+    @property
+    def busy(self) -> bool:
+        """True while a recycle is wanted or an incarnation retires (:meth:`step` has work)."""
+        with self._lock:
+            return self._want_recycle or bool(self._retiring)
+
     def step(self, busy: set[int]) -> list[int]:
         """Advance the recycling: build the replacement if one is wanted and none retires;
         close each retiring incarnation that no open grant uses (``busy``: incarnations
@@ -197,6 +206,11 @@ class WordsFence:
     def step(self, busy: set[int]) -> None:
         """Nothing to drive: proofs are the lock attempts themselves."""
 
+    @property
+    def busy(self) -> bool:
+        """Never: nothing to drive between revocations."""
+        return False
+
 
 class IncarnationFence:
     """Fence by tearing down the engine incarnation that could receive the room's bytes."""
@@ -218,6 +232,11 @@ class IncarnationFence:
 
     def step(self, busy: set[int]) -> None:
         self.engines.step(busy)
+
+    @property
+    def busy(self) -> bool:
+        """While a recycle is wanted or an incarnation retires."""
+        return self.engines.busy
 
 
 #: fence kind (``Transport.fence_kind``) -> strategy. Adding a kind is one line here.
@@ -242,21 +261,34 @@ class Fencer:
         on_proven: called (outside any fencer lock) with each grant whose proof completed.
         busy_epochs: incarnations named by open grants (engines still in use).
         expire: revokes grants past their lease; called every tick.
-        interval_s: poll period of pending proofs.
+        interval_s: poll period of pending proofs (and of a recycle in progress).
+        next_expiry: monotonic seconds at which the earliest open grant expires (None: no
+            open grant); given, an idle fencer sleeps until then (at most ``max_idle_s``)
+            instead of ticking every ``interval_s``. Grants armed later wake it when they
+            expire earlier.
+        max_idle_s: longest sleep of an idle fencer.
 
     Thread-safe; :meth:`start` runs the loop on a daemon thread, :meth:`stop` ends it.
     """
 
     def __init__(self, strategy: Any, on_proven: Callable[[Any], None], *,
                  busy_epochs: Callable[[], set[int]], expire: Callable[[], int],
-                 interval_s: float = 0.01) -> None:
+                 interval_s: float = 0.01,
+                 next_expiry: Callable[[], float | None] | None = None,
+                 max_idle_s: float = 1.0) -> None:
         self.strategy = strategy
         self.on_proven = on_proven
         self.busy_epochs = busy_epochs
         self.expire = expire
         self.interval_s = interval_s
+        self.next_expiry = next_expiry
+        self.max_idle_s = max_idle_s
         self._lock = threading.Lock()
         self._pending: dict[int, Any] = {}
+        # When the loop's current sleep ends (monotonic), and how many grants were armed:
+        # an arm during the computation of a sleep makes the loop compute it again.
+        self._sleep_until = 0.0
+        self._armed = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -280,8 +312,14 @@ class Fencer:
             self._thread.join(timeout_s)
 
     def arm(self, grant: Any) -> None:
-        """A grant was issued: let its room write (shm: words := room)."""
+        """A grant was issued: let its room write (shm: words := room). Wakes an idle loop
+        that would sleep past the grant's expiry (``grant.expires_at``, monotonic)."""
         self.strategy.arm(grant)
+        with self._lock:
+            self._armed += 1
+            early = grant.expires_at < self._sleep_until
+        if early:
+            self._wake.set()
 
     def revoke(self, grant: Any) -> None:
         """Start fencing ``grant``; ``on_proven`` runs when the proof completes (maybe now)."""
@@ -304,12 +342,33 @@ class Fencer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
+            self._wake.wait(self._sleep_s())
             self._wake.clear()
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - the loop must survive; proofs stay pending
                 log.exception("fencer_tick_failed")
+
+    def _sleep_s(self) -> float:
+        """How long the loop may sleep: ``interval_s`` while a proof is pending or the
+        strategy has work (or without ``next_expiry``), else until the earliest open grant
+        expires, at most ``max_idle_s``."""
+        with self._lock:
+            armed, pending = self._armed, bool(self._pending)
+        if pending or self.next_expiry is None or self.strategy.busy:
+            with self._lock:
+                self._sleep_until = 0.0  # every arm wakes nothing: the loop ticks anyway
+            return self.interval_s
+        now = time.monotonic()
+        until = now + self.max_idle_s
+        earliest = self.next_expiry()
+        if earliest is not None:
+            until = min(until, earliest)
+        with self._lock:
+            if self._armed != armed:
+                return 0.0  # a grant was armed meanwhile: look again
+            self._sleep_until = until
+        return max(0.0, until - now)
 
     def tick(self) -> int:
         """One round: expire, drive the strategy, retry pending proofs. Returns how many

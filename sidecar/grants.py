@@ -352,6 +352,12 @@ class GrantAuthority:
         with self._lock:
             return [p for p in pages if p in self._covered]
 
+    def next_expiry(self) -> float | None:
+        """When the earliest open grant expires (this authority's clock), None without one."""
+        with self._lock:
+            return min((g.expires_at for g in self._grants.values()
+                        if g.state is GrantState.OPEN), default=None)
+
     def open_epochs(self) -> set[int]:
         """Endpoint incarnations named by open grants (an engine still in use)."""
         with self._lock:

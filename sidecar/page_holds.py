@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from deltakv.errors import InvalidArgument
+from deltakv.sidecar.int_lists import exact_ints_within
 
 
 class PageHolds:
@@ -29,11 +30,12 @@ class PageHolds:
     def add(self, token: Hashable, pages: Sequence[int]) -> None:
         """Hold ``pages`` under ``token``. InvalidArgument for a token already held or a
         page out of range (nothing changes then)."""
-        checked = []
-        for p in pages:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
-                raise InvalidArgument(f"page index {p!r} out of range [0, {self.num_pages})")
-            checked.append(p)
+        checked = list(pages)
+        if not exact_ints_within(checked, 0, self.num_pages):  # the loop names the page
+            for p in checked:
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                    raise InvalidArgument(f"page index {p!r} out of range [0, "
+                                          f"{self.num_pages})")
         if token in self._holds:
             raise InvalidArgument(f"hold {token!r} is already held")
         self._holds[token] = checked

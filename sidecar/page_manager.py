@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
+from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
 from deltakv.sidecar.page_holds import PageHolds
 from deltakv.sidecar.radix import RadixIndex
 from deltakv.sidecar.requests import RequestRecord, RequestTable, check_request_id
@@ -92,15 +93,7 @@ class PageManager:
             raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
         return value
 
-    def _check_tokens(self, token_ids: object) -> list[int]:
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise InvalidArgument(f"token_ids must be a sequence of ints, got "
-                                  f"{type(token_ids).__name__}")
-        tokens = list(token_ids)
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
-        return tokens
+    _check_tokens = staticmethod(check_token_ids)
 
     def _get(self, request_id: str) -> RequestRecord:
         return self._requests.get(request_id)
@@ -125,7 +118,8 @@ class PageManager:
         check_cache_salt(cache_salt)
         with self._lock:
             self._requests.check_open(request_id)
-            matched_len, pages, nodes = self._index.match(tokens, max_tokens, cache_salt)
+            matched_len, pages, nodes = self._index.match(tokens, max_tokens, cache_salt,
+                                                           checked=True)
             req = self._requests.open(request_id)
             self._index.lock(nodes)
             req.locks.append(nodes)
@@ -176,7 +170,8 @@ class PageManager:
                     f"request {request_id!r} needs {total_pages} pages but the pool only has "
                     f"{self.num_pages}", needed=total_pages, free=self._alloc.num_free,
                     evictable=self._index.num_evictable_pages, never_fits=True)
-            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens, cache_salt)
+            matched_len, prefix, nodes = (self._index.match(tokens, max_match_tokens, cache_salt,
+                                                            checked=True)
                                           if tokens else (0, [], []))
             need = total_pages - len(prefix)
             if need < 0:
@@ -241,9 +236,11 @@ class PageManager:
             raise InvalidArgument(
                 f"{len(tokens)} tokens span {n_full} full pages but the page table has "
                 f"{len(table)} entries")
-        for p in table:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
-                raise InvalidArgument(f"page index {p!r} out of range [0, {self.num_pages})")
+        if not exact_ints_within(table, 0, self.num_pages):
+            for p in table:
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                    raise InvalidArgument(f"page index {p!r} out of range [0, "
+                                          f"{self.num_pages})")
         if len(set(table)) != len(table):
             raise InvalidArgument("page table entries must be unique")
         check_cache_salt(cache_salt)
@@ -260,15 +257,16 @@ class PageManager:
                 raise InvalidArgument(
                     f"page {p} at table position {i} is not a page request {request_id!r} "
                     f"may commit: it must {what}", page=p)
+            path: list = []
             canonical, new_nodes, duplicates = self._index.insert(
-                tokens[:n_full * self.page_size], table[:n_full], cache_salt)
+                tokens[:n_full * self.page_size], table[:n_full], cache_salt, path,
+                checked=True)
             for node in new_nodes:
                 del req.live[node.page]
             for p in duplicates:
                 del req.live[p]
             self._live_total -= len(new_nodes) + len(duplicates)
             self._free_pages(duplicates)
-            path = self._index.path(tokens[:n_full * self.page_size], cache_salt)
             if len(path) != n_full:
                 raise Internal(f"index path has {len(path)} pages after inserting {n_full}")
             fresh = [node for node in path if node.id not in locked]

@@ -93,7 +93,7 @@ class PeerTable:
         layout is returned without verifying the seal or parsing the layout again (the
         common case, every write to a connected decode; issue 14's fixed cost per write).
         """
-        cached = self._live_handle(peer)
+        cached = self.live(peer)
         if cached is not None:
             return cached.layout
         if peer is None:
@@ -128,7 +128,7 @@ class PeerTable:
         connected id sent with another address or descriptor, and Unavailable once the table
         is closed.
         """
-        cached = self._live_handle(peer)
+        cached = self.live(peer)
         if cached is not None:
             return cached
         self.check(peer)
@@ -217,8 +217,10 @@ class PeerTable:
         for handle in handles:
             self.transport.disconnect(handle)
 
-    def _live_handle(self, peer: kv_pb2.EndpointInfo | None) -> PeerHandle | None:
-        """The cached, open handle connected with exactly ``peer`` (None if there is none)."""
+    def live(self, peer: kv_pb2.EndpointInfo | None) -> PeerHandle | None:
+        """The cached, open handle connected with exactly ``peer`` (None if there is none):
+        ``peer`` passed :meth:`check` when it connected (see there), so its ``layout`` is
+        the checked one, and the handle is what :meth:`connect` would return now."""
         if peer is None:
             return None
         with self._lock:

@@ -34,6 +34,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from deltakv.errors import InvalidArgument
+from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
 
 
 class RadixNode:
@@ -153,12 +154,7 @@ class RadixIndex:
 
     @staticmethod
     def _check_tokens(tokens: Sequence[int]) -> Sequence[int]:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise InvalidArgument(f"token ids must be a sequence of ints, got "
-                                  f"{type(tokens).__name__}")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"token id {t!r} is not a non-negative int")
+        check_token_ids(tokens)
         return tokens
 
     def _touch(self, nodes: Sequence[RadixNode]) -> None:
@@ -167,7 +163,7 @@ class RadixIndex:
             node.last_access = self._tick
 
     def match(self, tokens: Sequence[int], max_tokens: int = 0, salt: str = "",
-              ) -> tuple[int, list[int], list[RadixNode]]:
+              checked: bool = False) -> tuple[int, list[int], list[RadixNode]]:
         """Longest cached page-aligned prefix of ``tokens`` under cache salt ``salt``.
 
         Matches at most ``len(tokens)`` tokens, and at most ``max_tokens`` if it is > 0
@@ -175,9 +171,11 @@ class RadixIndex:
         a multiple of ``page_size``; ``pages``/``nodes`` hold ``matched_len // page_size``
         entries in prefix order. Marks the matched nodes most recently used; takes no lock.
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT) for non-int/negative token ids or
-        a negative ``max_tokens``.
+        a negative ``max_tokens``. ``checked``: the caller already checked ``tokens`` with
+        :func:`~deltakv.sidecar.int_lists.check_token_ids` (the page manager does).
         """
-        self._check_tokens(tokens)
+        if not checked:
+            self._check_tokens(tokens)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidArgument(f"max_tokens must be a non-negative int, got {max_tokens!r}")
         limit = len(tokens) if max_tokens == 0 else min(len(tokens), max_tokens)
@@ -194,6 +192,7 @@ class RadixIndex:
         return len(nodes) * self.page_size, [n.page for n in nodes], nodes
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "",
+               path_out: list[RadixNode] | None = None, checked: bool = False,
                ) -> tuple[list[int], list[RadixNode], list[int]]:
         """Cache the full pages of ``tokens`` (``len(tokens) // page_size`` of them) under
         cache salt ``salt``.
@@ -202,22 +201,26 @@ class RadixIndex:
         pages (e.g. the partial last page) are ignored. Where the index already has a page
         for a prefix, that page is **canonical** and the offered one is a **duplicate** the
         caller must free (or keep private). Returns ``(canonical_pages, new_nodes,
-        duplicate_pages)``; ``canonical_pages`` has one entry per full page.
+        duplicate_pages)``; ``canonical_pages`` has one entry per full page. ``path_out``
+        (optional) is extended with the nodes of the full pages in order, what :meth:`path`
+        would return now. ``checked``: as :meth:`match`.
 
         Raises :class:`InvalidArgument` (INVALID_ARGUMENT), changing nothing, if there are
         fewer pages than full pages, a page index is negative or listed twice, or an offered
         page is already cached for a different prefix (inserting it would alias two
         prefixes onto one page).
         """
-        self._check_tokens(tokens)
+        if not checked:
+            self._check_tokens(tokens)
         n = len(tokens) // self.page_size
         if len(pages) < n:
             raise InvalidArgument(f"{len(tokens)} tokens have {n} full pages but only "
                                   f"{len(pages)} page indices were given")
         offered = list(pages[:n])
-        for p in offered:
-            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-                raise InvalidArgument(f"page index {p!r} is not a non-negative int")
+        if not exact_ints_within(offered, 0):
+            for p in offered:
+                if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                    raise InvalidArgument(f"page index {p!r} is not a non-negative int")
         if len(set(offered)) != n:
             raise InvalidArgument("page indices of one insert must be unique")
         keys = self._keys(tokens, n)
@@ -253,6 +256,8 @@ class RadixIndex:
             node = child
         if full_path:
             self._touch(full_path)
+        if path_out is not None:
+            path_out.extend(full_path)  # what path() would walk again
         return canonical, new_nodes, duplicates
 
     def path(self, tokens: Sequence[int], salt: str = "") -> list[RadixNode]:
@@ -272,11 +277,13 @@ class RadixIndex:
 
     def _check_nodes(self, nodes: Iterable[RadixNode]) -> list[RadixNode]:
         out = list(nodes)
-        for node in out:
-            if not isinstance(node, RadixNode) or not node.attached:
+        by_page = self._by_page
+        for node in out:  # a request's whole path per call: the checks are spelled inline
+            parent = node.parent if isinstance(node, RadixNode) else None
+            if parent is None or parent.children.get(node.key) is not node:
                 raise InvalidArgument(f"{node!r} is not a node of this index (evicted or "
                                       "foreign)")
-            if self._by_page.get(node.page) is not node:
+            if by_page.get(node.page) is not node:
                 raise InvalidArgument(f"{node!r} is not a node of this index")
         return out
 
@@ -308,7 +315,7 @@ class RadixIndex:
 
     def _protect(self, node: RadixNode | None) -> None:
         # Propagate "protected" upwards until an ancestor that already was protected.
-        while node is not None and not node.is_root:
+        while node is not None and node.depth:  # depth 0: a root
             node.protect_ref += 1
             if node.protect_ref > 1:
                 return
@@ -316,7 +323,7 @@ class RadixIndex:
             node = node.parent
 
     def _unprotect(self, node: RadixNode | None) -> None:
-        while node is not None and not node.is_root:
+        while node is not None and node.depth:  # depth 0: a root
             node.protect_ref -= 1
             if node.protect_ref > 0:
                 return

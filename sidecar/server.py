@@ -193,7 +193,8 @@ class SidecarServer:
                     max_lease_ms=cfg.max_lease_ms, close_timeout_s=cfg.close_grant_timeout_s)
                 authority.log = self.log
                 self.fencer = Fencer(fence_for(self.engines), authority.proven,
-                                     busy_epochs=authority.open_epochs, expire=authority.expire)
+                                     busy_epochs=authority.open_epochs, expire=authority.expire,
+                                     next_expiry=authority.next_expiry)
                 authority.fencer = self.fencer
                 self.fencer.start()
             self.service = SidecarService(

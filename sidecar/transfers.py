@@ -257,8 +257,11 @@ class TransferRpcs:
         if not info.HasField("decode_endpoint"):
             raise InvalidArgument(f"room {info.room}: transfer_info.decode_endpoint is missing")
         endpoint = info.decode_endpoint
+        # A connected decode (every write but its first): the handle found here serves the
+        # admission too (one look-up, one comparison of the endpoint per write).
+        peer = self.peers.live(endpoint)
         try:
-            remote = self.peers.check(endpoint)
+            remote = peer.layout if peer is not None else self.peers.check(endpoint)
             grant = verify_grant(info, self.key, request.prompt_digest)
         except (Unauthenticated, PermissionDenied) as exc:
             with self._counter_lock:
@@ -285,7 +288,7 @@ class TransferRpcs:
             deadline = min(deadline, time.monotonic() + rpc_left)
         return _Write(info=info, plan=plan, deadline=deadline, started=receipt,
                       receipt=receipt, checked=checked,
-                      prefill_cached_len=request.prefill_cached_len,
+                      prefill_cached_len=request.prefill_cached_len, peer=peer,
                       log=self.log.bind(room=info.room, request_id=info.request_id))
 
     def _admit_write(self, write: _Write) -> None:
@@ -298,7 +301,8 @@ class TransferRpcs:
             # meanwhile quarantines them until the hold is lifted.
             self.page_manager.hold(("room", info.room), write.plan.source_pages)
             write.prepared = time.monotonic()
-            write.peer = self.peers.connect(info.decode_endpoint)
+            if write.peer is None or write.peer.closed:  # new, or dropped since the check
+                write.peer = self.peers.connect(info.decode_endpoint)
             write.ticket.check_alive()
         except BaseException:
             self._finish(write, ok=False)

@@ -4,8 +4,10 @@ three ways a stream of frames can be wrong (too long, cut short, not a frame).""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
+import threading
 
 import grpc
 import pytest
@@ -34,6 +36,19 @@ def test_a_frame_round_trips_whole_through_a_socket() -> None:
         assert frames.read_frame(b) == frame
     wire = frames.encode(frame)
     assert struct.unpack(">I", wire[:4])[0] == len(wire) - frames.HEADER_BYTES
+
+
+def test_a_frame_larger_than_the_socket_buffer_arrives_whole() -> None:
+    # One sendmsg takes what the socket buffer holds; the rest follows with sendall.
+    frame = command_pb2.CommandFrame(call_id=3, part=command_pb2.CommandPart(
+        message=os.urandom(4 << 20)))
+    a, b = _pair()
+    with a, b:
+        writer = threading.Thread(target=frames.write_frame, args=(a, frame))
+        writer.start()
+        got = frames.read_frame(b)
+        writer.join(5)
+    assert got == frame
 
 
 def test_an_oversized_length_is_refused_before_its_body_is_read() -> None:

@@ -66,7 +66,8 @@ class Decode:
                                         max_lease_ms=60_000, close_timeout_s=0.5)
         self.fencer = Fencer(fence_for(self.engines), self.authority.proven,
                              busy_epochs=self.authority.open_epochs,
-                             expire=self.authority.expire, interval_s=0.01)
+                             expire=self.authority.expire, interval_s=0.01,
+                             next_expiry=self.authority.next_expiry, max_idle_s=30.0)
         self.authority.fencer = self.fencer
         self.fencer.start()
 
@@ -258,6 +259,26 @@ def test_expired_grant_is_revoked_by_the_fencer(decode: Decode) -> None:
     with pytest.raises(NotFound):  # too late to close: the request must fail
         decode.authority.close(info.room)
     assert decode.pm.release("owner") == (2, 0)  # the pages are the request's again
+
+
+def test_an_idle_fencer_sleeps_until_a_grant_expires(decode: Decode) -> None:
+    # Idle (nothing pending, no open grant) the fencer sleeps max_idle_s (30 s here) instead
+    # of ticking every interval_s; a grant armed meanwhile with an earlier expiry wakes it,
+    # so the grant is still revoked when its lease ends, not 30 s later.
+    ticks: list[float] = []
+    expire = decode.fencer.expire
+
+    def counted() -> int:
+        ticks.append(time.monotonic())
+        return expire()
+
+    decode.fencer.expire = counted
+    time.sleep(0.2)
+    assert len(ticks) <= 1  # ticking every 10 ms would be ~20
+    pages = decode.pm.allocate("owner", 2)
+    decode.authority.issue("owner", template(pages, lease_ms=100), DIGEST)
+    decode.wait(lambda: decode.authority.counts() == (0, 0), timeout_s=10.0)
+    assert decode.pm.release("owner") == (2, 0)
 
 
 @pytest.mark.mooncake

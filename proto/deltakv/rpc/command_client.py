@@ -28,7 +28,7 @@ from google.protobuf import message_factory
 from deltakv.rpc import frames
 from deltakv.rpc.command_context import metadata_entries, metadata_pairs
 from deltakv.rpc.command_server import CODES
-from deltakv.rpc.command_trace import client_span
+from deltakv.rpc.command_trace import client_span, tracing_on
 from deltakv.rpc.streaming import failed_code
 from deltakv.v1 import command_pb2
 
@@ -83,9 +83,10 @@ def call_frame(call_id: int, method: str, timeout_s: float, metadata: Any, reque
 
 def channel_error(exc: BaseException, path: str) -> CommandRpcError:
     """The status a call ends with when its connection failed with ``exc``: the deadline
-    passed (DEADLINE_EXCEEDED, "Deadline Exceeded" as gRPC), a frame the channel refuses (its
-    own code), or the connection broke (UNAVAILABLE)."""
-    if isinstance(exc, TimeoutError):
+    passed (DEADLINE_EXCEEDED, "Deadline Exceeded" as gRPC; ``BlockingIOError`` is a wait
+    past a socket's kernel timeout), a frame the channel refuses (its own code), or the
+    connection broke (UNAVAILABLE)."""
+    if isinstance(exc, TimeoutError | BlockingIOError):
         return CommandRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     if isinstance(exc, frames.FrameTooLarge | frames.FrameUndecodable):
         return CommandRpcError(exc.code, exc.message)
@@ -172,6 +173,8 @@ class CommandClient:
         reached or the connection breaks; DEADLINE_EXCEEDED after ``timeout_s``)."""
         meta = list(metadata)
         streaming = not isinstance(request, bytes | bytearray)
+        if not tracing_on():  # no span machinery per call while tracing is off
+            return await self._call(method, request, timeout_s, meta, streaming)
         with client_span(method, meta) as span:
             try:
                 response = await self._call(method, request, timeout_s, meta, streaming)

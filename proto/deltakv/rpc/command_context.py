@@ -101,15 +101,11 @@ class CommandContext:
         return not self.cancelled
 
     def _peer_gave_up(self) -> bool:
-        if self._reader.pending():
-            return True  # a frame already received (only CANCEL is allowed now)
+        # A frame (only CANCEL is allowed now), the end of the stream or an error.
         try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
+            return self._reader.readable()
         except OSError:
             return True
-        return True  # end of stream, or a frame (only CANCEL is allowed now)
 
     def peer(self) -> str:
         return f"unix-command:{self._sock.fileno()}"

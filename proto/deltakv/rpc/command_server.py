@@ -85,10 +85,19 @@ def method_handlers(add_servicer: Callable[[Any], None]) -> dict[str, grpc.RpcMe
 
 def status_frame(call_id: int, code: grpc.StatusCode, details: str = "",
                  trailing: Any = (), response: bytes = b"") -> command_pb2.CommandFrame:
-    """A STATUS frame (``code`` as its int value)."""
-    return command_pb2.CommandFrame(call_id=call_id, status=command_pb2.CommandStatus(
-        code=code.value[0], details=details, trailing_metadata=metadata_entries(trailing),
-        response=response))
+    """A STATUS frame (``code`` as its int value). Filled in place: no status message built
+    apart and copied into the frame (a frame per call: the channel's fixed cost)."""
+    frame = command_pb2.CommandFrame(call_id=call_id)
+    status = frame.status
+    status.SetInParent()  # an OK status without fields is still the frame's kind
+    status.code = code.value[0]
+    if details:
+        status.details = details
+    if trailing:
+        status.trailing_metadata.extend(metadata_entries(trailing))
+    if response:
+        status.response = response
+    return frame
 
 
 class CommandServer:
@@ -247,7 +256,8 @@ class CommandServer:
         finally:
             with self._lock:
                 self._busy -= 1
-                self._idle.notify_all()
+                if self._draining:  # only stop() waits on it (it sets _draining first)
+                    self._idle.notify_all()
         if context.cancelled:
             return False
         return context.half_closed or self._drain_to_half_close(sock, reader, context)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,33 @@ from deltakv.rpc.streaming import failed_code
 from deltakv.v1 import command_pb2
 
 _DEFAULT_TIMEOUT_S = 30.0
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+
+
+class _Connection:
+    """One connection of the stub: its socket (blocking; every wait bounded by the kernel's
+    ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``, set only when a call's bound differs from the last
+    one: no ``poll`` before each ``recv`` and no mode switch per call, as Python's own
+    socket timeouts would cost) and the reader of its frames."""
+
+    __slots__ = ("bound_s", "reader", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = frames.FrameReader(sock)
+        self.bound_s = 0.0  # 0: no bound set yet (the kernel's 0 means "wait forever")
+
+    def bound(self, seconds: float) -> None:
+        """Let each ``recv`` / ``send`` of this socket wait at most ``seconds`` (> 0); past
+        it the call raises ``BlockingIOError`` (EAGAIN)."""
+        if seconds == self.bound_s:
+            return
+        whole = int(seconds)
+        # At least 1 us: a zero timeval would mean "no bound".
+        value = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6) or (0 if whole else 1))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self.bound_s = seconds
 
 
 class CommandFuture:
@@ -86,7 +114,7 @@ class CommandStub:
         self.path = path
         self._descriptor = service_descriptor
         self._table = MethodTable(service_descriptor)
-        self._idle: list[tuple[socket.socket, frames.FrameReader]] = []
+        self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
@@ -101,8 +129,8 @@ class CommandStub:
         """Close the idle connections."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock, _reader in idle:
-            sock.close()
+        for conn in idle:
+            conn.sock.close()
 
     def call(self, method: str, request: bytes | Iterable[Any], timeout_s: float,
              metadata: Sequence[tuple[str, str]] = (), streaming: bool = False,
@@ -113,27 +141,34 @@ class CommandStub:
         deadline = time.monotonic() + timeout_s
         call_id = next(self._ids)
         ok = False
-        sock: socket.socket | None = None
+        conn: _Connection | None = None
         try:
-            sock, reader = self._take()
+            conn = self._take()
+            # Each wait of the call is bounded by its timeout; a late status is refused
+            # below, so a wait that started just after the deadline was set cannot pass.
+            conn.bound(max(timeout_s, 1e-6))
             try:
-                frames.write_frame(sock, call_frame(call_id, method, timeout_s, metadata,
-                                                    b"" if streaming else request, streaming))
+                frames.write_frame(conn.sock, call_frame(call_id, method, timeout_s, metadata,
+                                                         b"" if streaming else request,
+                                                         streaming))
+            except BlockingIOError:
+                raise  # the send's bound passed: DEADLINE_EXCEEDED (channel_error)
             except OSError:
                 # The sidecar may have refused the connection (its status is waiting) and
                 # closed it before the call went out.
-                sock.settimeout(1.0)
-                refusal = reader.read()
+                conn.bound(1.0)
+                refusal = conn.reader.read()
                 if refusal.WhichOneof("kind") != "status":
                     raise
                 return raise_status(refusal.status)
             stop = None
             if streaming:  # a unary call needs no thread, no event: this thread waits inline
                 stop = threading.Event()
-                threading.Thread(target=self._send_parts, args=(sock, call_id, request, stop),
+                threading.Thread(target=self._send_parts,
+                                 args=(conn.sock, call_id, request, stop),
                                  daemon=True, name="command-parts").start()
             try:
-                last = self._status(sock, reader, deadline, stop, on_initial)
+                last = self._status(conn, deadline, stop, on_initial)
             finally:
                 if stop is not None:
                     stop.set()
@@ -145,15 +180,15 @@ class CommandStub:
                 frames.FrameUndecodable) as exc:
             raise channel_error(exc, self.path) from None
         finally:
-            if sock is not None:
+            if conn is not None:
                 if ok:
                     with self._lock:
-                        self._idle.append((sock, reader))
+                        self._idle.append(conn)
                 else:
-                    sock.close()
+                    conn.sock.close()
         return raise_status(status)
 
-    def _take(self) -> tuple[socket.socket, frames.FrameReader]:
+    def _take(self) -> _Connection:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -163,7 +198,7 @@ class CommandStub:
         except OSError:
             sock.close()
             raise
-        return sock, frames.FrameReader(sock)
+        return _Connection(sock)
 
     @staticmethod
     def _send_parts(sock: socket.socket, call_id: int, parts: Iterable[Any],
@@ -181,14 +216,18 @@ class CommandStub:
             frames.write_frame(sock, command_pb2.CommandFrame(
                 call_id=call_id, half_close=command_pb2.CommandHalfClose()))
 
-    def _status(self, sock: socket.socket, reader: frames.FrameReader, deadline: float,
-                stop: threading.Event | None, on_initial: Any) -> command_pb2.CommandFrame:
+    @staticmethod
+    def _status(conn: _Connection, deadline: float, stop: threading.Event | None,
+                on_initial: Any) -> command_pb2.CommandFrame:
+        first = True
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-            frame = reader.read()
+            if not first:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                conn.bound(left)
+            first = False
+            frame = conn.reader.read()  # BlockingIOError past the bound: DEADLINE_EXCEEDED
             kind = frame.WhichOneof("kind")
             if kind == "status":
                 if time.monotonic() > deadline:

@@ -12,6 +12,7 @@ gRPC answers a message over its receive limit); a stream that ends inside a fram
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 
@@ -38,12 +39,18 @@ class FrameUndecodable(InvalidArgument):
     """A frame's bytes are not a ``CommandFrame`` (INVALID_ARGUMENT)."""
 
 
-def encode(frame: command_pb2.CommandFrame) -> bytes:
-    """``frame`` with its length header. Raises FrameTooLarge when over the limit."""
+def _body(frame: command_pb2.CommandFrame) -> bytes:
+    """``frame`` serialized. Raises FrameTooLarge when over the limit."""
     body = frame.SerializeToString()
     if len(body) > MAX_FRAME_BYTES:
         raise FrameTooLarge(f"command frame of {len(body)} bytes exceeds the "
                             f"{MAX_FRAME_BYTES}-byte limit")
+    return body
+
+
+def encode(frame: command_pb2.CommandFrame) -> bytes:
+    """``frame`` with its length header. Raises FrameTooLarge when over the limit."""
+    body = _body(frame)
     return _HEADER.pack(len(body)) + body
 
 
@@ -104,10 +111,22 @@ class FrameReader:
         self._buf = bytearray(buffer_bytes)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the unread bytes are _buf[_start:_end]
+        self._poller: select.poll | None = None  # for readable(), made on first use
 
     def pending(self) -> bool:
         """Whether bytes of a next frame were already received."""
         return self._end > self._start
+
+    def readable(self) -> bool:
+        """Whether a next frame (or the end of the stream, or an error) is waiting, without
+        blocking: bytes already received, or the socket polls readable (one ``poll``; no
+        exception raised on the common "nothing yet" path, as a non-blocking peek would)."""
+        if self._end > self._start:
+            return True
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
+        return bool(self._poller.poll(0))
 
     def _fill(self, need: int) -> None:
         """Receive until ``need`` bytes from ``_start`` are buffered (``need`` fits the buffer)."""
@@ -157,8 +176,18 @@ class FrameReader:
 
 
 def write_frame(sock: socket.socket, frame: command_pb2.CommandFrame) -> None:
-    """Send ``frame`` whole on a blocking socket."""
-    sock.sendall(encode(frame))
+    """Send ``frame`` whole on a blocking socket: header and body in one ``sendmsg`` (no
+    copy joining them), the rest of a large frame the socket did not take at once with
+    ``sendall``. Raises FrameTooLarge before sending anything, OSError (``TimeoutError``,
+    ``BlockingIOError`` past a send timeout) from the socket."""
+    body = _body(frame)
+    header = _HEADER.pack(len(body))
+    sent = sock.sendmsg((header, body))
+    if sent < HEADER_BYTES + len(body):
+        if sent < HEADER_BYTES:
+            sock.sendall(header[sent:])
+            sent = HEADER_BYTES
+        sock.sendall(memoryview(body)[sent - HEADER_BYTES:])
 
 
 async def aread_frame(reader: asyncio.StreamReader,
