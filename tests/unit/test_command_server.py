@@ -113,7 +113,7 @@ def test_drain_refuses_new_calls_and_lets_running_ones_finish(served) -> None:
 
 
 def test_the_handler_sees_the_deadline_and_the_client_going_away(served) -> None:
-    _, servicer, path = served
+    server, servicer, path = served
     thread, out = _slow_call(path, timeout=0.5)
     thread.join(5)
     assert out["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -124,6 +124,12 @@ def test_the_handler_sees_the_deadline_and_the_client_going_away(served) -> None
     # A client that disconnects: the handler sees the call inactive before its deadline.
     servicer.seen.clear()
     servicer.started.clear()
+    # The bound is one connection: the first one's slot is free once its thread saw the
+    # client's close, a moment after the handler returned (else this one is refused).
+    deadline = time.monotonic() + 5
+    while server._connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server._connections
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     frames.write_frame(sock, command_pb2.CommandFrame(call_id=1, call=command_pb2.CommandCall(
