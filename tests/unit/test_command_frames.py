@@ -143,3 +143,21 @@ def test_the_buffered_reader_splits_coalesced_split_and_large_frames() -> None:
         e.sendall(struct.pack(">I", frames.MAX_FRAME_BYTES + 1))
         with pytest.raises(frames.FrameTooLarge):
             frames.FrameReader(f).read()
+
+
+def test_readable_answers_many_threads_at_once() -> None:
+    """A handler's threads may ask whether the peer gave up at the same time: each check
+    stands alone (a shared poll object raises "concurrent poll() invocation")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b = socket.socketpair()
+    try:
+        reader = frames.FrameReader(a)
+        with ThreadPoolExecutor(8) as pool:
+            quiet = list(pool.map(lambda _: not any(reader.readable() for _ in range(2000)),
+                                  range(8)))
+        assert quiet == [True] * 8
+        b.close()  # the end of the stream is readable
+        assert reader.readable()
+    finally:
+        a.close()

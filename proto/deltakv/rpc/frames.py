@@ -111,7 +111,6 @@ class FrameReader:
         self._buf = bytearray(buffer_bytes)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the unread bytes are _buf[_start:_end]
-        self._poller: select.poll | None = None  # for readable(), made on first use
 
     def pending(self) -> bool:
         """Whether bytes of a next frame were already received."""
@@ -123,10 +122,11 @@ class FrameReader:
         exception raised on the common "nothing yet" path, as a non-blocking peek would)."""
         if self._end > self._start:
             return True
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock, select.POLLIN)
-        return bool(self._poller.poll(0))
+        # A poll object per check: a handler's threads may ask at once, and one shared
+        # object raises "concurrent poll() invocation".
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _fill(self, need: int) -> None:
         """Receive until ``need`` bytes from ``_start`` are buffered (``need`` fits the buffer)."""
