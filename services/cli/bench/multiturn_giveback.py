@@ -124,7 +124,7 @@ async def _measure(targets: dict[str, str], config, reference: Reference,  # noq
     try:
         for client in clients.values():
             await client.wait_ready(config.connect_timeout_s)
-        step = run * config.rounds  # the order alternates across runs too
+        step = run * config.rounds * config.clients  # the order alternates across runs too
         for c in range(config.clients):
             rng = random.Random(f"deltakv-giveback:{config.seed}:{run}:{c}")
 
