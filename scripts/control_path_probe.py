@@ -3,13 +3,16 @@ sidecar for one request with a full prefix hit, over gRPC and over the command c
 
 On a full prefix hit decode computes the last position itself (no prefill, no grant, no
 transfer), so the sidecar calls of one request are exactly: ``Admit`` (lock the cached prompt's
-pages, allocate the generation pages), ``Commit`` (the finished request's full pages into the
-index) and ``Release``. This probe starts a decode sidecar (``deltakv serve sidecar``, shm, the
-SmolLM2 geometry; a :class:`~deltakv.services.process.ManagedProcess` that dies with the probe),
-caches one prompt, then plays those three calls per request with the worker's own asyncio
-:class:`~deltakv.sidecar.client.SidecarClient` — bound to the incarnation like a worker's — once
-over gRPC (``--sidecar-channel grpc``, the transport before the channel) and once over the
-command channel (the default), requests interleaved between the two, in two rhythms:
+pages, allocate the generation pages), then at its end ``Release`` carrying the commit of the
+finished request's full pages (one call; before it, ``Commit`` and ``Release`` were two). This
+probe starts a decode sidecar (``deltakv serve sidecar``, shm, the SmolLM2 geometry; a
+:class:`~deltakv.services.process.ManagedProcess` that dies with the probe), caches one prompt,
+then plays each request with the worker's own asyncio
+:class:`~deltakv.sidecar.client.SidecarClient` — bound to the incarnation like a worker's — in
+four ways, requests interleaved between them: over gRPC (``--sidecar-channel grpc``, the
+transport before the channel) and over the command channel (the default), each with the
+worker's two calls (``Admit``, ``Release`` with the commit) and with the three calls of
+before (``Admit``, ``Commit``, ``Release``), in two rhythms:
 
 * ``back-to-back`` — requests with nothing in between;
 * ``after-work`` — each request after the caller wrote 45 MiB of fresh bytes (a decode step's
@@ -17,8 +20,8 @@ command channel (the default), requests interleaved between the two, in two rhyt
 
 Every request is checked: the prefix hit is full and the pool's accounting returns to where it
 was. Usage: ``.venv/bin/python scripts/control_path_probe.py [--requests N]``; prints the
-median milliseconds per request (all three calls) of each transport in each rhythm, with the
-date and load average.
+median milliseconds per request (all its calls) of each transport and sequence in each
+rhythm, with the date and load average.
 """
 
 from __future__ import annotations
@@ -37,15 +40,27 @@ GENERATION_PAGES = 4
 TOUCH_BYTES = 45 << 20
 RHYTHMS = ("back-to-back", "after-work")
 TRANSPORTS = ("grpc", "channel")
+#: (transport, calls per request): the columns, in the order the requests interleave.
+COLUMNS = (("grpc", 3), ("channel", 3), ("grpc", 2), ("channel", 2))
 
 
-async def _one_request(client, name: str, prompt: list[int], page_size: int) -> float:  # noqa: ANN001
-    """Admit, Commit, Release of one request; seconds. RuntimeError if the hit is partial."""
+def column_name(transport: str, calls: int) -> str:
+    """A column's heading: ``channel-2`` is the worker's two calls over the channel."""
+    return f"{transport}-{calls}"
+
+
+async def _one_request(client, name: str, prompt: list[int], page_size: int,  # noqa: ANN001
+                       calls: int) -> float:
+    """One request's calls; seconds. ``calls`` 2: Admit, then Release with the commit (the
+    worker's); 3: Admit, Commit, Release. RuntimeError if the hit is partial."""
     t0 = time.perf_counter()
     matched, prefix, pages = await client.admit(name, prompt, PROMPT_PAGES + GENERATION_PAGES)
     generated = [7] * page_size  # one full page of generated tokens
-    await client.commit(name, [*prompt, *generated], [*prefix, pages[0]])
-    await client.release(name)
+    if calls == 2:
+        await client.commit_and_release(name, [*prompt, *generated], [*prefix, pages[0]])
+    else:
+        await client.commit(name, [*prompt, *generated], [*prefix, pages[0]])
+        await client.release(name)
     elapsed = time.perf_counter() - t0
     if matched != len(prompt) - 1 and matched != len(prompt):
         raise RuntimeError(f"expected a full prefix hit, matched {matched} of {len(prompt)}")
@@ -53,7 +68,8 @@ async def _one_request(client, name: str, prompt: list[int], page_size: int) -> 
 
 
 async def measure(requests: int) -> dict[str, dict[str, float]]:
-    """Median ms per request ``{rhythm: {transport: ms}}`` (after 5 untimed requests)."""
+    """Median ms per request ``{rhythm: {column: ms}}`` (after 5 untimed requests each;
+    columns: :func:`column_name` of :data:`COLUMNS`)."""
     import torch
 
     from deltakv.services.cli.bench.bench_sidecar import BenchSidecar, bench_layout
@@ -88,14 +104,15 @@ async def measure(requests: int) -> dict[str, dict[str, float]]:
         result: dict[str, dict[str, float]] = {}
         n = 0
         for rhythm in RHYTHMS:
-            times: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+            times: dict[str, list[float]] = {column_name(*c): [] for c in COLUMNS}
             for i in range(requests + 5):
-                for transport in TRANSPORTS:
+                for transport, calls in COLUMNS:
                     work[rhythm]()
                     n += 1
-                    s = await _one_request(bound[transport], f"r{n}", prompt, layout.page_size)
+                    s = await _one_request(bound[transport], f"r{n}", prompt, layout.page_size,
+                                           calls)
                     if i >= 5:
-                        times[transport].append(s * 1e3)
+                        times[column_name(transport, calls)].append(s * 1e3)
             result[rhythm] = {t: statistics.median(v) for t, v in times.items()}
         after = (await seed.get_stats()).pool
         if (after.live, after.locked) != (before.live, before.locked):
@@ -118,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = run_stamp()
     result = asyncio.run(measure(args.requests))
-    print(f"control path probe: decode, full prefix hit ({PROMPT_PAGES} pages), Admit + Commit "
-          f"+ Release, median ms per request of {args.requests}, transports interleaved; {stamp}")
-    print(f"{'rhythm':<14}" + "".join(f"{t:>10}" for t in TRANSPORTS))
+    names = [column_name(*c) for c in COLUMNS]
+    print(f"control path probe: decode, full prefix hit ({PROMPT_PAGES} pages), median ms per "
+          f"request of {args.requests}, columns interleaved; <transport>-2: Admit + Release with "
+          f"the commit (the worker's calls), <transport>-3: Admit + Commit + Release; {stamp}")
+    print(f"{'rhythm':<14}" + "".join(f"{t:>11}" for t in names))
     for rhythm, row in result.items():
-        print(f"{rhythm:<14}" + "".join(f"{row[t]:>10.3f}" for t in TRANSPORTS))
+        print(f"{rhythm:<14}" + "".join(f"{row[t]:>11.3f}" for t in names))
     return 0
 
 

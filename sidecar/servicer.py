@@ -249,7 +249,11 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         INVALID_ARGUMENT for a page table that does not fit the tokens or names pages the
         request does not hold; FAILED_PRECONDITION for a page under a grant that was not
         closed (a page the index owns is never the destination of a write)."""
-        rid = _request_id(request.request_id, "Commit")
+        return self._commit(_request_id(request.request_id, "Commit"), request)
+
+    def _commit(self, rid: str, request: sidecar_pb2.CommitRequest
+                ) -> sidecar_pb2.CommitResponse:
+        """Commit's work for request ``rid`` (``Commit``, or ``Release`` with a commit)."""
         if self.authority is not None:
             covered = self.authority.covered(list(request.page_indices))
             if covered:
@@ -319,13 +323,25 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         until the fence proves no byte of the room can land), unlock its locks and free (or
         quarantine for ``quarantine_ms``) the pages it still owns; the id stays fenced (a late
         call for it is ABORTED). NOT_FOUND for a request that holds nothing (already released,
-        or never seen)."""
+        or never seen).
+
+        With ``commit`` (a ``CommitRequest`` for this request: its ``request_id`` empty or
+        this one, INVALID_ARGUMENT otherwise) the pages are first committed exactly as
+        ``Commit`` does, with its errors; a failed commit releases nothing (the caller may
+        Release without it). A request's end then costs one call, not two."""
         rid = _request_id(request.request_id, "Release")
+        committed = None
+        if request.HasField("commit"):
+            if request.commit.request_id not in ("", rid):
+                raise InvalidArgument(f"Release: the commit names request "
+                                      f"{request.commit.request_id!r}, the release {rid!r}")
+            committed = self._commit(rid, request.commit)
         if self.authority is not None:
             self.authority.revoke_owner(rid)
         with self._pm_lock:
             freed, quarantined = self.page_manager.release(rid, quarantine_ms=request.quarantine_ms)
-        return sidecar_pb2.ReleaseResponse(freed=freed, quarantined=quarantined)
+        return sidecar_pb2.ReleaseResponse(freed=freed, quarantined=quarantined,
+                                           commit=committed)
 
     def PageChecksums(self, request: sidecar_pb2.PageChecksumsRequest,
                       context: grpc.ServicerContext) -> sidecar_pb2.PageChecksumsResponse:

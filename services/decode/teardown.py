@@ -114,23 +114,37 @@ class Teardown:
                 await self.abort_transfer(state)
             elif decode_request is not None:
                 # Finished, or cancelled/failed after prefill: the KV written so far is
-                # valid; keep the full pages cached (F9) and free the rest.
-                await self.commit_kv(state, decode_request)
+                # valid; keep the full pages cached (F9) and free the rest, in one call.
+                released = await self.commit_and_release(state, decode_request)
                 if self.remember is not None:
                     self.remember(state, decode_request)
+                if released:
+                    return
         except DeltaKVError as exc:
             log.error("cleanup_failed", reason=str(exc))
         await self.release(state)
 
-    async def commit_kv(self, state: RequestState, decode_request: DecodeRequest) -> None:
-        """Insert the full pages of every token whose KV is in the pool into the radix
-        index (typed sidecar errors propagate)."""
+    async def commit_and_release(self, state: RequestState,
+                                 decode_request: DecodeRequest) -> bool:
+        """Commit the full pages of every token whose KV is in the pool and release the
+        request, in one sidecar call (``Release`` with its commit); True once released.
+        False when there is nothing to commit (the caller releases). A failure is logged
+        and answered False too: the commit released nothing, or the outcome is unknown, and
+        the caller's :meth:`release` (retried; NOT_FOUND counts as done) settles it."""
         kv_tokens = decode_request.tokens[: decode_request.kv_len]
         full_pages = len(kv_tokens) // self.worker.page_size
-        if full_pages:
-            await self.worker.sidecar.commit(state.sidecar_id, kv_tokens,
-                                             decode_request.page_table[:full_pages],
-                                             cache_salt=state.cache_salt)
+        if not full_pages:
+            return False
+        try:
+            await self.worker.sidecar.commit_and_release(
+                state.sidecar_id, kv_tokens, decode_request.page_table[:full_pages],
+                cache_salt=state.cache_salt)
+        except DeltaKVError as exc:
+            log.error("cleanup_failed", reason=str(exc))
+            return False
+        state.holds_pages = False
+        self.admission.pages_freed()
+        return True
 
     async def abort_transfer(self, state: RequestState) -> bool:
         """Ask the prefill backend the request is pinned to (``state.prefill``) to stop the

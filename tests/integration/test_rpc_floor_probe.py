@@ -19,6 +19,8 @@ def test_probe_prints_every_rhythm_for_every_transport() -> None:
                            "--calls", "3"], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "load average" in proc.stdout and "3 calls each" in proc.stdout
+    # The channel alternates with the socket floor only (gRPC's calls would slow both).
+    assert "interleaved within seqpacket + channel | grpc + grpc-stream" in proc.stdout
     for rhythm in ("back-to-back", "after-idle", "after-45MiB"):
         # grpc, seqpacket, channel, grpc-stream: each "median (minimum)"
         cell = r"\s+(\d+) \((\d+)\)"

@@ -177,20 +177,24 @@ class CommitResponse(_message.Message):
     def __init__(self, page_indices: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "quarantine_ms")
+    __slots__ = ("request_id", "quarantine_ms", "commit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     quarantine_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., quarantine_ms: _Optional[int] = ...) -> None: ...
+    commit: CommitRequest
+    def __init__(self, request_id: _Optional[str] = ..., quarantine_ms: _Optional[int] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("freed", "quarantined")
+    __slots__ = ("freed", "quarantined", "commit")
     FREED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     freed: int
     quarantined: int
-    def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
+    commit: CommitResponse
+    def __init__(self, freed: _Optional[int] = ..., quarantined: _Optional[int] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ...) -> None: ...
 
 class WritePagesRequest(_message.Message):
     __slots__ = ("transfer_info", "src_page_indices", "lease_remaining_ms", "prefill_cached_len", "prompt_digest", "page_digests")

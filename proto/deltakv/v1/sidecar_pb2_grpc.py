@@ -203,7 +203,8 @@ class SidecarServiceServicer:
         until the fence proves no byte of the room can still land. The id stays fenced
         afterwards: a late MatchPrefix/Allocate/Admit/Commit for it is ABORTED instead of
         re-creating the request. NOT_FOUND if it holds nothing (already released, or never seen:
-        it is fenced then too).
+        it is fenced then too). With `commit`, the request's full pages are first committed as
+        Commit would: a request's end in one call instead of two.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
