@@ -3,7 +3,6 @@ three ways a stream of frames can be wrong (too long, cut short, not a frame).""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
@@ -69,15 +68,6 @@ def test_a_stream_cut_inside_a_frame_is_truncated() -> None:
         a.close()
         with pytest.raises(frames.FrameTruncated, match="inside a frame"):
             frames.read_frame(b)
-
-    async def cut() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(wire[:3])
-        reader.feed_eof()
-        await frames.aread_frame(reader)
-
-    with pytest.raises(frames.FrameTruncated):
-        asyncio.run(cut())
 
 
 @pytest.mark.parametrize("body", [b"\xff\xff\xff", b"", b"\x08\x01"])
@@ -161,3 +151,39 @@ def test_readable_answers_many_threads_at_once() -> None:
         assert reader.readable()
     finally:
         a.close()
+
+
+def test_the_buffer_resumes_a_frame_across_a_non_blocking_socket_running_dry() -> None:
+    """On a non-blocking socket a read with no byte yet raises BlockingIOError and keeps what
+    it received: the next read goes on from there (a header cut in two, a small body cut, a
+    frame larger than the buffer cut several times), and a cut inside a frame is truncated."""
+    small = command_pb2.CommandFrame(call_id=1, part=command_pb2.CommandPart(message=b"s" * 50))
+    large = command_pb2.CommandFrame(call_id=2, part=command_pb2.CommandPart(
+        message=os.urandom(5000)))  # over the 1 KiB buffer below
+    wire = frames.encode(small) + frames.encode(large) + frames.encode(small)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        b.setblocking(False)
+        buffer = frames.FrameBuffer(buffer_bytes=1024)
+        got = []
+        for cut in (2, 30, 70, 600, 3000, 5100, len(wire)):
+            a.sendall(wire[:cut])
+            wire = wire[cut:]
+            while True:
+                try:
+                    got.append(buffer.read_from(b))
+                except BlockingIOError:
+                    break
+            if not wire:
+                break
+        assert got == [small, large, small]
+        assert not buffer.pending()
+        with pytest.raises(BlockingIOError):
+            buffer.read_from(b)
+        a.sendall(frames.encode(large)[:2000])
+        with pytest.raises(BlockingIOError):
+            buffer.read_from(b)
+        assert buffer.pending()
+        a.close()
+        with pytest.raises(frames.FrameTruncated, match="inside a frame"):
+            buffer.read_from(b)

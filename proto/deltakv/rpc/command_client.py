@@ -12,6 +12,15 @@ Deadline: every call has one (``timeout_s`` > 0), sent as a relative deadline an
 too: past it the call raises DEADLINE_EXCEEDED ("Deadline Exceeded", as gRPC) and the sidecar
 is told (CANCEL). Cancelling the awaiting task sends CANCEL as well. A connection that saw
 anything unexpected is closed, never reused.
+
+A connection is a bare non-blocking socket watched by one ``loop.add_reader`` registration for
+its whole life, with the :class:`~deltakv.rpc.frames.FrameBuffer` its frames are parsed from:
+a call sends its frame with one direct ``send`` (``loop.sock_sendall`` only for what the
+kernel did not take at once) and reads with a direct ``recv_into``, awaiting a future that the
+reader callback resolves only when nothing has arrived yet. No StreamReader, transport or
+protocol layers: against the ``asyncio.open_unix_connection`` streams this replaced, an empty
+call's median fell from 58-105 to 36-90 us back to back and from 132-136 to 88-96 us after
+15 ms idle, its minimum by about half (2-core test machine, shared, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -112,27 +122,145 @@ class MethodTable:
 
 
 class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.spent = False
+    """One connection of the client, used by one call at a time (module docstring). Closed by
+    :meth:`close` (idempotent): its reader registration removed and its socket closed.
+
+    The reader callback resolves the future of the one read waiting on the connection. Firing
+    while no read waits, it means: on an idle (pooled) connection, that the sidecar closed or
+    reset it or sent bytes nobody asked for, so the connection is closed at once (never
+    reused); during a call (its status arriving while a large frame is still being sent),
+    that the call's bytes are early, so the registration pauses until the call reads (the
+    selector is level-triggered: it would fire on every loop iteration meanwhile)."""
+
+    __slots__ = ("buffer", "closed", "fd", "idle", "loop", "sending", "sock", "spent",
+                 "waiter", "watching", "woken")
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop, self.fd = sock, loop, sock.fileno()
+        self.buffer = frames.FrameBuffer()
+        self.waiter: asyncio.Future[None] | None = None
+        self.idle = False  # in the client's pool
+        self.spent = False  # its last call left it unusable (the sidecar closes it)
+        self.closed = False
+        self.sending = False  # a frame is half sent: no other frame may follow on the wire
+        self.woken = False  # the reader callback resolved a waiter; its repeat is due
+        loop.add_reader(self.fd, self._readable)
+        self.watching = True
+
+    def _readable(self) -> None:
+        if self.woken:
+            # The report that woke the read is repeated once: the loop's next poll runs
+            # before the woken task reads, so it finds the same bytes still there, and the
+            # task may have read them and parked the connection by the time this runs (or
+            # be waiting again on its next call). Dropped; a real one recurs on the next poll
+            # (level-triggered), so nothing is missed.
+            self.woken = False
+            return
+        waiter = self.waiter
+        if waiter is not None:
+            if not waiter.done():  # done: cancelled; the task's own cleanup follows
+                waiter.set_result(None)
+                self.woken = True
+        elif self.idle:
+            self.close()
+        else:
+            self.loop.remove_reader(self.fd)
+            self.watching = False
 
     def usable(self) -> bool:
-        """Whether a next call may use this connection: not spent by its last call, and the
-        sidecar has neither closed nor reset it while it was idle."""
-        return not (self.spent or self.reader.at_eof() or self.reader.exception() is not None
-                    or self.writer.is_closing())
+        """Whether a next call may use this connection: open, not spent by its last call, and
+        no byte left over in its buffer."""
+        return not (self.spent or self.closed or self.buffer.pending())
+
+    def park(self) -> bool:
+        """Make this connection idle, watched for the sidecar closing it, if a next call may
+        use it; False when it must be closed instead."""
+        if not self.usable():
+            return False
+        if not self.watching:
+            # Paused during the call: bytes or an end of stream may have arrived that the
+            # call did not read (one non-blocking peek; a rare path).
+            try:
+                self.sock.recv(1, socket.MSG_PEEK)
+                return False  # a byte nobody asked for, or the end of the stream
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+            self.loop.add_reader(self.fd, self._readable)
+            self.watching = True
+        self.idle = True
+        return True
 
     async def send(self, frame: command_pb2.CommandFrame) -> None:
-        self.writer.write(frames.encode(frame))
-        if self.writer.transport.get_write_buffer_size():
-            await self.writer.drain()  # only a large frame waits for the socket
+        """Send ``frame`` whole: one non-blocking ``send``, then ``loop.sock_sendall`` for the
+        rest the kernel did not take (a large frame). Raises FrameTooLarge (nothing sent),
+        OSError."""
+        data = frames.encode(frame)
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self.sending = True  # left True if the send fails or is cancelled
+            await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
+            self.sending = False
+
+    async def read(self) -> command_pb2.CommandFrame:
+        """The next frame: from the buffer or a non-blocking ``recv_into``, else once the
+        reader callback says the socket is readable. One read at a time per connection.
+        Raises as :meth:`deltakv.rpc.frames.FrameBuffer.read_from` (never BlockingIOError)."""
+        while True:
+            try:
+                return self.buffer.read_from(self.sock)
+            except BlockingIOError:
+                pass
+            assert self.waiter is None, "one read waits on a connection at a time"
+            if not self.watching:
+                self.loop.add_reader(self.fd, self._readable)
+                self.watching = True
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def refusal(self) -> command_pb2.CommandStatus | None:
+        """The status the sidecar sent before closing the connection under our send (a
+        refusal of the whole connection, call id 0: the connection limit), if it is here
+        already; else None."""
+        try:
+            frame = self.buffer.read_from(self.sock)
+        except (OSError, frames.FrameTruncated, frames.FrameTooLarge, frames.FrameUndecodable):
+            return None
+        if frame.WhichOneof("kind") != "status":
+            return None
+        self.spent = True
+        return frame.status
 
     def abandon(self, call_id: int) -> None:
-        """Tell the sidecar the call is over for us (best effort) and close."""
-        with contextlib.suppress(Exception):
-            self.writer.write(frames.encode(command_pb2.CommandFrame(
-                call_id=call_id, cancel=command_pb2.CommandCancel())))
-        self.writer.close()
+        """Tell the sidecar the call is over for us (best effort: one non-blocking send, none
+        while a frame is half sent, as a CANCEL would land inside it; the close then ends the
+        call on the sidecar) and close."""
+        if not (self.sending or self.closed):
+            with contextlib.suppress(OSError):
+                self.sock.send(frames.encode(command_pb2.CommandFrame(
+                    call_id=call_id, cancel=command_pb2.CommandCancel())))
+        self.close()
+
+    def close(self) -> None:
+        """Remove the reader (and a half-done ``sock_sendall``'s writer: its late cleanup
+        would otherwise remove the writer of a next socket given the same fd) and close the
+        socket. Idempotent; safe once the event loop is closed (nothing left to remove)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.watching:
+            self.loop.remove_reader(self.fd)
+            self.watching = False
+        if self.sending:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
 
 
 class CommandClient:
@@ -150,20 +278,29 @@ class CommandClient:
         while self._idle:
             conn = self._idle.pop()
             if conn.usable():
+                conn.idle = False
                 return conn
-            conn.writer.close()
+            conn.close()
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            return _Connection(*await asyncio.open_unix_connection(self.path))
+            sock.setblocking(False)
+            await loop.sock_connect(sock, self.path)
+            return _Connection(sock, loop)
         except OSError as exc:
+            sock.close()
             raise CommandRpcError(grpc.StatusCode.UNAVAILABLE,
                                   f"cannot connect to the sidecar's command socket "
                                   f"{self.path}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
 
     def _give_back(self, conn: _Connection) -> None:
-        if len(self._idle) < self.max_idle and conn.usable():
+        if len(self._idle) < self.max_idle and conn.park():
             self._idle.append(conn)
         else:
-            conn.writer.close()
+            conn.close()
 
     async def call(self, method: str, request: bytes | AsyncIterator[bytes], timeout_s: float,
                    metadata: Sequence[tuple[str, str]] = ()) -> bytes:
@@ -191,10 +328,19 @@ class CommandClient:
         done = False
         try:
             async with asyncio.timeout(timeout_s):
-                await conn.send(call_frame(call_id, method, timeout_s, metadata,
-                                           b"" if streaming else request, streaming))
-                status = await (self._stream(conn, call_id, request) if streaming
-                                else self._status(conn))
+                try:
+                    await conn.send(call_frame(call_id, method, timeout_s, metadata,
+                                               b"" if streaming else request, streaming))
+                except OSError:
+                    # The sidecar may have refused the connection (its status is here) and
+                    # closed it before the call went out.
+                    refused = conn.refusal()
+                    if refused is None:
+                        raise
+                    status = refused
+                else:
+                    status = await (self._stream(conn, call_id, request) if streaming
+                                    else self._status(conn))
             done = True
         except (OSError, frames.FrameTruncated, frames.FrameTooLarge,
                 frames.FrameUndecodable) as exc:
@@ -210,11 +356,11 @@ class CommandClient:
         """Close the idle connections (idempotent)."""
         idle, self._idle = self._idle, []
         for conn in idle:
-            conn.writer.close()
+            conn.close()
 
     async def _status(self, conn: _Connection) -> command_pb2.CommandStatus:
         while True:
-            frame = await frames.aread_frame(conn.reader)
+            frame = await conn.read()
             if frame.WhichOneof("kind") == "status":
                 # Call id 0: a refusal of the whole connection, which the sidecar closes.
                 conn.spent = conn.spent or frame.call_id == 0
@@ -224,7 +370,7 @@ class CommandClient:
                       parts: AsyncIterator[bytes]) -> command_pb2.CommandStatus:
         """Send ``parts`` until they end or the sidecar says the call failed (then stop at
         once: no part may follow its notice), half-close, and return the status."""
-        told: asyncio.Future[Any] = asyncio.ensure_future(frames.aread_frame(conn.reader))
+        told: asyncio.Future[Any] = asyncio.ensure_future(conn.read())
         source = aiter(parts)
         try:
             while True:

@@ -1,4 +1,4 @@
-"""Frames of the command channel (``deltakv.v1.CommandFrame``), sync and asyncio.
+"""Frames of the command channel (``deltakv.v1.CommandFrame``) on a stream socket.
 
 A frame on the stream is a 4-byte big-endian length, then that many bytes of one serialized
 :class:`~deltakv.v1.command_pb2.CommandFrame`; the header is the only hand-written encoding
@@ -7,11 +7,14 @@ is refused before any byte of the body is read (:class:`FrameTooLarge`, RESOURCE
 gRPC answers a message over its receive limit); a stream that ends inside a frame is
 :class:`FrameTruncated`; bytes that do not parse are :class:`FrameUndecodable`
 (INVALID_ARGUMENT). After any of these the connection is out of step and is closed.
+
+Reading: :class:`FrameBuffer` parses frames out of one receive buffer per connection, on a
+blocking socket (the sidecar, :class:`FrameReader`; the blocking stub) or a non-blocking one
+(the worker's asyncio client, :mod:`deltakv.rpc.command_client`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import select
 import socket
 import struct
@@ -54,8 +57,10 @@ def encode(frame: command_pb2.CommandFrame) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def _length(header: bytes, limit: int) -> int:
-    (length,) = _HEADER.unpack(header)
+def _length(header: bytes | bytearray, limit: int, offset: int = 0) -> int:
+    """The body length (bytes) announced by the header at ``header[offset:]``. Raises
+    FrameTooLarge when over ``limit`` bytes (before any byte of the body is read)."""
+    (length,) = _HEADER.unpack_from(header, offset)
     if length > limit:
         raise FrameTooLarge(f"command frame header announces {length} bytes, over the "
                             f"{limit}-byte limit")
@@ -96,64 +101,68 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> command_pb2
     return decode(_recv_exactly(sock, length, True))
 
 
-class FrameReader:
-    """The frames of one blocking socket, read through a buffer allocated once per connection:
-    one ``recv_into`` usually brings a whole small frame, header and body (two reads and two
-    fresh buffers per frame with :func:`read_frame`). A frame larger than the buffer gets a
-    buffer of its own. Every read of the socket must then go through this reader (bytes of the
-    next frame may already sit in its buffer: :meth:`pending`). Errors as :func:`read_frame`;
-    the socket's timeout applies to each ``recv``."""
+class FrameBuffer:
+    """The frames of one stream socket, parsed from a receive buffer allocated once per
+    connection (``buffer_bytes``, 64 KiB): one ``recv_into`` usually brings a whole small frame,
+    header and body (two reads and two fresh buffers per frame with :func:`read_frame`). A frame
+    larger than the buffer gets a buffer of its own, sized from its header. Every read of the
+    socket must then go through this buffer (bytes of the next frame may already sit in it:
+    :meth:`pending`).
 
-    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES,
-                 buffer_bytes: int = 64 * 1024) -> None:
-        self._sock = sock
+    :meth:`read_from` works on a blocking socket (each ``recv_into`` waits, bounded by the
+    socket's timeout) and on a non-blocking one: there it raises ``BlockingIOError`` when the
+    socket has no byte yet, keeping every byte received so far, and the same call repeated
+    once the socket is readable carries on where it stopped. ``limit``: the largest body
+    accepted (bytes)."""
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES, buffer_bytes: int = 64 * 1024) -> None:
         self._limit = limit
         self._buf = bytearray(buffer_bytes)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the unread bytes are _buf[_start:_end]
+        # The body of a frame larger than the buffer while it arrives, and its bytes so far.
+        self._large: bytearray | None = None
+        self._large_got = 0
 
     def pending(self) -> bool:
         """Whether bytes of a next frame were already received."""
-        return self._end > self._start
+        return self._end > self._start or self._large is not None
 
-    def readable(self) -> bool:
-        """Whether a next frame (or the end of the stream, or an error) is waiting, without
-        blocking: bytes already received, or the socket polls readable (one ``poll``; no
-        exception raised on the common "nothing yet" path, as a non-blocking peek would)."""
-        if self._end > self._start:
-            return True
-        # A poll object per check: a handler's threads may ask at once, and one shared
-        # object raises "concurrent poll() invocation".
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN)
-        return bool(poller.poll(0))
-
-    def _fill(self, need: int) -> None:
+    def _fill(self, sock: socket.socket, need: int) -> None:
         """Receive until ``need`` bytes from ``_start`` are buffered (``need`` fits the buffer)."""
         if self._start + need > len(self._buf):  # move the unread tail to the front
             tail = self._end - self._start
             self._buf[:tail] = self._view[self._start:self._end]
             self._start, self._end = 0, tail
         while self._end - self._start < need:
-            got = self._sock.recv_into(self._view[self._end:])
+            got = sock.recv_into(self._view[self._end:])
             if got == 0:
                 where = "inside a frame" if self._end > self._start else "between frames"
                 raise FrameTruncated(f"command channel closed by the peer {where}")
             self._end += got
 
-    def read(self) -> command_pb2.CommandFrame:
-        """The next frame."""
+    def read_from(self, sock: socket.socket) -> command_pb2.CommandFrame:
+        """The next frame of ``sock`` (the socket this buffer belongs to). Raises
+        FrameTruncated (the peer closed the stream inside a frame, or between frames: check
+        :meth:`pending` / the socket first if a close is normal there), FrameTooLarge (before
+        reading the body), FrameUndecodable, ``BlockingIOError`` (no byte yet on a
+        non-blocking socket, or past a blocking socket's ``SO_RCVTIMEO``: call again to go
+        on), other ``OSError`` (``TimeoutError``) from the socket."""
+        if self._large is not None:
+            return self._read_large(sock)
         if self._end - self._start < HEADER_BYTES:
-            self._fill(HEADER_BYTES)
-        (length,) = _HEADER.unpack_from(self._buf, self._start)
-        if length > self._limit:
-            raise FrameTooLarge(f"command frame header announces {length} bytes, over the "
-                                f"{self._limit}-byte limit")
+            self._fill(sock, HEADER_BYTES)
+        length = _length(self._buf, self._limit, self._start)
         whole = HEADER_BYTES + length
         if whole > len(self._buf):
-            return decode(self._read_large(length))
+            body = bytearray(length)
+            have = self._end - self._start - HEADER_BYTES  # < length: the buffer is smaller
+            body[:have] = self._view[self._start + HEADER_BYTES:self._end]
+            self._start = self._end = 0
+            self._large, self._large_got = body, have
+            return self._read_large(sock)
         if self._end - self._start < whole:
-            self._fill(whole)
+            self._fill(sock, whole)
         start = self._start + HEADER_BYTES
         frame = decode(self._view[start:start + length])  # parsing copies what it keeps
         self._start += whole
@@ -161,18 +170,43 @@ class FrameReader:
             self._start = self._end = 0
         return frame
 
-    def _read_large(self, length: int) -> bytearray:
-        body = bytearray(length)
-        have = self._end - self._start - HEADER_BYTES
-        body[:have] = self._view[self._start + HEADER_BYTES:self._end]
-        self._start = self._end = 0
-        view = memoryview(body)
-        while have < length:
-            got = self._sock.recv_into(view[have:])
-            if got == 0:
-                raise FrameTruncated("command channel closed by the peer inside a frame")
-            have += got
-        return body
+    def _read_large(self, sock: socket.socket) -> command_pb2.CommandFrame:
+        body = self._large
+        assert body is not None
+        with memoryview(body) as view:
+            while self._large_got < len(body):
+                got = sock.recv_into(view[self._large_got:])
+                if got == 0:
+                    raise FrameTruncated("command channel closed by the peer inside a frame")
+                self._large_got += got
+        self._large = None
+        return decode(body)
+
+
+class FrameReader(FrameBuffer):
+    """The frames of one blocking socket (:class:`FrameBuffer` bound to it). Errors as
+    :func:`read_frame`; the socket's timeout applies to each ``recv``."""
+
+    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES,
+                 buffer_bytes: int = 64 * 1024) -> None:
+        super().__init__(limit, buffer_bytes)
+        self._sock = sock
+
+    def readable(self) -> bool:
+        """Whether a next frame (or the end of the stream, or an error) is waiting, without
+        blocking: bytes already received, or the socket polls readable (one ``poll``; no
+        exception raised on the common "nothing yet" path, as a non-blocking peek would)."""
+        if self.pending():
+            return True
+        # A poll object per check: a handler's threads may ask at once, and one shared
+        # object raises "concurrent poll() invocation".
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def read(self) -> command_pb2.CommandFrame:
+        """The next frame (:meth:`FrameBuffer.read_from` of the reader's socket)."""
+        return self.read_from(self._sock)
 
 
 def write_frame(sock: socket.socket, frame: command_pb2.CommandFrame) -> None:
@@ -188,15 +222,3 @@ def write_frame(sock: socket.socket, frame: command_pb2.CommandFrame) -> None:
             sock.sendall(header[sent:])
             sent = HEADER_BYTES
         sock.sendall(memoryview(body)[sent - HEADER_BYTES:])
-
-
-async def aread_frame(reader: asyncio.StreamReader,
-                      limit: int = MAX_FRAME_BYTES) -> command_pb2.CommandFrame:
-    """The next frame from an asyncio stream (errors as :func:`read_frame`)."""
-    try:
-        header = await reader.readexactly(HEADER_BYTES)
-        body = await reader.readexactly(_length(header, limit))
-    except asyncio.IncompleteReadError as exc:
-        where = "inside a frame" if exc.partial else "before a frame"
-        raise FrameTruncated(f"command channel closed by the sidecar {where}") from None
-    return decode(body)
