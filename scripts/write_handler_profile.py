@@ -30,16 +30,6 @@ STEPS = (("deltakv.sidecar.transfers", "verify_grant"), ("deltakv.sidecar.transf
 METHODS = ("_check_write", "_admit_write", "_run_write", "_finish")
 
 
-class _Context:
-    """The part of ``grpc.ServicerContext`` the handler reads: 60 s left, active."""
-
-    def time_remaining(self) -> float:
-        return 60.0
-
-    def is_active(self) -> bool:
-        return True
-
-
 def _timed(times: dict[str, list[int]], owner: Any, name: str, label: str) -> None:
     inner = getattr(owner, name)
 
@@ -66,6 +56,7 @@ def measure(pages: int, writes: int, cold: bool) -> dict[str, list[int]]:
         bench_layout,
         issue_block_grant,
     )
+    from deltakv.services.cli.bench.direct_call import DirectCallContext
     from deltakv.services.cli.bench.teardown import tear_down
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.sidecar.digests import PageDigester
@@ -115,7 +106,7 @@ def measure(pages: int, writes: int, cold: bool) -> dict[str, list[int]]:
             if i == 5:
                 times.clear()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-            service.WritePages(request, _Context())
+            service.WritePages(request, DirectCallContext())
             times["total"].append(time.perf_counter_ns() - t0)
             times["total (CPU)"].append(time.thread_time_ns() - c0)
             decode.CloseGrant(sidecar_pb2.CloseGrantRequest(room=info.room), timeout=10)

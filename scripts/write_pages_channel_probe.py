@@ -48,20 +48,11 @@ from typing import Any
 MAX_DATAGRAM = 1 << 20
 
 
-class _Context:
-    """The part of ``grpc.ServicerContext`` that ``WritePages`` reads: 60 s left, active."""
-
-    def time_remaining(self) -> float:
-        return 60.0
-
-    def is_active(self) -> bool:
-        return True
-
-
 def serve(workdir: str, pages: int) -> None:
     """The prefill sidecar (gRPC on ``workdir/prefill.sock``) with the stand-in channel on
     ``workdir/seqpacket.sock``; runs until killed."""
     from deltakv.services.cli.bench.bench_sidecar import bench_layout
+    from deltakv.services.cli.bench.direct_call import DirectCallContext
     from deltakv.services.runtime.logs import configure_logging
     from deltakv.sidecar.pairing import load_key_file
     from deltakv.sidecar.server import SidecarConfig, SidecarServer
@@ -87,7 +78,7 @@ def serve(workdir: str, pages: int) -> None:
         with conn:
             while message := conn.recv(MAX_DATAGRAM):
                 request = sidecar_pb2.WritePagesRequest.FromString(message)
-                conn.send(service.WritePages(request, _Context()).SerializeToString())
+                conn.send(service.WritePages(request, DirectCallContext()).SerializeToString())
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(os.path.join(workdir, "seqpacket.sock"))
