@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from deltakv.cache_salt import check_cache_salt
 from deltakv.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from deltakv.sidecar.allocator import PageAllocator
-from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
+from deltakv.sidecar.int_lists import WireInts, check_token_ids, exact_ints_within
 from deltakv.sidecar.page_holds import PageHolds
 from deltakv.sidecar.radix import RadixIndex
 from deltakv.sidecar.requests import RequestRecord, RequestTable, check_request_id
@@ -230,7 +230,7 @@ class PageManager:
         tokens = self._check_tokens(token_ids)
         if isinstance(page_table, (str, bytes)) or not isinstance(page_table, Sequence):
             raise InvalidArgument("page_table must be a sequence of page indices")
-        table = list(page_table)
+        table = page_table if type(page_table) is WireInts else list(page_table)
         n_full = len(tokens) // self.page_size
         if len(table) < n_full:
             raise InvalidArgument(

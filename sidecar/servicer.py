@@ -42,6 +42,7 @@ from deltakv.layout import KVLayout
 from deltakv.sidecar.digests import PageDigester, audit_cache
 from deltakv.sidecar.fence import EngineSet, Fencer
 from deltakv.sidecar.grants import GrantAuthority
+from deltakv.sidecar.int_lists import WireInts
 from deltakv.sidecar.pairing import PairingKey
 from deltakv.sidecar.peers import PeerTable
 from deltakv.sidecar.rooms import RoomRegistry
@@ -210,7 +211,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         rid = _request_id(request.request_id, "MatchPrefix")
         _still_wanted(context, "MatchPrefix", rid)
         with self._pm_lock:
-            matched, pages = self.page_manager.match_prefix(rid, list(request.token_ids),
+            matched, pages = self.page_manager.match_prefix(rid, WireInts(request.token_ids),
                                                   max_tokens=request.max_tokens,
                                                   cache_salt=request.cache_salt)
         return sidecar_pb2.MatchPrefixResponse(matched_len=matched, page_indices=pages)
@@ -237,7 +238,7 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
         _still_wanted(context, "Admit", rid)
         with self._pm_lock:
             matched, prefix, pages = self.page_manager.admit(
-                rid, list(request.token_ids), request.total_pages,
+                rid, WireInts(request.token_ids), request.total_pages,
                 max_match_tokens=request.max_match_tokens, cache_salt=request.cache_salt)
         return sidecar_pb2.AdmitResponse(matched_len=matched, prefix_pages=prefix,
                                          new_pages=pages)
@@ -261,8 +262,8 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
                                          f"close the grant (CloseGrant) before committing it")
         verified = self._verify(rid, request.verify)
         with self._pm_lock:
-            pages, cached = self.page_manager.commit(rid, list(request.token_ids),
-                                           list(request.page_indices), request.cache_salt)
+            pages, cached = self.page_manager.commit(rid, WireInts(request.token_ids),
+                                           WireInts(request.page_indices), request.cache_salt)
         self._record_digests(pages, verified)
         return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
 

@@ -8,7 +8,8 @@ import enum
 import pytest
 
 from deltakv.errors import InvalidArgument
-from deltakv.sidecar.int_lists import check_token_ids, exact_ints_within
+from deltakv.sidecar.int_lists import WireInts, check_token_ids, exact_ints_within
+from deltakv.v1 import sidecar_pb2
 
 
 class Small(enum.IntEnum):
@@ -38,3 +39,14 @@ def test_token_ids_are_checked_and_the_bad_one_named() -> None:
     for bad in ("abc", b"abc", 5):
         with pytest.raises(InvalidArgument, match="must be a sequence of ints"):
             check_token_ids(bad)
+
+
+def test_a_protobuf_unsigned_field_is_vouched_for_by_its_wire_type() -> None:
+    request = sidecar_pb2.AdmitRequest(token_ids=[7, 0, 2**32 - 1])
+    ids = WireInts(request.token_ids)
+    assert ids == [7, 0, 2**32 - 1] and {type(t) for t in ids} == {int}
+    assert check_token_ids(ids) is ids  # no copy, no pass over the ids
+    assert exact_ints_within(ids, 0) and exact_ints_within(ids, 0, 2**32)
+    assert not exact_ints_within(ids, 0, 2**32 - 1)  # the upper bound is still checked
+    assert not exact_ints_within(ids, 1)  # and a lower bound above 0
+    assert exact_ints_within(WireInts(), 0, 1)
