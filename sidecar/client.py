@@ -229,15 +229,20 @@ class SidecarClient:
         return resp.freed, resp.quarantined
 
     async def commit_and_release(self, request_id: str, token_ids: Sequence[int],
-                                 page_table: Sequence[int], cache_salt: str = "",
+                                 page_table: Sequence[int], verify_pages: Sequence[int] = (),
+                                 verify_digests: Sequence[int] = (), cache_salt: str = "",
                                  ) -> tuple[int, int]:
         """A request's end in one call: :meth:`commit` of its full pages (``token_ids``,
-        page table ``page_table``, under ``cache_salt``), then :meth:`release`;
-        ``(freed, quarantined)`` pages. Raises what either raises; a failed commit releases
-        nothing, so the caller releases on its own then."""
+        page table ``page_table``, ``verify_pages`` checked against ``verify_digests`` first,
+        under ``cache_salt``), then :meth:`release`; ``(freed, quarantined)`` pages. Raises
+        what either raises; a failed commit releases nothing, so the caller releases on its
+        own then."""
         resp = await self._call("Release", sidecar_pb2.ReleaseRequest(
             request_id=request_id, commit=sidecar_pb2.CommitRequest(
-                token_ids=token_ids, page_indices=page_table, cache_salt=cache_salt)))
+                token_ids=token_ids, page_indices=page_table,
+                verify=sidecar_pb2.PageDigests(page_indices=verify_pages,
+                                               digests=verify_digests),
+                cache_salt=cache_salt)))
         return resp.freed, resp.quarantined
 
     async def page_checksums(self, pages: Sequence[int]) -> list[int]:

@@ -13,6 +13,7 @@ does the lease timer of a give-back no ``Prefill`` ever claimed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -108,6 +109,7 @@ class GiveBackHost:
         if pending.expiry is not None:
             pending.expiry.cancel()
         sidecar = self.worker.sidecar
+        released = False
         try:
             if prompt[:len(pending.tokens)] != pending.tokens:
                 raise InvalidArgument(f"give-back room {giveback.room} holds other tokens than "
@@ -117,11 +119,17 @@ class GiveBackHost:
                                       f"another cache_salt than this request's")
             await sidecar.close_grant(giveback.room)
             digests = list(giveback.stats.page_digests)
-            await sidecar.commit(pending.owner, pending.tokens, pending.pages,
-                                 verify_pages=pending.granted if digests else (),
-                                 verify_digests=digests, cache_salt=pending.cache_salt)
+            # Commit and release in one call; a failed commit released nothing (below).
+            await sidecar.commit_and_release(
+                pending.owner, pending.tokens, pending.pages,
+                verify_pages=pending.granted if digests else (), verify_digests=digests,
+                cache_salt=pending.cache_salt)
+            released = True
         finally:
-            await sidecar.release(pending.owner)
+            if not released:
+                # NOT_FOUND: the combined call did release before its answer was lost.
+                with contextlib.suppress(NotFound):
+                    await sidecar.release(pending.owner)
         return len(pending.tokens)
 
     async def _expire(self, room: int, lease_ms: int) -> None:
