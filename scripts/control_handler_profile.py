@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests <= 0:
         parser.error("--requests must be > 0")
     from deltakv.services.cli.bench.transfer_report import run_stamp
+    from deltakv.services.cli.interrupts import unwind_on_sigterm
 
+    unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the `finally` removes the in-process sidecar's pool
     stamp = run_stamp()
     times = measure(args.requests, args.cold, args.separate)
     print(f"decode control-path handlers, in-process, full prefix hit ({PROMPT_PAGES} pages), "

@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests <= 0:
         parser.error("--requests must be > 0")
     from deltakv.services.cli.bench.transfer_report import run_stamp
+    from deltakv.services.cli.interrupts import unwind_on_sigterm
 
+    unwind_on_sigterm()  # SIGTERM unwinds like Ctrl-C: the `finally` removes its sidecar child and work directory
     stamp = run_stamp()
     result = asyncio.run(measure(args.requests))
     names = [column_name(*c) for c in COLUMNS]

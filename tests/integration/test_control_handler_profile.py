@@ -1,12 +1,16 @@
 """``scripts/control_handler_profile.py``: an in-process decode sidecar, full-hit requests
 through the real handlers (each checked, nothing left behind), the table printed, in both
-shapes of a request's end."""
+shapes of a request's end; stopped with SIGTERM mid-run, it leaves no segment and no
+directory."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,3 +38,31 @@ def test_profile_rejects_a_bad_count() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--requests", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--requests must be > 0" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_mid_run_removes_the_pool_segments_and_the_work_directory() -> None:
+    prefix = f"{os.environ['DELTAKV_SHM_PREFIX']}chp-term-"
+    dirs_before = set(Path("/tmp").glob("dkv-control-handlers-*"))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--requests", "1000000"],
+                            env={**os.environ, "DELTAKV_SHM_PREFIX": prefix},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not segments(prefix):  # the in-process sidecar mapped its pool: measuring
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert segments(prefix) == []
+    assert set(Path("/tmp").glob("dkv-control-handlers-*")) <= dirs_before
+
+
+def segments(prefix: str) -> list[str]:
+    """The /dev/shm segments (pools and their fence words) named with ``prefix``."""
+    return [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]

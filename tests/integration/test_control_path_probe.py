@@ -1,12 +1,14 @@
 """``scripts/control_path_probe.py``: its sidecar starts, both transports play full-hit
 requests in both rhythms, with the worker's two calls and the three of before (each checked),
-the table is printed and nothing is left behind."""
+the table is printed and nothing is left behind, also when it is stopped with SIGTERM."""
 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,29 @@ def test_probe_rejects_a_bad_count() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--requests", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--requests must be > 0" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_mid_run_stops_the_sidecar_and_removes_the_work_directory() -> None:
+    dirs_before = set(Path("/tmp").glob("dkv-control-probe-*"))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--requests", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (new := set(Path("/tmp").glob("dkv-control-probe-*")) - dirs_before):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        (workdir,) = new
+        while not any(workdir.glob("*.sock")):  # its sidecar is up: requests are playing
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not workdir.exists()
+    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert leftover.stdout == ""  # the decode sidecar it started is gone
