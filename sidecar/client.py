@@ -235,8 +235,13 @@ class SidecarClient:
         """A request's end in one call: :meth:`commit` of its full pages (``token_ids``,
         page table ``page_table``, ``verify_pages`` checked against ``verify_digests`` first,
         under ``cache_salt``), then :meth:`release`; ``(freed, quarantined)`` pages. Raises
-        what either raises; a failed commit releases nothing, so the caller releases on its
-        own then."""
+        the commit's typed errors — InvalidArgument (INVALID_ARGUMENT: a page table that does
+        not fit the tokens or names pages the request does not hold), FailedPrecondition (a
+        page under an open grant), DataLoss (a verified page differs), Aborted (a released
+        id) — in which case nothing was committed or released and the caller releases on its
+        own; NotFound (NOT_FOUND) when the request holds nothing; Unavailable /
+        DeadlineExceeded when the sidecar cannot answer (the outcome is unknown: a later
+        Release answering NOT_FOUND means this one went through)."""
         resp = await self._call("Release", sidecar_pb2.ReleaseRequest(
             request_id=request_id, commit=sidecar_pb2.CommitRequest(
                 token_ids=token_ids, page_indices=page_table,

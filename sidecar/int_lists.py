@@ -43,8 +43,8 @@ def exact_ints_within(values: Sequence[object], low: int, high: int | None = Non
 
 def check_token_ids(token_ids: object) -> list[int]:
     """``token_ids`` as a list, each a non-negative ``int`` (``bool`` is not a token id); a
-    :class:`WireInts` is returned as it is. Raises InvalidArgument (INVALID_ARGUMENT) for a str/bytes or a non-sequence, naming the
-    first bad id otherwise."""
+    :class:`WireInts` is returned as it is (no copy). Raises InvalidArgument
+    (INVALID_ARGUMENT) for a str/bytes or a non-sequence, naming the first bad id otherwise."""
     if type(token_ids) is WireInts:
         return token_ids  # non-negative ints by the wire format; already a fresh list
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):

@@ -349,3 +349,27 @@ def test_no_sidecar_is_unavailable_naming_the_socket(short_dir: str) -> None:
         assert registered() == base
 
     asyncio.run(scenario())
+
+
+def test_a_connect_that_does_not_finish_is_bounded_by_the_deadline(short_dir: str) -> None:
+    path = os.path.join(short_dir, "stuck.cmd")
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        opened: list[socket.socket] = []
+
+        async def never_connects(sock: socket.socket, address: str) -> None:
+            opened.append(sock)
+            await asyncio.Event().wait()  # a sidecar that never takes the connection
+
+        loop.sock_connect = never_connects  # type: ignore[method-assign]
+        client = CommandClient(path)
+        t0 = time.monotonic()
+        with pytest.raises(CommandRpcError) as err:
+            await client.call(METHOD, b"x", 0.2)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5.0
+        (sock,) = opened
+        assert sock.fileno() == -1  # the half-made connection was closed
+
+    asyncio.run(scenario())

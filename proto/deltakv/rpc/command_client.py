@@ -18,9 +18,8 @@ its whole life, with the :class:`~deltakv.rpc.frames.FrameBuffer` its frames are
 a call sends its frame with one direct ``send`` (``loop.sock_sendall`` only for what the
 kernel did not take at once) and reads with a direct ``recv_into``, awaiting a future that the
 reader callback resolves only when nothing has arrived yet. No StreamReader, transport or
-protocol layers: against the ``asyncio.open_unix_connection`` streams this replaced, an empty
-call's median fell from 58-105 to 36-90 us back to back and from 132-136 to 88-96 us after
-15 ms idle, its minimum by about half (2-core test machine, shared, 2026-12-02).
+protocol layers between the socket and the frame (what a call costs: docs/benchmarks.md, "the
+command channel"). Connecting is part of the call: the deadline bounds it too.
 """
 
 from __future__ import annotations
@@ -324,10 +323,11 @@ class CommandClient:
     async def _call(self, method: str, request: Any, timeout_s: float,
                     metadata: list[tuple[str, str]], streaming: bool) -> bytes:
         call_id = next(self._ids)
-        conn = await self._take()
+        conn: _Connection | None = None
         done = False
         try:
             async with asyncio.timeout(timeout_s):
+                conn = await self._take()
                 try:
                     await conn.send(call_frame(call_id, method, timeout_s, metadata,
                                                b"" if streaming else request, streaming))
@@ -346,7 +346,9 @@ class CommandClient:
                 frames.FrameUndecodable) as exc:
             raise channel_error(exc, self.path) from None
         finally:
-            if done:
+            if conn is None:
+                pass  # no connection was taken: nothing to give back or to tell
+            elif done:
                 self._give_back(conn)
             else:
                 conn.abandon(call_id)
