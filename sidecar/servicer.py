@@ -255,15 +255,16 @@ class SidecarService(TransferRpcs, sidecar_pb2_grpc.SidecarServiceServicer):
     def _commit(self, rid: str, request: sidecar_pb2.CommitRequest
                 ) -> sidecar_pb2.CommitResponse:
         """Commit's work for request ``rid`` (``Commit``, or ``Release`` with a commit)."""
+        table = WireInts(request.page_indices)  # one copy for the grant check and the commit
         if self.authority is not None:
-            covered = self.authority.covered(list(request.page_indices))
+            covered = self.authority.covered(table)
             if covered:
                 raise FailedPrecondition(f"page {covered[0]} is still under a transfer grant; "
                                          f"close the grant (CloseGrant) before committing it")
         verified = self._verify(rid, request.verify)
         with self._pm_lock:
-            pages, cached = self.page_manager.commit(rid, WireInts(request.token_ids),
-                                           WireInts(request.page_indices), request.cache_salt)
+            pages, cached = self.page_manager.commit(rid, WireInts(request.token_ids), table,
+                                                     request.cache_salt)
         self._record_digests(pages, verified)
         return sidecar_pb2.CommitResponse(page_indices=pages, cached_len=cached)
 
