@@ -8,6 +8,11 @@ stops sending as soon as the sidecar says the call failed. For benchmarks, probe
 (tools and operators use gRPC); workers use the asyncio
 :class:`~deltakv.rpc.command_client.CommandClient`. Thread-safe like a gRPC stub: each call
 takes an idle connection (or opens one) and gives it back after its status.
+
+``stub.WritePagesStream.open(timeout=...)`` drives a client stream part by part from the
+caller's own thread instead (:class:`CommandStream`): a write opened before its pages are
+ready and finished with its last part, the way prefill's worker pre-posts a write while its
+forward runs.
 """
 
 from __future__ import annotations
@@ -107,6 +112,107 @@ class CommandFuture:
         return self._error
 
 
+class CommandStream:
+    """A client-streaming call sent part by part from the caller's thread (``stub.Name.open``):
+    no sender thread, so the last part costs one write and one wait for the status.
+
+    :meth:`send` sends a part; :meth:`finish` sends the last part (if any) and the half-close
+    in one ``sendmsg`` and returns the response message, or raises the call's
+    :class:`~deltakv.rpc.command_client.CommandRpcError` (DEADLINE_EXCEEDED once the
+    ``timeout`` given to ``open`` has passed; UNAVAILABLE when the connection broke). A
+    sidecar that failed the call early closes the connection: a part sent after that is
+    dropped without error and :meth:`finish` returns the status it sent. :meth:`cancel` (also
+    leaving a ``with`` block unfinished) tells the sidecar the call is over (CANCEL) and
+    closes. The call owns its connection, closed when it ends (a stream's connection is
+    never reused). Not thread-safe: one thread drives a call."""
+
+    def __init__(self, stub: CommandStub, method: str, response: Any, timeout_s: float,
+                 metadata: Sequence[tuple[str, str]]) -> None:
+        self._path = stub.path
+        self._response = response
+        self._deadline = time.monotonic() + timeout_s
+        self.call_id = next(stub._ids)
+        self._conn: _Connection | None = None
+        self._broken = False  # a send failed: the sidecar closed; its status may be waiting
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self._path)
+            except OSError:
+                sock.close()
+                raise
+            self._conn = _Connection(sock)
+            self._conn.bound(max(timeout_s, 1e-6))
+            frames.write_frame(sock, call_frame(self.call_id, method, timeout_s, metadata,
+                                                b"", True))
+        except OSError as exc:
+            self.cancel()
+            raise channel_error(exc, self._path) from None
+
+    def __enter__(self) -> CommandStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def _open(self) -> _Connection:
+        if self._conn is None:
+            raise ValueError("the stream call has already ended")
+        return self._conn
+
+    def send(self, message: Any) -> None:
+        """Send one part (a request message of the method). ValueError once the call ended."""
+        conn = self._open()
+        if self._broken:
+            return
+        try:
+            frames.write_frame(conn.sock, self._part(message))
+        except BlockingIOError as exc:  # the send's bound passed
+            self.cancel()
+            raise channel_error(exc, self._path) from None
+        except OSError:
+            self._broken = True
+
+    def finish(self, message: Any = None) -> Any:
+        """Send ``message`` as the last part (None: no part) with the half-close, wait for the
+        status and return the response message (module and class docstrings for errors)."""
+        conn = self._open()
+        try:
+            if not self._broken:
+                tail = [] if message is None else [frames.encode(self._part(message))]
+                tail.append(frames.encode(command_pb2.CommandFrame(
+                    call_id=self.call_id, half_close=command_pb2.CommandHalfClose())))
+                with contextlib.suppress(OSError):  # closed by a sidecar that answered
+                    conn.sock.sendall(b"".join(tail))
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            conn.bound(left)
+            status = CommandStub._status(conn, self.call_id, self._deadline, None, None).status
+        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
+                frames.FrameUndecodable) as exc:
+            raise channel_error(exc, self._path) from None
+        finally:
+            conn.sock.close()
+            self._conn = None
+        return self._response.FromString(raise_status(status))
+
+    def cancel(self) -> None:
+        """End the call unfinished: CANCEL (best effort) and close. Idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            conn.sock.send(frames.encode(command_pb2.CommandFrame(
+                call_id=self.call_id, cancel=command_pb2.CommandCancel())))
+        conn.sock.close()
+
+    def _part(self, message: Any) -> command_pb2.CommandFrame:
+        return command_pb2.CommandFrame(
+            call_id=self.call_id,
+            part=command_pb2.CommandPart(message=message.SerializeToString()))
+
+
 class CommandStub:
     """Blocking calls of ``service_descriptor``'s methods over the command socket ``path``."""
 
@@ -168,7 +274,7 @@ class CommandStub:
                                  args=(conn.sock, call_id, request, stop),
                                  daemon=True, name="command-parts").start()
             try:
-                last = self._status(conn, deadline, stop, on_initial)
+                last = self._status(conn, call_id, deadline, stop, on_initial)
             finally:
                 if stop is not None:
                     stop.set()
@@ -176,7 +282,7 @@ class CommandStub:
             # A stream's connection may be spent, and call id 0 is a refusal of the whole
             # connection (the sidecar closes it): never reuse those.
             ok = not streaming and last.call_id != 0
-        except (OSError, frames.FrameTruncated, frames.FrameTooLarge,
+        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
                 frames.FrameUndecodable) as exc:
             raise channel_error(exc, self.path) from None
         finally:
@@ -217,8 +323,8 @@ class CommandStub:
                 call_id=call_id, half_close=command_pb2.CommandHalfClose()))
 
     @staticmethod
-    def _status(conn: _Connection, deadline: float, stop: threading.Event | None,
-                on_initial: Any) -> command_pb2.CommandFrame:
+    def _status(conn: _Connection, call_id: int, deadline: float,
+                stop: threading.Event | None, on_initial: Any) -> command_pb2.CommandFrame:
         first = True
         while True:
             if not first:
@@ -227,7 +333,8 @@ class CommandStub:
                     raise TimeoutError
                 conn.bound(left)
             first = False
-            frame = conn.reader.read()  # BlockingIOError past the bound: DEADLINE_EXCEEDED
+            # BlockingIOError past the bound: DEADLINE_EXCEEDED.
+            frame = frames.check_call_id(conn.reader.read(), call_id)
             kind = frame.WhichOneof("kind")
             if kind == "status":
                 if time.monotonic() > deadline:
@@ -274,3 +381,13 @@ class _Method:
                 own.close()
 
         return CommandFuture(run)
+
+    def open(self, timeout: float | None = None,
+             metadata: Sequence[tuple[str, str]] | None = None) -> CommandStream:
+        """A client-streaming call sent part by part from this thread (:class:`CommandStream`;
+        ``timeout`` seconds bound the whole call). ValueError for a unary method;
+        CommandRpcError (UNAVAILABLE) when the sidecar cannot be reached."""
+        if not self._streaming:
+            raise ValueError(f"{self._full} is not a client-streaming method")
+        return CommandStream(self._stub, self._full, self._response,
+                             timeout or _DEFAULT_TIMEOUT_S, metadata or ())
