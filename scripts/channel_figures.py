@@ -4,8 +4,8 @@ Runs, one after the other (each prints its own date and load average):
 
 1. ``deltakv bench transfer --backend all --pages 64`` three times (``--runs``): the 64-page
    sidecar / raw engine ratio of each backend available here (shm, Mooncake, ...), and the
-   fixed cost of a 1-page ``WritePages`` beyond the raw copy, over the command channel and
-   over gRPC;
+   fixed cost of a 1-page ``WritePages`` beyond the raw copy, over the command channel (as
+   ``WritePages``, and pre-posted as prefill's overlapped write sends it) and over gRPC;
 2. ``scripts/rpc_floor_probe.py``: an empty call over gRPC, the command channel and a
    long-lived gRPC stream beside a plain ``AF_UNIX`` socket, in three rhythms;
 3. ``scripts/control_path_probe.py``: decode's control path of one request (every call to its
@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,26 +53,44 @@ def run_step(cmd: list[str]) -> None:
         raise RuntimeError(f"{cmd[0]} {' '.join(cmd[1:3])} exited with {code}")
 
 
+def _median(rows: list[tuple[str, str, dict]], pick: Callable[[dict], float | None]) -> str:
+    """The median of ``pick(row)`` over the runs' rows that have it, or "n/a"."""
+    values = [v for _, _, row in rows if (v := pick(row)) is not None]
+    return f"{statistics.median(values):.3f}" if values else "n/a"
+
+
+def _small(key: str) -> Callable[[dict], float | None]:
+    """A row's 1-page small-write figure ``key`` (None when the run has none)."""
+    return lambda row: row.get("small", {}).get("1", {}).get(key)
+
+
 def summary(results: list[dict]) -> list[str]:
     """The lines of the summary of ``results`` (bench transfer's JSON of each run)."""
-    lines = ["", "summary: 64-page contiguous write, sidecar (command channel) / raw engine; "
-             "1-page WritePages fixed cost beyond the raw copy (ms, channel | gRPC)"]
+    lines = ["", "summary: 64-page contiguous write, sidecar (command channel) / raw engine, "
+             "WritePages | pre-posted (WritePagesStream opened before the bytes were written, "
+             "timed from its last part) | gRPC; the same for a 1-page write's fixed cost "
+             "beyond the raw copy (ms)"]
     backends = sorted({b for r in results for b in r["backends"]})
+    nan = float("nan")
     for backend in backends:
         rows = [(r["date"], r["loadavg"], r["backends"][backend]) for r in results
                 if backend in r["backends"]]
         for date, load, row in rows:
             small = row.get("small", {}).get("1", {})
             lines.append(f"  {backend:<9}{date}  load {load:<16} ratio "
-                         f"{row['contiguous_ratio']:.3f} (gRPC {row['contiguous_grpc_ratio']:.3f})"
+                         f"{row['contiguous_ratio']:.3f} | {row.get('preposted_ratio', nan):.3f}"
+                         f" | {row['contiguous_grpc_ratio']:.3f}"
                          f"  hop {row['control_rpc_ms']:.3f} ms, own work "
                          f"{row['sidecar_own_ms']:.3f} ms"
-                         f"  1-page fixed {small.get('fixed_ms', float('nan')):.3f} | "
-                         f"{small.get('fixed_grpc_ms', float('nan')):.3f} ms")
-        ratios = [row["contiguous_ratio"] for _, _, row in rows]
-        fixed = [row["small"]["1"]["fixed_ms"] for _, _, row in rows if "1" in row.get("small", {})]
-        lines.append(f"  {backend:<9}median of {len(rows)}: ratio {statistics.median(ratios):.3f}"
-                     + (f", 1-page fixed {statistics.median(fixed):.3f} ms" if fixed else ""))
+                         f"  1-page fixed {small.get('fixed_ms', nan):.3f} | "
+                         f"{small.get('fixed_preposted_ms', nan):.3f} | "
+                         f"{small.get('fixed_grpc_ms', nan):.3f} ms")
+
+        lines.append(f"  {backend:<9}median of {len(rows)}: ratio "
+                     f"{_median(rows, lambda r: r['contiguous_ratio'])} | "
+                     f"{_median(rows, lambda r: r.get('preposted_ratio'))}, 1-page fixed "
+                     f"{_median(rows, _small('fixed_ms'))} | "
+                     f"{_median(rows, _small('fixed_preposted_ms'))} ms")
     for backend, reason in sorted(results[-1].get("skipped", {}).items()):
         lines.append(f"  {backend:<9}skipped: {reason.split(';')[0]}")
     return lines

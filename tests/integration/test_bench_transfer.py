@@ -26,7 +26,7 @@ KEYS = {"page_bytes", "pages", "raw_gbps", "contiguous_gbps", "scattered_gbps",
         "scattered_vs_raw_contiguous", "sidecar_cpu_ms", "raw_cpu_ms", "contiguous_ms",
         "raw_ms", "control_rpc_ms", "sidecar_own_ms", "rpc_ceiling_ratio",
         "contiguous_grpc_ms", "contiguous_grpc_ratio", "control_rpc_grpc_ms",
-        "rpc_ceiling_ratio_grpc"}
+        "rpc_ceiling_ratio_grpc", "preposted_ms", "preposted_ratio"}
 
 
 @pytest.mark.timeout(300)
@@ -80,19 +80,25 @@ def test_bench_transfer_tiny_all_backends(tmp_path: Path) -> None:
             rec["raw_ms"] / rec["contiguous_grpc_ms"])
         assert rec["rpc_ceiling_ratio_grpc"] == pytest.approx(
             rec["raw_ms"] / (rec["raw_ms"] + rec["control_rpc_grpc_ms"]))
+        # The pre-posted write (opened before its bytes, timed from its last part) wrote the
+        # same pages: verified covers it.
+        assert rec["preposted_ms"] > 0
+        assert rec["preposted_ratio"] == pytest.approx(rec["raw_ms"] / rec["preposted_ms"])
         # Small writes: 1 page (5 > --pages 3 is skipped), sidecar beside raw, verified.
         assert set(rec["small"]) == {"1"}, rec["small"]
         row = rec["small"]["1"]
         assert row["verified"] is True and row["sidecar_ms"] > 0 and row["raw_ms"] > 0
         assert row["fixed_ms"] == pytest.approx(row["sidecar_ms"] - row["raw_ms"])
         assert row["fixed_grpc_ms"] == pytest.approx(row["sidecar_grpc_ms"] - row["raw_ms"])
+        assert row["fixed_preposted_ms"] == pytest.approx(
+            row["sidecar_preposted_ms"] - row["raw_ms"])
     # The write path's safety, per backend: shm pays a fence per run, network engines none.
     assert result["backends"]["shm"]["fence_kind"] == "words"
     assert result["backends"]["shm"]["fence_us_per_run"] > 0
     assert result["backends"]["mooncake"]["fence_kind"] == "incarnation"
     assert "backend" in proc.stdout and "shm" in proc.stdout  # the readable table
     assert "grant check" in proc.stdout and "gRPC hop" in proc.stdout
-    assert "command channel" in proc.stdout
+    assert "command channel" in proc.stdout and "pre-posted" in proc.stdout
     assert "raw scat" in proc.stdout and "sidecar cpu" in proc.stdout
     # Honest figures: when and under what load they were taken, and the small-write rows.
     assert result["date"] in proc.stdout and "load average" in proc.stdout

@@ -160,6 +160,52 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             return page_write_trial(source, src, dst_view, dst, action, seed=seed, setup=setup,
                                     teardown=teardown)
 
+        def preposted_trial(src: list[int], dst: list[int], seed: int,
+                            runs: list[int] | None = None) -> Trial:
+            """The same write pre-posted, as prefill's worker sends it while its forward
+            runs (``WritePagesStream``): the call is opened with the write and no page ready
+            (checked, planned and admitted by the sidecar from then on) before the source
+            pages get their fresh bytes and the worker's digests; timed is only what
+            follows the forward: the last part (every page ready, with those digests) and
+            the status."""
+            granted: list[kv_pb2.TransferInfo] = []
+            calls: list[Any] = []
+            supplied: list[list[int]] = [[]]
+
+            def digest_step() -> None:
+                supplied[0] = worker_digests.digest(src)
+
+            def teardown() -> None:
+                if calls and calls[-1] is not None:
+                    calls[-1].cancel()  # only a failed repetition left it open
+                close(granted[-1].room)
+
+            inner = page_write_trial(src_view, src, dst_view, dst, lambda: None, seed=seed,
+                                     setup=digest_step, teardown=teardown)
+
+            def prepare() -> None:
+                granted.append(issue(dst))
+                call = pre_stub.WritePagesStream.open(timeout=180)
+                calls.append(call)
+                call.send(sidecar_pb2.WritePagesPart(write=sidecar_pb2.WritePagesRequest(
+                    transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest)))
+                inner.prepare()  # the "forward": fresh source bytes, then their digests
+
+            def action() -> None:
+                call, calls[-1] = calls[-1], None
+                stats = call.finish(sidecar_pb2.WritePagesPart(
+                    ready_pages=len(src), page_digests=supplied[0])).stats
+                if stats.bytes != len(src) * page_bytes:
+                    raise RuntimeError(f"pre-posted write reported {stats.bytes} bytes for "
+                                       f"{len(src)} pages of {page_bytes} B")
+                if list(stats.page_digests) != supplied[0]:
+                    raise RuntimeError("the sidecar did not return the page digests it was "
+                                       "sent with the last part")
+                if runs is not None:
+                    runs.append(stats.runs)
+
+            return Trial(prepare, action, inner.verify)
+
         # Raw engine: this process's own transport over the same source pool, straight to
         # the decode sidecar's endpoint: ONE Transport.write of the same runs the sidecar's
         # planner makes of the same pages (coalesced; the contiguous block is one run, the
@@ -245,6 +291,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         timed = time_interleaved(repeats, {
             "contiguous": sidecar_trial(pre_stub, src_view, contiguous, contiguous, 1, True,
                                         runs_contig, prefill.proc.pid, cpu_side, supply=True),
+            "contiguous_preposted": preposted_trial(contiguous, contiguous, 11),
             "contiguous_sidecar_hash": sidecar_trial(pre_stub, src_view, contiguous,
                                                      contiguous, 7, True, []),
             "contiguous_nodigest": sidecar_trial(plain_stub, plain_view, contiguous, contiguous,
@@ -270,6 +317,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         t_rpc, ok_rpc = timed["control_rpc"]
         t_grpc, ok_grpc = timed["contiguous_grpc"]
         t_rpc_grpc, ok_rpc_grpc = timed["control_rpc_grpc"]
+        t_pre, ok_pre = timed["contiguous_preposted"]
         # Small writes (issue 14: a delta of a few pages): the sidecar's fixed cost per
         # WritePages is its time minus the raw engine's for the same pages, interleaved.
         small: dict[str, dict[str, Any]] = {}
@@ -283,15 +331,19 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                                          supply=True),
                 "sidecar_grpc": sidecar_trial(pre_grpc, src_view, block_n, block_n, 30 + n, True,
                                               [], supply=True),
+                "sidecar_preposted": preposted_trial(block_n, block_n, 40 + n),
                 "raw": raw_trial(block_n, block_n, 20 + n)})
             (t_side, ok_side), (t_eng, ok_eng) = pair["sidecar"], pair["raw"]
             t_side_grpc, ok_side_grpc = pair["sidecar_grpc"]
-            ok_n = ok_side and ok_eng and ok_side_grpc
+            t_side_pre, ok_side_pre = pair["sidecar_preposted"]
+            ok_n = ok_side and ok_eng and ok_side_grpc and ok_side_pre
             small_ok = small_ok and ok_n
             small[str(n)] = {"sidecar_ms": t_side * 1e3, "raw_ms": t_eng * 1e3,
                              "fixed_ms": (t_side - t_eng) * 1e3,
                              "sidecar_grpc_ms": t_side_grpc * 1e3,
-                             "fixed_grpc_ms": (t_side_grpc - t_eng) * 1e3, "verified": ok_n}
+                             "fixed_grpc_ms": (t_side_grpc - t_eng) * 1e3,
+                             "sidecar_preposted_ms": t_side_pre * 1e3,
+                             "fixed_preposted_ms": (t_side_pre - t_eng) * 1e3, "verified": ok_n}
 
         # Safety costs, beside the write they protect.
         fence_view = None
@@ -323,6 +375,10 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "sidecar_cpu_ms": statistics.median(cpu_side),
             "raw_cpu_ms": statistics.median(cpu_raw),
             "contiguous_ms": t_contig * 1e3,
+            # The same write pre-posted (opened before its bytes were written, timed from
+            # its last part): what prefill's write costs after its forward.
+            "preposted_ms": t_pre * 1e3,
+            "preposted_ratio": t_raw / t_pre,
             "raw_ms": t_raw * 1e3,
             # Where the contiguous write's time goes beyond the engine: the hop alone (an
             # empty call to the same sidecar over the command channel, prepared like a
@@ -359,7 +415,7 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             "small": small,
             "verified": (ok_contig and ok_scat and ok_raw and ok_raw_scat and ok_contig_off
                          and ok_scat_off and ok_contig_hash and ok_rpc and small_ok and ok_grpc
-                         and ok_rpc_grpc),
+                         and ok_rpc_grpc and ok_pre),
         }
     finally:
         tear_down("bench transfer", closers, sidecars, workdir)
