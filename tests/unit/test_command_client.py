@@ -373,3 +373,90 @@ def test_a_connect_that_does_not_finish_is_bounded_by_the_deadline(short_dir: st
         assert sock.fileno() == -1  # the half-made connection was closed
 
     asyncio.run(scenario())
+
+
+def answer_as_another_call(sidecar: Sidecar, sock: socket.socket,
+                           reader: frames.FrameReader) -> None:
+    """Answer the first call with the status of a call it never made (a sidecar out of step
+    with this connection), then hold."""
+    frame = sidecar.read(reader)
+    frames.write_frame(sock, status_frame(frame.call_id + 7, grpc.StatusCode.OK,
+                                          response=b"not yours"))
+    hold(sidecar, sock, reader)
+
+
+def test_a_status_of_another_call_is_unavailable_and_the_connection_not_reused(
+        short_dir: str) -> None:
+    sidecar = Sidecar(os.path.join(short_dir, "s.cmd"), answer_as_another_call, echo)
+
+    async def scenario() -> None:
+        client = CommandClient(sidecar.path)
+        base = registered()
+        try:
+            with pytest.raises(CommandRpcError) as err:
+                await client.call(METHOD, b"x", 5.0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "arrived during call" in err.value.details()
+            assert registered() == base and client._idle == []
+            assert await client.call(METHOD, b"y", 5.0) == b"y"  # on a new connection
+            assert sidecar.accepted == 2
+        finally:
+            await client.close()
+
+    # A stream reads its status the same way.
+    sidecar2 = Sidecar(os.path.join(short_dir, "t.cmd"), answer_as_another_call)
+
+    async def one_part() -> AsyncIterator[bytes]:
+        yield b"p"
+
+    async def stream_scenario() -> None:
+        client = CommandClient(sidecar2.path)
+        try:
+            with pytest.raises(CommandRpcError) as err:
+                await client.call(METHOD, one_part(), 5.0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert client._idle == []
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+        asyncio.run(stream_scenario())
+        assert sidecar.ended[0].wait(5)  # the out-of-step connection was closed
+    finally:
+        sidecar.close()
+        sidecar2.close()
+
+
+def test_a_stream_cancelled_while_pulling_a_part_stops_pulling(short_dir: str) -> None:
+    sidecar = Sidecar(os.path.join(short_dir, "s.cmd"), hold)
+    state = {"waiting": False, "closed": False}
+
+    async def parts() -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            state["waiting"] = True
+            await asyncio.sleep(30)  # the next part is long in coming
+            yield b"never"
+        finally:
+            state["closed"] = True
+
+    async def scenario() -> None:
+        client = CommandClient(sidecar.path)
+        task = asyncio.ensure_future(client.call(METHOD, parts(), 60.0))
+        while not state["waiting"]:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The pull of the next part ended with the call: the caller's generator was closed.
+        assert state["closed"]
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+        assert sidecar.ended[0].wait(5)
+        assert sidecar.kinds() == ["call", "part", "cancel"]
+    finally:
+        sidecar.close()

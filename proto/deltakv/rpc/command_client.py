@@ -340,9 +340,9 @@ class CommandClient:
                     status = refused
                 else:
                     status = await (self._stream(conn, call_id, request) if streaming
-                                    else self._status(conn))
+                                    else self._status(conn, call_id))
             done = True
-        except (OSError, frames.FrameTruncated, frames.FrameTooLarge,
+        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
                 frames.FrameUndecodable) as exc:
             raise channel_error(exc, self.path) from None
         finally:
@@ -360,9 +360,9 @@ class CommandClient:
         for conn in idle:
             conn.close()
 
-    async def _status(self, conn: _Connection) -> command_pb2.CommandStatus:
+    async def _status(self, conn: _Connection, call_id: int) -> command_pb2.CommandStatus:
         while True:
-            frame = await conn.read()
+            frame = frames.check_call_id(await conn.read(), call_id)
             if frame.WhichOneof("kind") == "status":
                 # Call id 0: a refusal of the whole connection, which the sidecar closes.
                 conn.spent = conn.spent or frame.call_id == 0
@@ -374,6 +374,7 @@ class CommandClient:
         once: no part may follow its notice), half-close, and return the status."""
         told: asyncio.Future[Any] = asyncio.ensure_future(conn.read())
         source = aiter(parts)
+        following: asyncio.Future[Any] | None = None
         try:
             while True:
                 following = asyncio.ensure_future(anext(source))
@@ -393,7 +394,7 @@ class CommandClient:
             if half_closed:
                 await conn.send(command_pb2.CommandFrame(
                     call_id=call_id, half_close=command_pb2.CommandHalfClose()))
-            first = await told
+            first = frames.check_call_id(await told, call_id)
             if first.WhichOneof("kind") == "status":
                 # Ended before our half-close: the sidecar closes this connection.
                 conn.spent = not half_closed or first.call_id == 0
@@ -403,9 +404,14 @@ class CommandClient:
             if not half_closed:
                 await conn.send(command_pb2.CommandFrame(
                     call_id=call_id, half_close=command_pb2.CommandHalfClose()))
-            return await self._status(conn)
+            return await self._status(conn, call_id)
         finally:
-            if not told.done():
-                told.cancel()
-            with contextlib.suppress(BaseException):
-                await told
+            # A call ended while a part was being pulled (cancelled, out of time): the pull
+            # ends with it, so the caller's iterator is not left running on its own.
+            for pending in (told, following):
+                if pending is None:
+                    continue
+                if not pending.done():
+                    pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending  # its outcome retrieved, whatever it was

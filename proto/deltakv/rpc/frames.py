@@ -38,6 +38,20 @@ class FrameTruncated(Unavailable):
     """The peer closed the stream inside a frame, or before one (UNAVAILABLE)."""
 
 
+class FrameOutOfStep(Unavailable):
+    """A frame of another call arrived on a connection (UNAVAILABLE): the connection is out
+    of step and is closed."""
+
+
+def check_call_id(frame: command_pb2.CommandFrame, call_id: int) -> command_pb2.CommandFrame:
+    """``frame`` if it belongs to call ``call_id`` or is a refusal of the whole connection
+    (call id 0); FrameOutOfStep otherwise."""
+    if frame.call_id not in (call_id, 0):
+        raise FrameOutOfStep(f"a {frame.WhichOneof('kind')} frame of call {frame.call_id} "
+                             f"arrived during call {call_id}")
+    return frame
+
+
 class FrameUndecodable(InvalidArgument):
     """A frame's bytes are not a ``CommandFrame`` (INVALID_ARGUMENT)."""
 
