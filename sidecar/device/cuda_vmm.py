@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 
 from deltakv.sidecar.device.base import DeviceError
 from deltakv.sidecar.device.cuda import CudaDevice, load_library
@@ -196,13 +197,30 @@ class CudaVmmDevice(CudaDevice):
 
     def free(self, ptr: int) -> None:
         """Unmap ``ptr``, free its address range and release this process's reference to the
-        allocation (the memory lives on while another process maps it or holds its fd)."""
+        allocation (the memory lives on while another process maps it or holds its fd).
+
+        Every step that can still run does, so a failing one leaks no more than it must: the
+        handle is released even when the unmap failed (the driver frees the memory once its
+        last mapping goes, cuMemRelease in the CUDA Driver API reference), and the address
+        range is freed only once nothing is mapped there. Then raises DeviceError of the
+        first step that failed."""
         self._here()
         with self._lock:
             handle, size = self._mappings.pop(ptr)
-        self._call("cuMemUnmap", self._cu.cuMemUnmap(ptr, size))
-        self._call("cuMemAddressFree", self._cu.cuMemAddressFree(ptr, size))
-        self._call("cuMemRelease", self._cu.cuMemRelease(handle))
+        first: DeviceError | None = None
+        steps: list[tuple[str, Callable[[], int]]] = [
+            ("cuMemUnmap", lambda: self._cu.cuMemUnmap(ptr, size)),
+            ("cuMemAddressFree", lambda: self._cu.cuMemAddressFree(ptr, size)),
+            ("cuMemRelease", lambda: self._cu.cuMemRelease(handle))]
+        for name, step in steps:
+            if name == "cuMemAddressFree" and first is not None:
+                continue  # still mapped: freeing the range under the mapping is an error
+            try:
+                self._call(name, step())
+            except DeviceError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     close_import = free
 

@@ -64,3 +64,49 @@ def test_without_cuda_a_vmm_pool_fails_with_one_line() -> None:
     with pytest.raises(DeviceUnavailable) as exc:
         device_ops("cuda", "cuda_vmm")
     assert "\n" not in str(exc.value)
+
+
+class _ScriptedDriver:
+    """Stands in for libcuda's VMM teardown calls (CPU test of the bookkeeping only; the real
+    calls run in tests/gpu): returns the scripted error code of each call, records the order."""
+
+    def __init__(self, **errors: int) -> None:
+        self.errors, self.calls = errors, []
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*args: object) -> int:
+            self.calls.append(name)
+            return self.errors.get(name, 0)
+
+        return call
+
+
+@pytest.mark.parametrize(("errors", "calls", "raised"), [
+    ({}, ["cuMemUnmap", "cuMemAddressFree", "cuMemRelease"], None),
+    # A failed unmap still releases the handle (and leaves the mapped range alone).
+    ({"cuMemUnmap": 1}, ["cuMemUnmap", "cuGetErrorString", "cuMemRelease"], "cuMemUnmap"),
+    ({"cuMemAddressFree": 1},
+     ["cuMemUnmap", "cuMemAddressFree", "cuGetErrorString", "cuMemRelease"], "cuMemAddressFree"),
+])
+def test_vmm_free_releases_what_it_can_and_raises_the_first_failure(errors, calls,
+                                                                   raised) -> None:
+    import threading
+
+    from deltakv.sidecar.device import cuda_vmm
+    from deltakv.sidecar.device.base import DeviceError
+
+    dev = object.__new__(cuda_vmm.CudaVmmDevice)  # no CUDA here: only free's bookkeeping
+    dev._cu = _ScriptedDriver(**errors)
+    dev._lock = threading.Lock()
+    dev._mappings = {0x7000: (42, 2 << 20)}
+    dev._here = lambda: None
+    if raised is None:
+        dev.free(0x7000)
+    else:
+        with pytest.raises(DeviceError, match=raised):
+            dev.free(0x7000)
+    assert dev._cu.calls == calls
+    assert dev._mappings == {}
