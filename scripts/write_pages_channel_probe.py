@@ -78,7 +78,9 @@ def serve(workdir: str, pages: int) -> None:
         with conn:
             while message := conn.recv(MAX_DATAGRAM):
                 request = sidecar_pb2.WritePagesRequest.FromString(message)
-                conn.send(service.WritePages(request, DirectCallContext()).SerializeToString())
+                context = DirectCallContext()
+                conn.send(service.WritePages(request, context).SerializeToString())
+                context.end()  # the bookkeeping a transport runs after the status
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(os.path.join(workdir, "seqpacket.sock"))

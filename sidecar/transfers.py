@@ -40,6 +40,7 @@ from deltakv.errors import (
     Unavailable,
     UnknownEndpoint,
 )
+from deltakv.rpc.dispatch import after_status
 from deltakv.sidecar.giveback import DIRECTION_NAMES, GIVEBACK, check_direction, validate_giveback
 from deltakv.sidecar.grants import verify_grant
 from deltakv.sidecar.planner import WritePlan, plan_delta
@@ -125,7 +126,7 @@ class TransferRpcs:
                 write.digests = self._check_supplied(sources, request.page_digests, write.log)
                 self._admit_write(write)
                 return self._run_write(
-                    write, lambda: self._move(write, 0, write.plan.pages, context))
+                    write, lambda: self._move(write, 0, write.plan.pages, context), context)
             # Checked before the room is admitted: a corrupt cached source costs no room.
             known = self._check_cached_sources(sources, write.log)
             self._admit_write(write)
@@ -145,9 +146,9 @@ class TransferRpcs:
                     fresh_of = dict(zip(fresh_pages, fresh, strict=True))
                     write.digests = [known[p] if p in known else fresh_of[p] for p in sources]
 
-            return self._run_write(write, move)
+            return self._run_write(write, move, context)
 
-        return self._traced(request, run)
+        return self._traced(request, run, context)
 
     def WritePagesStream(self, request_iterator: Iterator[sidecar_pb2.WritePagesPart],
                          context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
@@ -194,18 +195,19 @@ class TransferRpcs:
                         raise InvalidArgument("WritePagesStream: only the first part carries "
                                               "the write")
 
-            return self._run_write(write, move_parts)
+            return self._run_write(write, move_parts, context)
 
-        return self._traced(request, run)
+        return self._traced(request, run, context)
 
     # -- the steps of one write ----------------------------------------------------------
 
     def _traced(self, request: sidecar_pb2.WritePagesRequest,
-                run: Callable[[], sidecar_pb2.WritePagesResponse]
-                ) -> sidecar_pb2.WritePagesResponse:
-        """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics. The
-        span's attributes are computed only while tracing is on (a write's fixed cost,
-        docs/write-path.md)."""
+                run: Callable[[], sidecar_pb2.WritePagesResponse],
+                context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+        """``run()`` inside the ``kv.transfer`` span, counted in the transfer metrics once the
+        call's status has gone out (:func:`~deltakv.rpc.dispatch.after_status`: the worker
+        does not wait for the counting). The span's attributes are computed only while
+        tracing is on (a write's fixed cost, docs/write-path.md)."""
         info = request.transfer_info
         instruments = deltakv_metrics.instruments()
         direction = DIRECTION_NAMES.get(info.direction, "unknown")
@@ -215,8 +217,9 @@ class TransferRpcs:
             try:
                 response = run()
             except Exception as exc:
-                instruments.transfers.add(1, {"outcome": deltakv_metrics.code_label(exc),
-                                              "direction": direction})
+                outcome = deltakv_metrics.code_label(exc)
+                after_status(context, lambda: instruments.transfers.add(
+                    1, {"outcome": outcome, "direction": direction}))
                 raise
             stats = response.stats
             seconds = stats.duration_us / 1e6
@@ -225,10 +228,14 @@ class TransferRpcs:
                     pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
                     batches=stats.batches, duration_ms=stats.duration_us / 1e3,
                     gbps=stats.bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0)))
-            by_direction = {"direction": direction}
-            instruments.transfers.add(1, {"outcome": "ok", "direction": direction})
-            instruments.transfer_duration.record(seconds, by_direction)
-            instruments.transfer_size.record(stats.bytes, by_direction)
+
+            def count() -> None:
+                by_direction = {"direction": direction}
+                instruments.transfers.add(1, {"outcome": "ok", "direction": direction})
+                instruments.transfer_duration.record(seconds, by_direction)
+                instruments.transfer_size.record(stats.bytes, by_direction)
+
+            after_status(context, count)
         return response
 
     def _span_attributes(self, info: kv_pb2.TransferInfo, direction: str) -> dict[str, Any]:
@@ -309,9 +316,10 @@ class TransferRpcs:
             raise
         write.started = time.monotonic()
 
-    def _run_write(self, write: _Write, move: Callable[[], None]
-                   ) -> sidecar_pb2.WritePagesResponse:
-        """Run ``move`` (the write's batches) on an admitted room, then finish the room once."""
+    def _run_write(self, write: _Write, move: Callable[[], None],
+                   context: grpc.ServicerContext) -> sidecar_pb2.WritePagesResponse:
+        """Run ``move`` (the write's batches) on an admitted room, then finish the room once;
+        its ``write_done`` line is logged after the call's status (``context``)."""
         ok = False
         try:
             move()
@@ -335,13 +343,15 @@ class TransferRpcs:
         stats.runs, stats.batches = write.runs, write.batches
         stats.page_digests.extend(write.digests)
         stats.direction = info.direction
-        # Where a write's fixed cost goes (issue 14): checks + plan, digests + admission +
-        # source hold, connect (cached after the first write), engine; microseconds.
-        write.log.info("write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
-                       batches=stats.batches, duration_us=duration_us,
-                       check_us=int((write.checked - write.receipt) * 1e6),
-                       prepare_us=int((write.prepared - write.checked) * 1e6),
-                       connect_us=int((write.started - write.prepared) * 1e6))
+        # Where a write's fixed cost goes: checks + plan, digests + admission + source hold,
+        # connect (cached after the first write), engine; microseconds. Logged once the
+        # status is out (the worker does not wait for the line), with the span's ids.
+        after_status(context, lambda: write.log.info(
+            "write_done", pages=stats.pages, bytes=stats.bytes, runs=stats.runs,
+            batches=stats.batches, duration_us=duration_us,
+            check_us=int((write.checked - write.receipt) * 1e6),
+            prepare_us=int((write.prepared - write.checked) * 1e6),
+            connect_us=int((write.started - write.prepared) * 1e6)))
         return sidecar_pb2.WritePagesResponse(stats=stats)
 
     def _finish(self, write: _Write, ok: bool) -> RoomState:

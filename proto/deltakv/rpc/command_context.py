@@ -10,7 +10,10 @@ Handlers take the same context methods they use under gRPC, with the same meanin
 * ``invocation_metadata()`` — the call's metadata as ``(key, value)`` pairs;
 * ``abort(code, details)`` — sets the status and raises :class:`AbortCall` (gRPC raises too);
   ``set_code`` / ``set_details`` / ``code`` / ``details`` / ``set_trailing_metadata`` /
-  ``send_initial_metadata`` as on gRPC.
+  ``send_initial_metadata`` as on gRPC;
+* ``add_callback(fn)`` — ``fn()`` runs once the call has ended, right after its status was
+  sent (or failed to send), on the call's thread (:meth:`run_callbacks`), as gRPC runs them
+  at the RPC's termination; False once the call has ended.
 
 ``peer()`` is ``"unix-command:<pid>"`` of the client process. Not thread-safe beyond what the
 handlers need (one call per connection; the handler's thread owns it).
@@ -81,6 +84,7 @@ class CommandContext:
         self._details = ""
         self._trailing: tuple[tuple[str, str], ...] = ()
         self._initial_sent = False
+        self._callbacks: list[Callable[[], None]] | None = []
         self.cancelled = False
         self.half_closed = not call.client_streaming
 
@@ -109,6 +113,25 @@ class CommandContext:
 
     def peer(self) -> str:
         return f"unix-command:{self._sock.fileno()}"
+
+    # -- termination -----------------------------------------------------------------------
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback()`` once the call has ended (class docstring); False if it has."""
+        if self._callbacks is None:
+            return False
+        self._callbacks.append(callback)
+        return True
+
+    def run_callbacks(self, logger: Any) -> None:
+        """Run the callbacks added so far, once (the server calls this after the status); one
+        that raises is logged by ``logger`` and the others still run."""
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - as gRPC: logged, the call is over anyway
+                logger.exception("command_callback_failed", method=self.method)
 
     # -- status ----------------------------------------------------------------------------
 

@@ -243,8 +243,8 @@ class CommandServer:
             return not call.client_streaming  # its parts would follow: out of step
         with self._lock:
             self._busy += 1
+        context = CommandContext(sock, reader, call, call_id, send, self._is_stopping)
         try:
-            context = CommandContext(sock, reader, call, call_id, send, self._is_stopping)
             if tracing_on():
                 with server_span(call.method, context.invocation_metadata()) as span:
                     frame = self._run(method, call, context)
@@ -254,6 +254,9 @@ class CommandServer:
                 frame = self._run(method, call, context)
             send(frame)
         finally:
+            # After the status (the worker is not kept waiting for them), also when it could
+            # not be sent, and before a draining stop() sees this call done.
+            context.run_callbacks(self._log)
             with self._lock:
                 self._busy -= 1
                 if self._draining:  # only stop() waits on it (it sets _draining first)

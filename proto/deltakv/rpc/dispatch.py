@@ -15,7 +15,9 @@ What a call goes through between the transport and the handler, the same on both
   half-close (:mod:`deltakv.rpc.streaming`).
 
 Deadline and cancellation are the context's (``time_remaining``, ``is_active``): gRPC's own
-``ServicerContext`` or the command channel's (:mod:`deltakv.rpc.command_context`).
+``ServicerContext`` or the command channel's (:mod:`deltakv.rpc.command_context`). Bookkeeping
+the caller need not wait for (a handler's log line, its metrics) runs after the status has gone
+out, on both transports (:func:`after_status`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import structlog
+from opentelemetry import context as otel_context
 
 from deltakv.errors import DeltaKVError, status_of
 from deltakv.rpc import decoding
@@ -31,6 +35,35 @@ from deltakv.rpc.streaming import end_request_stream
 
 #: A check run before a handler: ``guard(method, context)``; raises a typed error to refuse.
 Guard = Callable[[str, Any], None]
+
+log = structlog.get_logger(__name__)
+
+
+def after_status(context: Any, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the call's status has gone out: bookkeeping the caller need not
+    wait for (a log line, metrics), kept off the time a worker waits for its answer.
+
+    Through ``context.add_callback``: gRPC runs such callbacks when the RPC terminates (after
+    its status is sent, on its own thread), the command channel right after sending the
+    status, on the call's thread. The callback runs under the OpenTelemetry context current
+    now, so a line it logs keeps the trace and span ids of the span it describes. Inline when
+    the context cannot defer (an in-process stand-in without ``add_callback``) or the call
+    already ended. A callback that raises is logged (``after_status_failed``), never
+    raised."""
+    captured = otel_context.get_current()
+
+    def run() -> None:
+        token = otel_context.attach(captured)
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - bookkeeping must not fail a call that ended
+            log.exception("after_status_failed")
+        finally:
+            otel_context.detach(token)
+
+    add = getattr(context, "add_callback", None)
+    if add is None or not add(run):
+        run()
 
 
 def mapped_status(exc: Exception, method: str, logger: Any) -> tuple[grpc.StatusCode, str]:

@@ -8,14 +8,28 @@ offers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class DirectCallContext:
     """The part of ``grpc.ServicerContext`` the sidecar's handlers read: ``time_remaining()``
     (``seconds_left``, 60 s by default), ``is_active()`` (always True: nobody cancels a direct
-    call) and ``invocation_metadata()`` (none)."""
+    call), ``invocation_metadata()`` (none) and ``add_callback`` (kept for :meth:`end`, which
+    the caller runs where a transport would have sent the status)."""
 
     def __init__(self, seconds_left: float = 60.0) -> None:
         self.seconds_left = seconds_left
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        """Run the callbacks the handler left for after its status (in order, once)."""
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def time_remaining(self) -> float:
         return self.seconds_left
