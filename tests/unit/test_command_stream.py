@@ -112,6 +112,23 @@ def test_cancel_and_an_unfinished_with_block_end_the_call_for_the_handler(served
     call.cancel()  # idempotent
 
 
+def test_a_part_over_the_frame_limit_ends_the_call_with_resource_exhausted(
+        served, monkeypatch) -> None:
+    from deltakv.rpc import frames
+
+    servicer, stub = served
+    call = stub.WritePagesStream.open(timeout=10)
+    call.send(sidecar_pb2.WritePagesPart(ready_pages=1))
+    monkeypatch.setattr(frames, "MAX_FRAME_BYTES", 64)  # the next part is over it
+    with pytest.raises(grpc.RpcError) as err:
+        call.send(sidecar_pb2.WritePagesPart(ready_pages=2, page_digests=list(range(20))))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert servicer.ended.wait(5), "the handler still waits for a part"
+    assert servicer.parts == [1]
+    with pytest.raises(ValueError, match="ended"):
+        call.finish()
+
+
 def test_misuse_and_an_unreachable_sidecar_are_refused_before_anything_is_sent(
         served, tmp_path: Path) -> None:
     _, stub = served

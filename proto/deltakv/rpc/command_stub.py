@@ -117,7 +117,7 @@ class CommandStream:
     no sender thread, so the last part costs one write and one wait for the status.
 
     :meth:`send` sends a part; :meth:`finish` sends the last part (if any) and the half-close
-    in one ``sendmsg`` and returns the response message, or raises the call's
+    in one write and returns the response message, or raises the call's
     :class:`~deltakv.rpc.command_client.CommandRpcError` (DEADLINE_EXCEEDED once the
     ``timeout`` given to ``open`` has passed; UNAVAILABLE when the connection broke). A
     sidecar that failed the call early closes the connection: a part sent after that is
@@ -135,16 +135,11 @@ class CommandStream:
         self._conn: _Connection | None = None
         self._broken = False  # a send failed: the sidecar closed; its status may be waiting
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(self._path)
-            except OSError:
-                sock.close()
-                raise
-            self._conn = _Connection(sock)
+            # An idle connection of the stub, or a new one; never given back (class docstring).
+            self._conn = stub._take()
             self._conn.bound(max(timeout_s, 1e-6))
-            frames.write_frame(sock, call_frame(self.call_id, method, timeout_s, metadata,
-                                                b"", True))
+            frames.write_frame(self._conn.sock, call_frame(self.call_id, method, timeout_s,
+                                                           metadata, b"", True))
         except OSError as exc:
             self.cancel()
             raise channel_error(exc, self._path) from None
@@ -167,7 +162,9 @@ class CommandStream:
             return
         try:
             frames.write_frame(conn.sock, self._part(message))
-        except BlockingIOError as exc:  # the send's bound passed
+        except (BlockingIOError, frames.FrameTooLarge) as exc:
+            # The send's bound passed (DEADLINE_EXCEEDED), or a part over the frame limit
+            # (RESOURCE_EXHAUSTED, nothing of it sent): the call ends here.
             self.cancel()
             raise channel_error(exc, self._path) from None
         except OSError:
