@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -215,8 +216,50 @@ def stop_together(procs: Sequence[ManagedProcess], timeout_s: float,
         proc.stop_wait(deadline)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (bind to 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+#: The kernel's range of ports it hands out as the source port of outgoing connections
+#: (``net.ipv4.ip_local_port_range``, ip-sysctl(7)); Linux's default when it cannot be read.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_DEFAULT_EPHEMERAL_LOW = 32768
+#: Ports below this are left alone (well-known and registered services cluster there).
+_LOWEST_PICKED = 10_000
+#: Every port :func:`free_port` handed out in this process: never handed out twice (a cluster
+#: asks for several before any is bound).
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path(EPHEMERAL_RANGE_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _DEFAULT_EPHEMERAL_LOW
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port of ``host`` that is free right now, for a process started later to bind.
+
+    Chosen at random below the kernel's ephemeral range (``EPHEMERAL_RANGE_FILE``) and at or
+    above 10,000, and checked by binding it: a port the kernel hands out (``bind`` to 0) can
+    be taken as the source port of any outgoing connection before that process binds it,
+    and a cluster's decode then failed its start with "Address already in use". Falls back to
+    a port the kernel picks when ``tries`` random ones were all taken or no such range
+    exists. Never the same port twice in one process. OSError if ``host`` cannot be bound at
+    all."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    candidates = ([random.randrange(_LOWEST_PICKED, low) for _ in range(tries)]
+                  if low > _LOWEST_PICKED else [])
+    for port in [*candidates, *([0] * tries)]:
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                if port == 0:
+                    raise
+                continue  # taken: another one
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free TCP port found on {host} in {2 * tries} tries")

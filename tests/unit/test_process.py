@@ -187,3 +187,26 @@ def test_stop_together_signals_all_then_kills_only_the_stuck(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0, 0], [p.log_text() for p in procs]
     assert not any(p.killed_on_stop for p in procs)
     assert stuck.returncode == -signal.SIGKILL and stuck.killed_on_stop
+
+
+def test_free_port_is_bindable_distinct_and_outside_the_ephemeral_range(monkeypatch,
+                                                                        tmp_path) -> None:
+    """A port the kernel would hand out as an outgoing connection's source port could be
+    taken before the process meant for it binds it: free_port picks below that range."""
+    import socket
+
+    from deltakv.services import process
+
+    low = process._ephemeral_low()
+    ports = [process.free_port() for _ in range(20)]
+    assert len(set(ports)) == 20  # never the same port twice in one process
+    for port in ports:
+        if low > 10_000:
+            assert 10_000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free
+    # No usable range below the ephemeral one: the kernel's pick, still distinct.
+    (tmp_path / "range").write_text("1024\t60999\n")
+    monkeypatch.setattr(process, "EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    kernel = process.free_port()
+    assert kernel not in ports and kernel >= 1024
