@@ -342,8 +342,7 @@ class CommandClient:
                     status = await (self._stream(conn, call_id, request) if streaming
                                     else self._status(conn, call_id))
             done = True
-        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
-                frames.FrameUndecodable) as exc:
+        except frames.CALL_FAILURES as exc:
             raise channel_error(exc, self.path) from None
         finally:
             if conn is None:

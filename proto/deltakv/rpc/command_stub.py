@@ -186,8 +186,7 @@ class CommandStream:
                 raise TimeoutError
             conn.bound(left)
             status = CommandStub._status(conn, self.call_id, self._deadline, None, None).status
-        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
-                frames.FrameUndecodable) as exc:
+        except frames.CALL_FAILURES as exc:
             raise channel_error(exc, self._path) from None
         finally:
             conn.sock.close()
@@ -279,8 +278,7 @@ class CommandStub:
             # A stream's connection may be spent, and call id 0 is a refusal of the whole
             # connection (the sidecar closes it): never reuse those.
             ok = not streaming and last.call_id != 0
-        except (OSError, frames.FrameTruncated, frames.FrameOutOfStep, frames.FrameTooLarge,
-                frames.FrameUndecodable) as exc:
+        except frames.CALL_FAILURES as exc:
             raise channel_error(exc, self.path) from None
         finally:
             if conn is not None:

@@ -56,6 +56,11 @@ class FrameUndecodable(InvalidArgument):
     """A frame's bytes are not a ``CommandFrame`` (INVALID_ARGUMENT)."""
 
 
+#: What ends a client's call on its connection (mapped by ``command_client.channel_error``):
+#: the socket failed or timed out, or the connection is out of step.
+CALL_FAILURES = (OSError, FrameTruncated, FrameOutOfStep, FrameTooLarge, FrameUndecodable)
+
+
 def _body(frame: command_pb2.CommandFrame) -> bytes:
     """``frame`` serialized. Raises FrameTooLarge when over the limit."""
     body = frame.SerializeToString()
