@@ -112,6 +112,20 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
         def close(room: int) -> None:
             dec_stub.CloseGrant(sidecar_pb2.CloseGrantRequest(room=room), timeout=10)
 
+        def check_stats(stats: kv_pb2.TransferStats, pages: int, digests: bool,
+                        supplied: list[int] | None) -> None:
+            """A write's stats as the sidecar must report them: ``pages`` pages' bytes, a
+            digest per page when ``digests``, and exactly the ``supplied`` ones if any.
+            RuntimeError otherwise."""
+            if stats.bytes != pages * page_bytes:
+                raise RuntimeError(f"sidecar reported {stats.bytes} bytes for {pages} pages "
+                                   f"of {page_bytes} B")
+            if len(stats.page_digests) != (pages if digests else 0):
+                raise RuntimeError(f"sidecar returned {len(stats.page_digests)} page digests "
+                                   f"for {pages} pages (digests {digests})")
+            if supplied is not None and list(stats.page_digests) != supplied:
+                raise RuntimeError("the sidecar did not return the page digests it was sent")
+
         def sidecar_trial(stub: Any, source: Any, src: list[int], dst: list[int], seed: int,
                           digests: bool, runs: list[int], cpu_pid: int | None = None,
                           cpu_ms: list[float] | None = None, supply: bool = False) -> Trial:
@@ -146,22 +160,13 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
                 stats = stub.WritePages(sidecar_pb2.WritePagesRequest(
                     transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest,
                     page_digests=supplied[0]), timeout=180).stats
-                if stats.bytes != len(src) * page_bytes:
-                    raise RuntimeError(f"sidecar reported {stats.bytes} bytes for "
-                                       f"{len(src)} pages of {page_bytes} B")
-                if len(stats.page_digests) != (len(src) if digests else 0):
-                    raise RuntimeError(f"sidecar returned {len(stats.page_digests)} page "
-                                       f"digests for {len(src)} pages (digests {digests})")
-                if supply and list(stats.page_digests) != supplied[0]:
-                    raise RuntimeError("the sidecar did not return the page digests it was "
-                                       "sent")
+                check_stats(stats, len(src), digests, supplied[0] if supply else None)
                 runs.append(stats.runs)
 
             return page_write_trial(source, src, dst_view, dst, action, seed=seed, setup=setup,
                                     teardown=teardown)
 
-        def preposted_trial(src: list[int], dst: list[int], seed: int,
-                            runs: list[int] | None = None) -> Trial:
+        def preposted_trial(src: list[int], dst: list[int], seed: int) -> Trial:
             """The same write pre-posted, as prefill's worker sends it while its forward
             runs (``WritePagesStream``): the call is opened with the write and no page ready
             (checked, planned and admitted by the sidecar from then on) before the source
@@ -169,15 +174,16 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
             follows the forward: the last part (every page ready, with those digests) and
             the status."""
             granted: list[kv_pb2.TransferInfo] = []
-            calls: list[Any] = []
+            open_call: list[Any] = [None]  # the repetition's call until its action finishes it
             supplied: list[list[int]] = [[]]
 
             def digest_step() -> None:
                 supplied[0] = worker_digests.digest(src)
 
             def teardown() -> None:
-                if calls and calls[-1] is not None:
-                    calls[-1].cancel()  # only a failed repetition left it open
+                if open_call[0] is not None:
+                    open_call[0].cancel()  # only a failed repetition left it open
+                    open_call[0] = None
                 close(granted[-1].room)
 
             inner = page_write_trial(src_view, src, dst_view, dst, lambda: None, seed=seed,
@@ -185,24 +191,16 @@ def measure_backend(backend: str, pages: int, page_bytes: int | None, repeats: i
 
             def prepare() -> None:
                 granted.append(issue(dst))
-                call = pre_stub.WritePagesStream.open(timeout=180)
-                calls.append(call)
+                call = open_call[0] = pre_stub.WritePagesStream.open(timeout=180)
                 call.send(sidecar_pb2.WritePagesPart(write=sidecar_pb2.WritePagesRequest(
                     transfer_info=granted[-1], src_page_indices=src, prompt_digest=digest)))
                 inner.prepare()  # the "forward": fresh source bytes, then their digests
 
             def action() -> None:
-                call, calls[-1] = calls[-1], None
+                call, open_call[0] = open_call[0], None
                 stats = call.finish(sidecar_pb2.WritePagesPart(
                     ready_pages=len(src), page_digests=supplied[0])).stats
-                if stats.bytes != len(src) * page_bytes:
-                    raise RuntimeError(f"pre-posted write reported {stats.bytes} bytes for "
-                                       f"{len(src)} pages of {page_bytes} B")
-                if list(stats.page_digests) != supplied[0]:
-                    raise RuntimeError("the sidecar did not return the page digests it was "
-                                       "sent with the last part")
-                if runs is not None:
-                    runs.append(stats.runs)
+                check_stats(stats, len(src), True, supplied[0])
 
             return Trial(prepare, action, inner.verify)
 
