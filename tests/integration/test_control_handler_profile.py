@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.interrupt import sigterm_when_ready
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "control_handler_profile.py"
 
@@ -44,21 +44,10 @@ def test_profile_rejects_a_bad_count() -> None:
 def test_sigterm_mid_run_removes_the_pool_segments_and_the_work_directory() -> None:
     prefix = f"{os.environ['DELTAKV_SHM_PREFIX']}chp-term-"
     dirs_before = set(Path("/tmp").glob("dkv-control-handlers-*"))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--requests", "1000000"],
-                            env={**os.environ, "DELTAKV_SHM_PREFIX": prefix},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not segments(prefix):  # the in-process sidecar mapped its pool: measuring
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # Stopped once the in-process sidecar mapped its pool (it is measuring by then).
+    sigterm_when_ready([sys.executable, str(SCRIPT), "--requests", "1000000"],
+                       lambda: bool(segments(prefix)), settle_s=0.5,
+                       env={**os.environ, "DELTAKV_SHM_PREFIX": prefix})
     assert segments(prefix) == []
     assert set(Path("/tmp").glob("dkv-control-handlers-*")) <= dirs_before
 

@@ -5,13 +5,13 @@ the table is printed and nothing is left behind, also when it is stopped with SI
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.interrupt import sigterm_when_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "control_path_probe.py"
@@ -39,24 +39,17 @@ def test_probe_rejects_a_bad_count() -> None:
 @pytest.mark.timeout(120)
 def test_sigterm_mid_run_stops_the_sidecar_and_removes_the_work_directory() -> None:
     dirs_before = set(Path("/tmp").glob("dkv-control-probe-*"))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--requests", "1000000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (new := set(Path("/tmp").glob("dkv-control-probe-*")) - dirs_before):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        (workdir,) = new
-        while not any(workdir.glob("*.sock")):  # its sidecar is up: requests are playing
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    started: list[Path] = []
+
+    def playing() -> bool:
+        # Its work directory appeared, and the decode sidecar in it is up: requests play.
+        if not started:
+            started.extend(set(Path("/tmp").glob("dkv-control-probe-*")) - dirs_before)
+        return bool(started) and any(started[0].glob("*.sock"))
+
+    sigterm_when_ready([sys.executable, str(SCRIPT), "--requests", "1000000"], playing,
+                       settle_s=2.0)
+    (workdir,) = started
     assert not workdir.exists()
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
     assert leftover.stdout == ""  # the decode sidecar it started is gone
