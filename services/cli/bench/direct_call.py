@@ -22,6 +22,7 @@ class DirectCallContext:
         self._callbacks: list[Callable[[], None]] = []
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Keep ``callback`` for :meth:`end` (a direct call never ends on its own)."""
         self._callbacks.append(callback)
         return True
 
