@@ -20,10 +20,11 @@ Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
    (``chunk_tokens``) is computed chunk by chunk instead, and one ``WritePagesStream`` writes
    each chunk's completed delta pages while the next chunk computes
    (:mod:`deltakv.services.prefill.overlap`); the first token comes from the last chunk;
-5. ``Commit`` the prompt's full pages to prefill's index, ``Release`` the request — on every
-   path, exactly once, even when the sidecar did not answer the abort (the sidecar itself keeps
-   the pages of a write still reading them quarantined until it ends), and only after no
-   forward can still touch the pages; a Release the sidecar does not answer (stopped, or the
+5. ``Commit`` the prompt's full pages to prefill's index and ``Release`` the request, in one
+   call (``Release`` carrying the commit) once the write succeeded; on every other path a plain
+   ``Release`` — exactly once, even when the sidecar did not answer the abort (the sidecar
+   itself keeps the pages of a write still reading them quarantined until it ends), and only
+   after no forward can still touch the pages; a Release the sidecar does not answer (stopped, or the
    call cut) is retried until it does, bounded by ``release_retry_s``; the queue's head is
    then woken.
 
@@ -397,9 +398,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                               page_digests=page_digests)
             attempt.write_done = True
             transfer_ms = after_compute_ms = (time.monotonic() - t1) * 1000.0
-        # Prefill-side reuse for the next turn: the prompt's full pages enter our own index.
-        await sidecar.commit(attempt.sidecar_request_id, tokens, page_table,
-                             cache_salt=request.cache_salt)
+        # Prefill-side reuse for the next turn: the prompt's full pages enter our own index,
+        # and the request is released by the same call (one sidecar call before the answer,
+        # not two). The forward and the write are over: nothing touches the pages any more.
+        # A failed commit released nothing: the cleanup's Release does (NOT_FOUND there means
+        # a call whose answer was lost went through).
+        await sidecar.commit_and_release(attempt.sidecar_request_id, tokens, page_table,
+                                         cache_salt=request.cache_salt)
+        attempt.holds_pages = False
+        self.admission.pages_freed()
         log.info("prefill_done", prompt_len=len(tokens), prefill_cached_len=cached_len,
                  decode_prefix_len=stats.decode_prefix_len, delta_pages=stats.pages,
                  bytes=stats.bytes, prefill_ms=round(prefill_ms, 2),

@@ -51,6 +51,8 @@ GENERATE = "/deltakv.v1.DecodeService/Generate"
 PREFILL = "/deltakv.v1.PrefillService/Prefill"
 WRITE_PAGES = "/deltakv.v1.SidecarService/WritePages"
 ADMIT = "/deltakv.v1.SidecarService/Admit"
+RELEASE = "/deltakv.v1.SidecarService/Release"
+SIDECAR_SERVICE = "/deltakv.v1.SidecarService/"
 FAILED_REQUEST = "otel-failed-transfer"
 
 
@@ -144,7 +146,8 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
 
     spans = _trace_of(receiver, "otel-g2", names=(
         "kv.transfer", "decode.finish", "prefill.forward", f"{PREFILL}@deltakv-prefill",
-        f"{ADMIT}@deltakv-sidecar/decode", f"{WRITE_PAGES}@deltakv-sidecar/prefill"))
+        f"{ADMIT}@deltakv-sidecar/decode", f"{WRITE_PAGES}@deltakv-sidecar/prefill",
+        f"{RELEASE}@deltakv-prefill"))
     # decode, prefill, and both sidecars (one service name, told apart by deltakv.role)
     processes = {(s.service, s.role, s.process) for s in spans}
     assert processes == {("deltakv-decode", "decode", "worker"),
@@ -190,6 +193,17 @@ def test_g2_request_is_one_trace_across_four_processes(otel) -> None:
     assert parent(transfer) is write_server
     assert (transfer.service, transfer.role) == ("deltakv-sidecar", "prefill")
     assert parent(one(spans, "decode.finish")) is root
+
+    # Prefill's calls to its own sidecar for the request: Admit, the write, and one Release
+    # that carries the commit (no Commit call of its own), each under the Prefill span.
+    release_client = one(spans, RELEASE, **{"deltakv.role": "prefill",
+                                            "deltakv.process": "worker"})
+    assert release_client.kind == KIND_CLIENT and parent(release_client) is prefill_server
+    assert release_client.start_ns >= write_client.end_ns
+    prefill_calls = sorted(s.name.rsplit("/", 1)[1] for s in spans
+                           if s.kind == KIND_CLIENT and s.name.startswith(SIDECAR_SERVICE)
+                           and (s.role, s.process) == ("prefill", "worker"))
+    assert prefill_calls == ["Admit", "Release", "WritePages"]
 
     # G2: 2 delta pages, 65,536 B, decode_prefix_len 32, 2 pages not sent
     a = transfer.attributes
