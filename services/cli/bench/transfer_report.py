@@ -84,7 +84,9 @@ def format_table(result: dict[str, Any]) -> str:
               "ceiling = raw / (raw + hop), the best ratio any handler behind that hop reaches "
               "here; pre-posted = the same write opened before its bytes were written "
               "(WritePagesStream, as prefill's worker sends it during its forward), timed "
-              "from its last part; then the same write and hop over gRPC, for comparison",
+              "from its last part; then the same write and hop over gRPC, for comparison "
+              "(timed apart from the others, beside a raw write of their own: the ratio is "
+              "against that one)",
               f"{'backend':<10}{'raw':>9}{'sidecar':>10}{'hop':>8}"
               f"{'own work':>10}{'ratio':>8}{'ceiling':>9}{'pre-posted':>12}{'ratio':>8}"
               f"{'gRPC':>9}{'gRPC hop':>10}{'ratio':>8}{'ceiling':>9}"]
@@ -100,7 +102,8 @@ def format_table(result: dict[str, Any]) -> str:
     if small:
         lines += ["", f"small writes (median of {result.get('small_repeats', '?')}, interleaved): "
                   "fixed cost = sidecar WritePages - raw engine, same pages (over the command "
-                  "channel; pre-posted, timed from the last part; over gRPC)",
+                  "channel; pre-posted, timed from the last part; over gRPC, timed apart "
+                  "beside a raw write of its own)",
                   f"{'backend':<10}{'pages':>6}{'raw ms':>10}{'sidecar ms':>12}{'fixed ms':>10}"
                   f"{'pre-posted':>12}{'fixed':>8}{'gRPC ms':>10}{'fixed':>8}  verified"]
         for name, n, row in small:
