@@ -19,7 +19,7 @@ def _module():
 def _run(date: str, ratio: float, preposted: float | None, fixed: float,
          fixed_pre: float | None) -> dict:
     row = {"contiguous_ratio": ratio, "contiguous_grpc_ratio": 0.8, "control_rpc_ms": 0.4,
-           "sidecar_own_ms": 0.3,
+           "sidecar_own_ms": 0.3, "raw_ms": 3.8 if date != "d2" else 4.75,
            "small": {"1": {"fixed_ms": fixed, "fixed_grpc_ms": 1.5}}}
     if preposted is not None:
         row["preposted_ratio"] = preposted
@@ -37,6 +37,8 @@ def test_summary_lists_each_run_and_the_medians_of_both_writes() -> None:
     assert "1-page fixed 0.420 | 0.330 | 1.500 ms" in text
     assert "median of 3: ratio 0.900 | 0.940, 1-page fixed 0.450 | 0.330 ms" in text
     assert "mori     skipped: no module" in text
+    # 0.95 of the median raw copy (3.8 ms): 0.2 ms for everything beyond it.
+    assert "a ratio of 0.95 leaves 0.200 ms beyond the raw copy (median raw 3.800 ms)" in text
 
 
 def test_runs_without_the_pre_posted_figures_still_summarize() -> None:
