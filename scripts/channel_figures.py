@@ -13,8 +13,9 @@ Runs, one after the other (each prints its own date and load average):
 
 then prints a summary: each run's ratio and fixed cost with its date and load, their
 medians, and the time a 0.95 ratio leaves beyond the raw copy for the whole hop and handler
-(to compare with the plain socket round trip of step 2). About 5 minutes on a quiet 2-core machine (a shortened run, ``--runs 1 --repeats 3``,
-took 6.5 minutes under a load average of 5-14). Usage:
+(to compare with the plain socket round trip of step 2). About 5 minutes on a quiet 2-core
+machine (a shortened run, ``--runs 1 --repeats 3``, took 6.5 minutes under a load average of
+5-14). Usage:
 ``.venv/bin/python scripts/channel_figures.py [--runs 3] [--repeats 5]``. Ctrl-C or SIGTERM
 stops the running step, which removes what it created.
 """

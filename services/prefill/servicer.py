@@ -24,9 +24,9 @@ Flow of one ``Prefill`` (DESIGN §3 steps 5-7), for the attempt ``room``:
    call (``Release`` carrying the commit) once the write succeeded; on every other path a plain
    ``Release`` — exactly once, even when the sidecar did not answer the abort (the sidecar
    itself keeps the pages of a write still reading them quarantined until it ends), and only
-   after no forward can still touch the pages; a Release the sidecar does not answer (stopped, or the
-   call cut) is retried until it does, bounded by ``release_retry_s``; the queue's head is
-   then woken.
+   after no forward can still touch the pages; a Release the sidecar does not answer
+   (stopped, or the call cut) is retried until it does, bounded by ``release_retry_s``; the
+   queue's head is then woken.
 
 ``AbortTransfer(room)`` stops the room in the sidecar (a later write is ABORTED) and returns
 when this sidecar runs no write for it. It is advisory for decode, whose own fence proves that
