@@ -6,8 +6,9 @@ Runs, one after the other (each prints its own date and load average):
    sidecar / raw engine ratio of each backend available here (shm, Mooncake, ...), and the
    fixed cost of a 1-page ``WritePages`` beyond the raw copy, over the command channel (as
    ``WritePages``, and pre-posted as prefill's overlapped write sends it) and over gRPC;
-2. ``scripts/rpc_floor_probe.py``: an empty call over gRPC, the command channel and a
-   long-lived gRPC stream beside a plain ``AF_UNIX`` socket, in three rhythms;
+2. ``scripts/rpc_floor_probe.py --split``: an empty call over gRPC, the command channel and a
+   long-lived gRPC stream beside a plain ``AF_UNIX`` socket, in three rhythms, and where the
+   channel's call spends its time (the caller's code, the sidecar's, the rest);
 3. ``scripts/control_path_probe.py``: decode's control path of one request (every call to its
    own sidecar, full prefix hit) over gRPC and over the channel, side by side.
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                       "all", "--pages", "64", "--repeats", str(args.repeats),
                       "--small-pages", "1", "--json", out])
             results.append(json.loads(Path(out).read_text()))
-    run_step([py, str(HERE / "rpc_floor_probe.py"), "--calls", str(args.calls)])
+    run_step([py, str(HERE / "rpc_floor_probe.py"), "--calls", str(args.calls), "--split"])
     run_step([py, str(HERE / "control_path_probe.py"), "--requests", str(args.requests)])
     print("\n".join(summary(results)))
     print(f"channel figures done: {run_stamp()}")

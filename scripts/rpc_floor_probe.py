@@ -32,7 +32,20 @@ that dies with the probe, on a Unix socket in a temporary directory):
   message each way per call (for the record: what keeping a stream open saves over a unary
   call).
 
-Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N]``. Prints the median
+``--split`` adds a second pass over the channel alone (its own server, the same rhythms): where
+one empty call's time goes, medians in microseconds —
+
+* ``client`` — the caller's own code: the call's time minus its wait for the answer (from
+  sending its CALL frame to the answer readable on its socket);
+* ``sidecar`` — the server's dispatch and handler (from the CALL frame parsed to its status
+  about to be sent: :meth:`CommandServer._call`, timed in the server process);
+* ``rest`` — the wait minus that: both frames' encoding and sending, both wake-ups, the
+  kernel's socket work, and the server's read and parse of the CALL frame.
+
+The pass is apart because its instruments (a ``select`` before each read of the answer, two
+clock reads per side) cost a little themselves; the main table is taken without them.
+
+Usage: ``.venv/bin/python scripts/rpc_floor_probe.py [--calls N] [--split]``. Prints the median
 (and minimum) microseconds per call of each transport in each rhythm, interleaved call by
 call within two groups (``seqpacket`` with ``channel``, then ``grpc`` with ``grpc-stream``:
 :data:`GROUPS` says why), with the date and load average.
@@ -65,6 +78,11 @@ TRANSPORTS = ("grpc", "seqpacket", "channel", "grpc-stream")
 #: share a group, and gRPC's own figures come from theirs.
 GROUPS = (("seqpacket", "channel"), ("grpc", "grpc-stream"))
 IDLE_S = 0.015
+#: Calls the ``--split`` pass can record (each rhythm's calls, warm-up included).
+SPLIT_SLOTS = 1 << 16
+SPLIT_COLUMNS = ("total", "client", "sidecar", "rest")
+#: Name prefix of the ``--split`` pass's shared array (in /dev/shm while it runs).
+SPLIT_SHM_PREFIX = "deltakv-rpc-floor-"
 TOUCH_BYTES = 45 << 20
 
 
@@ -104,6 +122,78 @@ def serve_channel(path: str) -> None:
     CommandServer(path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)
                   ).start()
     threading.Event().wait()
+
+
+def serve_channel_timed(path: str, shm_name: str) -> None:
+    """:func:`serve_channel` whose server times each call (:meth:`CommandServer._call`, from
+    the CALL frame parsed to the status about to be sent) into the shared array ``shm_name``
+    (:class:`_CallTimes`; runs until killed)."""
+    import threading
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from deltakv.rpc.command_server import CommandServer
+
+    times = _CallTimes(shm_name)
+
+    class TimedServer(CommandServer):
+        def _call(self, sock, reader, send, call_id, call):  # noqa: ANN001, ANN202
+            status_at = [0]
+
+            def timed_send(frame) -> None:  # noqa: ANN001
+                status_at[0] = time.perf_counter_ns()  # the last frame sent is the status
+                send(frame)
+
+            t0 = time.perf_counter_ns()
+            try:
+                return super()._call(sock, reader, timed_send, call_id, call)
+            finally:
+                times.add(status_at[0] - t0)
+
+    servicer = health.HealthServicer()
+    TimedServer(path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)
+                ).start()
+    threading.Event().wait()
+
+
+class _CallTimes:
+    """Nanoseconds per call, written by the timed server and read by the probe: a shared
+    ``int64`` array, slot 0 the count so far, then one slot per call (:data:`SPLIT_SLOTS`)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        from multiprocessing import shared_memory
+
+        self.owner = name is None
+        if name is None:
+            name = f"{SPLIT_SHM_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        self._shm = shared_memory.SharedMemory(name=name, create=self.owner,
+                                               size=8 * (SPLIT_SLOTS + 1))
+        self.name = self._shm.name
+        if not self.owner:
+            # Python 3.11 registers an attached segment for removal at this process's exit
+            # too; only its creator removes it.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(self._shm._name, "shared_memory")
+        self._view = self._shm.buf.cast("q")
+
+    def add(self, ns: int) -> None:
+        n = self._view[0]
+        if n < SPLIT_SLOTS:
+            self._view[n + 1] = ns
+            self._view[0] = n + 1
+
+    def count(self) -> int:
+        return self._view[0]
+
+    def between(self, first: int, last: int) -> list[int]:
+        return list(self._view[first + 1:last + 1])
+
+    def close(self) -> None:
+        self._view.release()
+        self._shm.close()
+        if self.owner:
+            self._shm.unlink()
 
 
 def serve_seqpacket(path: str) -> None:
@@ -206,16 +296,96 @@ def measure(calls: int) -> dict[str, dict[str, tuple[float, float]]]:
         tear_down("rpc_floor_probe", closers, servers, workdir)
 
 
+def measure_split(calls: int) -> dict[str, dict[str, float]]:
+    """The ``--split`` pass (module docstring): ``{rhythm: {column: median us}}`` over
+    ``calls`` timed channel calls per rhythm (after 10 untimed ones)."""
+    import select
+
+    import torch
+    from grpc_health.v1 import health_pb2 as hpb
+
+    from deltakv.rpc import frames
+    from deltakv.rpc.command_stub import CommandStub
+
+    torch.set_num_threads(1)  # as measure()
+    workdir = tempfile.mkdtemp(prefix="rpc-floor-split-")
+    path = os.path.join(workdir, "cmd.sock")
+    servers: list[ManagedProcess] = []
+    closers: list[Callable[[], None]] = []
+    server_times = _CallTimes()
+    closers.append(server_times.close)
+    # This process's side: when the CALL frame was sent, when the answer became readable.
+    marks: dict[str, int] = {}
+    write_frame, read = frames.write_frame, frames.FrameReader.read
+
+    def timed_write(sock: socket.socket, frame) -> None:  # noqa: ANN001
+        marks["sent"] = time.perf_counter_ns()
+        write_frame(sock, frame)
+
+    def timed_read(reader: frames.FrameReader):  # noqa: ANN202
+        if not reader.pending():
+            select.select([reader._sock], [], [])
+        marks["readable"] = time.perf_counter_ns()
+        return read(reader)
+
+    frames.write_frame, frames.FrameReader.read = timed_write, timed_read
+    closers.append(lambda: setattr(frames, "write_frame", write_frame))
+    closers.append(lambda: setattr(frames.FrameReader, "read", read))
+    try:
+        servers.append(ManagedProcess(
+            "timed channel probe server",
+            [sys.executable, __file__, "--serve", "channel-timed", path, server_times.name],
+            os.path.join(workdir, "channel-timed.log")).start())
+        _wait_for(path, servers[-1])
+        commands = CommandStub(path, hpb.DESCRIPTOR.services_by_name["Health"])
+        closers.append(commands.close)
+        request = hpb.HealthCheckRequest()
+        touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
+        before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
+                  "after-45MiB": lambda: touched.random_(0, 256)}
+        result: dict[str, dict[str, float]] = {}
+        for rhythm in RHYTHMS:
+            rows: list[tuple[int, int]] = []  # (total, wait) ns per timed call
+            first = server_times.count()
+            for i in range(calls + 10):
+                before[rhythm]()
+                t0 = time.perf_counter_ns()
+                commands.Check(request, timeout=30)
+                total = time.perf_counter_ns() - t0
+                if i >= 10:
+                    rows.append((total, marks["readable"] - marks["sent"]))
+            # The server records a call just after its answer went out: the last may lag.
+            deadline = time.monotonic() + 5.0
+            while server_times.count() < first + calls + 10:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the timed server recorded {server_times.count() - first}"
+                                       f" of {calls + 10} calls")
+                time.sleep(0.001)
+            sidecar = server_times.between(first + 10, first + calls + 10)
+            result[rhythm] = {
+                "total": statistics.median(t for t, _ in rows) / 1e3,
+                "client": statistics.median(t - w for t, w in rows) / 1e3,
+                "sidecar": statistics.median(sidecar) / 1e3,
+                "rest": statistics.median(w - s for (_, w), s in zip(rows, sidecar,
+                                                                      strict=True)) / 1e3}
+        return result
+    finally:
+        tear_down("rpc_floor_probe", closers, servers, workdir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200, help="timed calls per transport and "
                         "rhythm (default 200)")
-    parser.add_argument("--serve", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--split", action="store_true", help="also split the channel's "
+                        "empty call into the client's own time, the sidecar's and the rest "
+                        "(a second pass, module docstring)")
+    parser.add_argument("--serve", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        kind, path = args.serve
-        {"grpc": serve_grpc, "seqpacket": serve_seqpacket,
-         "channel": serve_channel}[kind](path)
+        kind, *where = args.serve
+        {"grpc": serve_grpc, "seqpacket": serve_seqpacket, "channel": serve_channel,
+         "channel-timed": serve_channel_timed}[kind](*where)
         return 0
     if args.calls <= 0:
         parser.error("--calls must be > 0")
@@ -231,6 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     for rhythm, row in result.items():
         print(f"{rhythm:<14}" + "".join(f"{f'{row[name][0]:.0f} ({row[name][1]:.0f})':>14}"
                                         for name in TRANSPORTS))
+    if args.split:
+        stamp = run_stamp()
+        split = measure_split(args.calls)
+        print(f"\nchannel, one empty call split (us, medians of {args.calls}): client = its "
+              "own code, sidecar = dispatch + handler (timed in the server), rest = both "
+              f"frames' encoding and sending, wake-ups, kernel, the frame's read; {stamp}")
+        print(f"{'rhythm':<14}" + "".join(f"{name:>10}" for name in SPLIT_COLUMNS))
+        for rhythm, row in split.items():
+            print(f"{rhythm:<14}" + "".join(f"{row[name]:>10.0f}" for name in SPLIT_COLUMNS))
     return 0
 
 
