@@ -110,8 +110,10 @@ def serve_grpc(path: str) -> None:
     server.wait_for_termination()
 
 
-def serve_channel(path: str) -> None:
-    """The health servicer on deltakv's command channel at ``path`` (runs until killed)."""
+def serve_channel(path: str, server_class: type | None = None) -> None:
+    """The health servicer on deltakv's command channel at ``path``, served by
+    ``server_class`` (a :class:`CommandServer` or subclass; default the plain one; runs until
+    killed)."""
     import threading
 
     from grpc_health.v1 import health, health_pb2_grpc
@@ -119,8 +121,8 @@ def serve_channel(path: str) -> None:
     from deltakv.rpc.command_server import CommandServer
 
     servicer = health.HealthServicer()
-    CommandServer(path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)
-                  ).start()
+    (server_class or CommandServer)(
+        path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)).start()
     threading.Event().wait()
 
 
@@ -128,10 +130,6 @@ def serve_channel_timed(path: str, shm_name: str) -> None:
     """:func:`serve_channel` whose server times each call (:meth:`CommandServer._call`, from
     the CALL frame parsed to the status about to be sent) into the shared array ``shm_name``
     (:class:`_CallTimes`; runs until killed)."""
-    import threading
-
-    from grpc_health.v1 import health, health_pb2_grpc
-
     from deltakv.rpc.command_server import CommandServer
 
     times = _CallTimes(shm_name)
@@ -150,10 +148,7 @@ def serve_channel_timed(path: str, shm_name: str) -> None:
             finally:
                 times.add(status_at[0] - t0)
 
-    servicer = health.HealthServicer()
-    TimedServer(path, lambda s: health_pb2_grpc.add_HealthServicer_to_server(servicer, s)
-                ).start()
-    threading.Event().wait()
+    serve_channel(path, TimedServer)
 
 
 class _CallTimes:
@@ -205,6 +200,15 @@ def serve_seqpacket(path: str) -> None:
     conn, _ = listener.accept()
     while message := conn.recv(4096):
         conn.send(message)
+
+
+def _preparations() -> dict[str, Callable[[], object]]:
+    """What runs before each timed call, by rhythm (:data:`RHYTHMS`, module docstring)."""
+    import torch
+
+    touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
+    return {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
+            "after-45MiB": lambda: touched.random_(0, 256)}
 
 
 def _wait_for(path: str, proc: ManagedProcess, timeout_s: float = 30.0) -> None:
@@ -274,9 +278,7 @@ def measure(calls: int) -> dict[str, dict[str, tuple[float, float]]]:
         calls_of = {"grpc": grpc_call, "seqpacket": seq_call, "channel": channel_call,
                     "grpc-stream": stream_call}
 
-        touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
-        before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
-                  "after-45MiB": lambda: touched.random_(0, 256)}
+        before = _preparations()
         result: dict[str, dict[str, tuple[float, float]]] = {}
         for rhythm in RHYTHMS:
             times: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
@@ -312,8 +314,6 @@ def measure_split(calls: int) -> dict[str, dict[str, float]]:
     path = os.path.join(workdir, "cmd.sock")
     servers: list[ManagedProcess] = []
     closers: list[Callable[[], None]] = []
-    server_times = _CallTimes()
-    closers.append(server_times.close)
     # This process's side: when the CALL frame was sent, when the answer became readable.
     marks: dict[str, int] = {}
     write_frame, read = frames.write_frame, frames.FrameReader.read
@@ -328,10 +328,12 @@ def measure_split(calls: int) -> dict[str, dict[str, float]]:
         marks["readable"] = time.perf_counter_ns()
         return read(reader)
 
-    frames.write_frame, frames.FrameReader.read = timed_write, timed_read
-    closers.append(lambda: setattr(frames, "write_frame", write_frame))
-    closers.append(lambda: setattr(frames.FrameReader, "read", read))
     try:
+        server_times = _CallTimes()
+        closers.append(server_times.close)
+        frames.write_frame, frames.FrameReader.read = timed_write, timed_read
+        closers.append(lambda: setattr(frames, "write_frame", write_frame))
+        closers.append(lambda: setattr(frames.FrameReader, "read", read))
         servers.append(ManagedProcess(
             "timed channel probe server",
             [sys.executable, __file__, "--serve", "channel-timed", path, server_times.name],
@@ -340,9 +342,7 @@ def measure_split(calls: int) -> dict[str, dict[str, float]]:
         commands = CommandStub(path, hpb.DESCRIPTOR.services_by_name["Health"])
         closers.append(commands.close)
         request = hpb.HealthCheckRequest()
-        touched = torch.empty(TOUCH_BYTES, dtype=torch.uint8)
-        before = {"back-to-back": lambda: None, "after-idle": lambda: time.sleep(IDLE_S),
-                  "after-45MiB": lambda: touched.random_(0, 256)}
+        before = _preparations()
         result: dict[str, dict[str, float]] = {}
         for rhythm in RHYTHMS:
             rows: list[tuple[int, int]] = []  # (total, wait) ns per timed call
